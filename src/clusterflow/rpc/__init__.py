@@ -1,0 +1,47 @@
+"""clusterflow's RPC layer: request/response and one-way messages over ZeroMQ.
+
+See ARCHITECTURE.md section 4 for the wire contract. Public names:
+
+* ``RpcServer`` / ``RpcClient``: serve and call methods, with deadlines.
+* ``Request`` / ``Response``: what handlers take and give.
+* ``Credentials``: a cluster's secret; ``plain`` on loopback, ``curve`` elsewhere.
+* errors: ``RpcError`` and its kinds.
+"""
+
+from __future__ import annotations
+
+from clusterflow.rpc.auth import AuthMode, Credentials, is_loopback
+from clusterflow.rpc.client import DEFAULT_DEADLINE_S, RpcClient, split_endpoint
+from clusterflow.rpc.codec import FRAME_BYTES, PROTOCOL_VERSION
+from clusterflow.rpc.errors import (
+    AuthenticationError,
+    ClientClosed,
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+    RpcError,
+)
+from clusterflow.rpc.message import Handler, Request, Response
+from clusterflow.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, RpcServer
+
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "AuthMode",
+    "AuthenticationError",
+    "ClientClosed",
+    "Credentials",
+    "DeadlineExceeded",
+    "Handler",
+    "ProtocolError",
+    "RemoteError",
+    "Request",
+    "Response",
+    "RpcClient",
+    "RpcError",
+    "RpcServer",
+    "is_loopback",
+    "split_endpoint",
+]

@@ -1,0 +1,218 @@
+"""The calling side of the RPC layer: a ZeroMQ DEALER with deadlines.
+
+Every call has a deadline (the client's default, or the call's own). When it passes
+the client raises ``DeadlineExceeded`` and rebuilds its socket: ZeroMQ would otherwise
+keep the unsent request queued and deliver it, late, when the peer comes back.
+
+Until the first handshake with the peer succeeds the client also watches the socket's
+monitor, so a peer that refuses our credentials is reported at once as
+``AuthenticationError`` instead of as a silent timeout. After that the monitor is
+dropped and a call costs one send and one poll.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.utils.monitor
+
+from clusterflow.rpc import codec
+from clusterflow.rpc.auth import Credentials
+from clusterflow.rpc.errors import (
+    AuthenticationError,
+    ClientClosed,
+    DeadlineExceeded,
+    RemoteError,
+)
+from clusterflow.rpc.message import Response
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 30.0
+"""Long enough for a push of several GiB on loopback; short enough to notice a dead peer."""
+
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_ids = itertools.count(1)
+
+
+def split_endpoint(address: str) -> tuple[str, str]:
+    """(host, ``tcp://host:port``) for ``host:port`` or ``tcp://host:port``."""
+    endpoint = address if "://" in address else f"tcp://{address}"
+    host = endpoint.split("://", 1)[1].rsplit(":", 1)[0]
+    return host.strip("[]"), endpoint
+
+
+class RpcClient:
+    """Calls methods of one ``RpcServer``. Thread-safe: calls are serialised.
+
+    Args:
+        address: ``host:port`` or ``tcp://host:port`` of the server.
+        credentials: the cluster's secret.
+        deadline: default seconds a call may take before ``DeadlineExceeded``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        credentials: Credentials,
+        *,
+        deadline: float = DEFAULT_DEADLINE_S,
+    ) -> None:
+        self._host, self.endpoint = split_endpoint(address)
+        self._credentials = credentials
+        self.deadline = deadline
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._poller: zmq.Poller | None = None
+        self._closed = False
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._reset()
+
+    def call(
+        self,
+        method: str,
+        body: Any = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Response:
+        """Sends a request and waits for its reply.
+
+        Blocks until the reply arrives or ``deadline`` seconds pass.
+
+        Raises:
+            DeadlineExceeded: no reply in time (the peer is dead, hung or unreachable).
+            AuthenticationError: the peer refused our credentials.
+            RemoteError: the peer answered with an error (its code says why).
+            ProtocolError: the reply was malformed or of another protocol version.
+            ClientClosed: ``close()`` was called.
+        """
+        timeout = self.deadline if deadline is None else deadline
+        end = time.monotonic() + timeout
+        with self._lock:
+            sock = self._socket()
+            request_id = next(_ids)
+            frames = codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors)
+            sock.send_multipart(frames, copy=False)
+            try:
+                return self._await_reply(sock, request_id, method, end, timeout)
+            except BaseException:
+                self._reset()
+                raise
+
+    def send(
+        self, method: str, body: Any = None, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Sends a one-way message: no reply, no delivery guarantee if the peer is down."""
+        with self._lock:
+            sock = self._socket()
+            sock.send_multipart(
+                codec.encode(codec.KIND_ONEWAY, 0, method, body, tensors), copy=False
+            )
+
+    # -------------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._closed:
+            raise ClientClosed(f"client of {self.endpoint} is closed")
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = 0
+            sock.rcvhwm = 0
+            sock.reconnect_ivl = 50
+            sock.reconnect_ivl_max = 1000
+            self._credentials.apply_client(sock, self._host)
+            self._monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILURES
+            )
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        """Drops the socket (and anything queued on it); the next call dials afresh."""
+        self._drop_monitor()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _drop_monitor(self) -> None:
+        if self._monitor is not None:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+            self._poller = None
+
+    def _await_reply(
+        self, sock: zmq.Socket[bytes], request_id: int, method: str, end: float, timeout: float
+    ) -> Response:
+        while True:
+            remaining_ms = int((end - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
+            if self._poller is not None:
+                ready = dict(self._poller.poll(remaining_ms))
+                if self._monitor is not None and self._monitor in ready:
+                    self._read_monitor(method)
+                if sock not in ready:
+                    continue
+            elif not sock.poll(remaining_ms):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            header = codec.decode_header(frames[0])
+            if header["id"] != request_id:
+                continue  # a late reply to an earlier call that gave up
+            if header["k"] == codec.KIND_ERROR:
+                raise RemoteError(
+                    str(header.get("c", "internal")),
+                    f"{method} on {self.endpoint}: {header.get('b')}",
+                    error_type=str(header.get("e", "")),
+                    method=method,
+                )
+            return Response(header.get("b"), codec.decode_tensors(header, frames[1:]))
+
+    def _read_monitor(self, method: str) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._drop_monitor()
+                return
+            if kind & _HANDSHAKE_FAILURES:
+                raise AuthenticationError(
+                    f"{method} to {self.endpoint}: the peer refused our credentials "
+                    f"(another cluster's secret, or another auth mode)"
+                )

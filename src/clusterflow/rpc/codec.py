@@ -1,0 +1,205 @@
+"""The wire format: a msgpack header frame followed by raw tensor frames.
+
+Only the small header is encoded. A tensor's bytes leave straight from its buffer (the
+frames are memoryviews over the tensor, sent by ZeroMQ without a copy) and, when a
+tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the received frame.
+Large tensors are cut into frames of ``FRAME_BYTES``: measured on this machine, 1-4 MiB
+frames move at about 1.8 GB/s over loopback where one 64 MiB frame moves at 0.8 GB/s.
+
+torch is imported lazily, so processes that never move tensors (the manager, the CLI,
+task supervisors) start without paying the ~2.5 s import.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.pool import RECEIVE_POOL
+
+if TYPE_CHECKING:
+    import torch
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of the header keys or frame layout."""
+
+FRAME_BYTES = 4 * 1024 * 1024
+"""Largest tensor frame: big enough to amortise per-frame cost, small enough to stream."""
+
+KIND_REQUEST = "req"
+KIND_ONEWAY = "one"
+KIND_REPLY = "rep"
+KIND_ERROR = "err"
+_KINDS = frozenset({KIND_REQUEST, KIND_ONEWAY, KIND_REPLY, KIND_ERROR})
+
+_DTYPES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+
+# torch warns once that a read-only buffer (a received ZeroMQ frame) backs a tensor.
+# Receivers own those frames, so the warning says nothing useful here.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _torch() -> Any:
+    module = sys.modules.get("torch")
+    if module is None:
+        import torch as module
+    return module
+
+
+def _tensor_frames(tensor: torch.Tensor) -> tuple[list[Any], list[Any]]:
+    """Returns (descriptor tail, frames) for one tensor, viewing its memory in place."""
+    torch = _torch()
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ProtocolError(
+            f"tensor dtype {dtype!r} cannot travel; supported: {', '.join(_DTYPES)}"
+        )
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return [dtype, list(t.shape), 0], []
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    frames = [raw[i : i + FRAME_BYTES] for i in range(0, nbytes, FRAME_BYTES)]
+    return [dtype, list(t.shape), nbytes], frames
+
+
+def encode(
+    kind: str,
+    request_id: int,
+    method: str,
+    body: Any = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    **extra: Any,
+) -> list[Any]:
+    """Builds the frames of one message.
+
+    Args:
+        kind: one of ``req``, ``one`` (one-way), ``rep``, ``err``.
+        request_id: matches a reply to its request.
+        method: the service method, such as ``health.ping``.
+        body: any msgpack-able value.
+        tensors: named tensors sent as raw frames after the header.
+        extra: further header keys (error code and type, for error replies).
+
+    Raises:
+        ProtocolError: a tensor of a dtype that cannot travel, or a body msgpack rejects.
+    """
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "k": kind, "id": request_id, "m": method}
+    if body is not None:
+        header["b"] = body
+    frames: list[Any] = [b""]
+    if tensors:
+        descriptors = []
+        for name, tensor in tensors.items():
+            descriptor, tensor_frames = _tensor_frames(tensor)
+            descriptors.append([name, *descriptor])
+            frames.extend(tensor_frames)
+        header["t"] = descriptors
+    header.update(extra)
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"message body of {method!r} cannot be encoded: {exc}") from exc
+    return frames
+
+
+def decode_header(frame: Any) -> dict[str, Any]:
+    """Reads and checks the header frame.
+
+    Raises:
+        ProtocolError: not msgpack, not a map, missing keys, or another protocol version.
+    """
+    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError(f"malformed header frame ({len(raw)} bytes): {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"malformed header: expected a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks protocol version {version!r}; this side speaks {PROTOCOL_VERSION}"
+        )
+    if header.get("k") not in _KINDS:
+        raise ProtocolError(f"malformed header: unknown message kind {header.get('k')!r}")
+    if not isinstance(header.get("id"), int) or not isinstance(header.get("m"), str):
+        raise ProtocolError("malformed header: 'id' must be an int and 'm' a string")
+    return header
+
+
+def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """Rebuilds the tensors that follow the header, zero-copy where a tensor is one frame.
+
+    Raises:
+        ProtocolError: descriptors that do not match the frames that came.
+    """
+    descriptors = header.get("t")
+    if not descriptors:
+        if frames:
+            raise ProtocolError(f"{len(frames)} unexpected frames after a header without tensors")
+        return {}
+    torch = _torch()
+    out: dict[str, Any] = {}
+    position = 0
+    try:
+        for name, dtype_name, shape, nbytes in descriptors:
+            if dtype_name not in _DTYPES:
+                raise ProtocolError(f"tensor {name!r} has unsupported dtype {dtype_name!r}")
+            dtype = getattr(torch, dtype_name)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if any(not isinstance(d, int) or d < 0 for d in shape) or (
+                math.prod(shape) * itemsize != nbytes
+            ):
+                raise ProtocolError(
+                    f"tensor {name!r}: shape {shape} of {dtype_name} does not fill {nbytes} bytes"
+                )
+            count = math.ceil(nbytes / FRAME_BYTES)
+            parts = frames[position : position + count]
+            position += count
+            sizes = [len(p.buffer) if hasattr(p, "buffer") else len(p) for p in parts]
+            if len(parts) != count or sum(sizes) != nbytes:
+                raise ProtocolError(f"tensor {name!r}: frames hold {sum(sizes)} of {nbytes} bytes")
+            if count == 0:
+                out[name] = torch.empty(shape, dtype=dtype)
+            elif count == 1:
+                flat = torch.frombuffer(_buffer(parts[0]), dtype=torch.uint8)
+                out[name] = flat.view(dtype).reshape(shape)
+            else:
+                flat = RECEIVE_POOL.take(nbytes)
+                offset = 0
+                for part, size in zip(parts, sizes, strict=True):
+                    flat[offset : offset + size] = torch.frombuffer(
+                        _buffer(part), dtype=torch.uint8
+                    )
+                    offset += size
+                out[name] = flat.view(dtype).reshape(shape)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed tensor descriptors {descriptors!r}: {exc}") from exc
+    if position != len(frames):
+        raise ProtocolError(f"{len(frames) - position} frames left over after the tensors")
+    return out
+
+
+def _buffer(part: Any) -> Any:
+    return part.buffer if hasattr(part, "buffer") else part

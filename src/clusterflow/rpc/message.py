@@ -1,0 +1,34 @@
+"""The values handlers receive and return."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class Request:
+    """One incoming call as a handler sees it."""
+
+    method: str
+    body: Any
+    tensors: dict[str, torch.Tensor]
+    peer: bytes
+    """ZeroMQ routing id of the caller: stable for one connection, opaque otherwise."""
+    oneway: bool = False
+
+
+@dataclass(slots=True)
+class Response:
+    """What a call returns: a msgpack-able body and named tensors sent as raw frames."""
+
+    body: Any = None
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], "Response | Any"]
+"""A handler returns a ``Response``, or any msgpack-able value taken as the body."""

@@ -1,0 +1,339 @@
+"""The serving side of the RPC layer: a ZeroMQ ROUTER and a dispatch loop.
+
+One thread owns the ROUTER socket (ZeroMQ sockets are not thread-safe). Handlers
+registered as ``blocking=False`` run inline on that thread: they must be quick and never
+wait, which keeps a no-op call at the cost of the socket round trip. Handlers that may
+wait (a long poll, a barrier) are registered ``blocking=True`` and run on a thread pool;
+their replies come back to the loop through an inproc PUSH/PULL pair.
+
+A bad message never takes the server down: malformed frames, an unknown method, a
+message over the size limit or an exception in a handler each produce an error reply
+to that caller, and the loop goes on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from clusterflow.errors import ClusterflowError
+from clusterflow.rpc import codec
+from clusterflow.rpc.auth import AuthMode, Credentials
+from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.message import Handler, Request, Response
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 2 * 1024**3
+"""2 GiB: above any single push or pull we expect, below what would exhaust memory."""
+
+_STOP = b"\x00stop"
+_instances = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    handler: Handler
+    blocking: bool
+
+
+def bind_host(host: str) -> str:
+    """The ZeroMQ bind interface for an address host: IPs as they are, names on all."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return "127.0.0.1"
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in bare else socket.AF_INET, bare)
+    except OSError:
+        return "*"
+    return f"[{bare}]" if ":" in bare else bare
+
+
+class RpcServer:
+    """Serves registered methods on one TCP port.
+
+    Usage: build, ``register`` methods, ``start()``; ``stop()`` when done (also a
+    context manager). ``register`` may be called after ``start``.
+
+    Args:
+        credentials: the cluster's secret; peers without it are refused at connect.
+        host: interface to bind (``127.0.0.1`` by default: local clusters stay local).
+        port: port to bind; 0 picks an ephemeral one.
+        listen_fd: an already bound TCP socket to adopt instead of binding (the
+            supervisor's reserved port, ARCHITECTURE.md section 3). ZeroMQ takes
+            ownership of the descriptor.
+        max_message_bytes: a request larger than this gets a ``too_large`` error reply.
+        workers: threads for ``blocking`` handlers.
+        name: used in thread names and logs.
+    """
+
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        listen_fd: int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        workers: int = 8,
+        name: str = "rpc",
+    ) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._handlers: dict[str, _Entry] = {}
+        self._max_message_bytes = max_message_bytes
+        self._name = name
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.linger = 0
+        self._router.sndhwm = 0
+        self._router.rcvhwm = 0
+        # A single frame above the limit cannot be answered (ZeroMQ drops the peer);
+        # multi-frame messages above it are answered with `too_large` below.
+        self._router.maxmsgsize = max_message_bytes
+        self._router.router_mandatory = False
+        if listen_fd is not None:
+            adopted = socket.socket(fileno=listen_fd)
+            host, port = adopted.getsockname()[:2]
+            adopted.listen(512)
+            self._router.setsockopt(zmq.USE_FD, adopted.detach())
+        interface = bind_host(host)
+        self.auth_mode: AuthMode = credentials.apply_server(self._router, host)
+        self._router.bind(f"tcp://{interface}:{port}")
+        endpoint = str(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self.host = _advertised_host(host)
+        self._inproc = f"inproc://clusterflow-rpc-replies-{next(_instances)}"
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.linger = 0
+        self._replies.bind(self._inproc)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-handler")
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._pushers: list[zmq.Socket[bytes]] = []
+        self._pushers_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as peers should dial it."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.address}"
+
+    def register(
+        self, method: str, handler: Callable[[Request], Any], *, blocking: bool = False
+    ) -> None:
+        """Serves ``method`` with ``handler``; ``blocking`` handlers run on the pool."""
+        if method in self._handlers:
+            raise ValueError(f"method {method!r} is already registered")
+        self._handlers[method] = _Entry(handler, blocking)
+
+    def start(self) -> RpcServer:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"{self._name}-loop", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops serving and releases the port. Pending blocking handlers are abandoned."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._thread is not None:
+            waker = self._ctx.socket(zmq.PUSH)
+            waker.linger = 0
+            waker.connect(self._inproc)
+            waker.send(_STOP)
+            self._thread.join(timeout)
+            waker.close()
+        else:
+            self._close_sockets()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RpcServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # The loop thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._replies in events:
+                    while True:
+                        try:
+                            frames = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        if len(frames) == 1 and frames[0].bytes == _STOP:
+                            return
+                        self._router.send_multipart(frames, copy=False)
+                if self._router in events:
+                    for _ in range(64):
+                        try:
+                            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+        except Exception:
+            log.exception("%s: serving loop failed", self._name)
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._router.close(linger=0)
+        self._replies.close(linger=0)
+        with self._pushers_lock:
+            for pusher in self._pushers:
+                pusher.close(linger=0)
+            self._pushers.clear()
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            log.warning("%s: dropped a message without a header", self._name)
+            return
+        try:
+            header = codec.decode_header(frames[1])
+        except ProtocolError as exc:
+            self._send_error(identity, _guess_id(frames[1]), "", "protocol", exc)
+            return
+        method: str = header["m"]
+        request_id: int = header["id"]
+        oneway = header["k"] == codec.KIND_ONEWAY
+        if header["k"] not in (codec.KIND_REQUEST, codec.KIND_ONEWAY):
+            self._send_error(identity, request_id, method, "protocol", "expected a request")
+            return
+        size = sum(len(f) for f in frames[1:])
+        if size > self._max_message_bytes:
+            self._reply_or_log(
+                identity,
+                request_id,
+                method,
+                oneway,
+                "too_large",
+                f"message of {size} bytes exceeds the limit of {self._max_message_bytes} bytes",
+            )
+            return
+        entry = self._handlers.get(method)
+        if entry is None:
+            self._reply_or_log(
+                identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
+            )
+            return
+        try:
+            tensors = codec.decode_tensors(header, frames[2:])
+        except ProtocolError as exc:
+            self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
+            return
+        request = Request(method, header.get("b"), tensors, identity, oneway)
+        if entry.blocking:
+            self._pool.submit(self._run_blocking, entry, request, request_id)
+        else:
+            reply = self._invoke(entry, request, request_id)
+            if reply is not None:
+                self._router.send_multipart([identity, *reply], copy=False)
+
+    def _invoke(self, entry: _Entry, request: Request, request_id: int) -> list[Any] | None:
+        """Runs a handler; returns the reply frames, or None for a one-way message."""
+        try:
+            result = entry.handler(request)
+            response = result if isinstance(result, Response) else Response(body=result)
+            if request.oneway:
+                return None
+            return codec.encode(
+                codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
+            )
+        except Exception as exc:
+            if isinstance(exc, ClusterflowError):
+                log.info("%s: %s failed: %s", self._name, request.method, exc)
+                code = "app"
+            else:
+                log.exception("%s: handler of %s raised", self._name, request.method)
+                code = "internal"
+            if request.oneway:
+                return None
+            return _error_frames(request_id, request.method, code, exc)
+
+    def _run_blocking(self, entry: _Entry, request: Request, request_id: int) -> None:
+        reply = self._invoke(entry, request, request_id)
+        if reply is None or self._stopped.is_set():
+            return
+        pusher = getattr(self._local, "pusher", None)
+        if pusher is None:
+            pusher = self._ctx.socket(zmq.PUSH)
+            pusher.linger = 0
+            pusher.sndhwm = 0
+            pusher.connect(self._inproc)
+            self._local.pusher = pusher
+            with self._pushers_lock:
+                self._pushers.append(pusher)
+        pusher.send_multipart([request.peer, *reply], copy=False)
+
+    def _reply_or_log(
+        self,
+        identity: bytes,
+        request_id: int,
+        method: str,
+        oneway: bool,
+        code: str,
+        error: object,
+    ) -> None:
+        if oneway:
+            log.warning("%s: one-way %s rejected (%s): %s", self._name, method, code, error)
+        else:
+            self._send_error(identity, request_id, method, code, error)
+
+    def _send_error(
+        self, identity: bytes, request_id: int, method: str, code: str, error: object
+    ) -> None:
+        log.warning(
+            "%s: %s request %s rejected (%s): %s", self._name, method, request_id, code, error
+        )
+        self._router.send_multipart([identity, *_error_frames(request_id, method, code, error)])
+
+
+def _advertised_host(host: str) -> str:
+    """The host peers should dial for a server bound on ``host``."""
+    bare = host.strip("[]")
+    if bare in ("", "localhost"):
+        return "127.0.0.1"
+    if bare in ("*", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return bare
+
+
+def _error_frames(request_id: int, method: str, code: str, error: object) -> list[Any]:
+    error_type = type(error).__name__ if isinstance(error, BaseException) else ""
+    return codec.encode(
+        codec.KIND_ERROR, request_id, method, str(error), None, c=code, e=error_type
+    )
+
+
+def _guess_id(frame: Any) -> int:
+    """The request id of a header we could not accept, so the caller gets its answer."""
+    try:
+        header = msgpack.unpackb(frame.bytes, raw=False, strict_map_key=False)
+        request_id = header.get("id", 0) if isinstance(header, dict) else 0
+        return request_id if isinstance(request_id, int) else 0
+    except Exception:
+        return 0
