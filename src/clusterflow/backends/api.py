@@ -1,0 +1,58 @@
+"""What a backend is: it starts a task's supervisor somewhere and lets the manager watch it.
+
+The manager talks to tasks' supervisors over RPC (registration, heartbeats, exit), so a
+backend only has to start a process with an environment, stream its output, report its
+exit and deliver signals. ``local`` uses subprocesses; the Ray backend (later) actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Protocol
+
+from clusterflow.cluster import TaskId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskLaunch:
+    """How to start one task's supervisor (the spec; ``TaskProcess`` is the instance)."""
+
+    task: TaskId
+    env: Mapping[str, str]
+    """The supervisor's whole environment: it finds the manager and its secret there."""
+
+
+class TaskProcess(Protocol):
+    """A started supervisor (with the job command below it)."""
+
+    @property
+    def task(self) -> TaskId: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def output(self) -> IO[bytes] | None:
+        """Merged stdout and stderr of the supervisor and its job, or None if not streamed."""
+        ...
+
+    def poll(self) -> int | None:
+        """The exit code once the supervisor ended (negative: killed by that signal)."""
+        ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Blocks up to ``timeout`` seconds for the exit; None if still running."""
+        ...
+
+    def signal(self, signum: int) -> None:
+        """Delivers ``signum`` to the supervisor and everything it started."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def launch(self, launch: TaskLaunch) -> TaskProcess:
+        """Starts the task's supervisor; returns at once (registration comes later)."""
+        ...

@@ -1,0 +1,179 @@
+"""A task's supervisor: reserves the task's port, registers, runs the job, reports.
+
+``python -m clusterflow.backends.supervisor``, started by a backend with:
+
+* ``CLUSTERFLOW_MANAGER``: the manager's ``host:port``;
+* ``CLUSTERFLOW_SECRET_FILE``: the cluster's credentials;
+* ``CLUSTERFLOW_TASK``: ``job:index`` of this task;
+* ``CLUSTERFLOW_BIND_HOST``: interface for the task's address (default 127.0.0.1).
+
+Order of events: (1) bind the task's port and keep the socket; (2) register
+``(task, host:port)`` with the manager, which answers once every task has registered,
+with the assembled spec, the environment and the command; (3) run the command with the
+reserved socket inherited (``CLUSTERFLOW_LISTEN_FD``): clusterflow's ``Server`` adopts
+it; a foreign runtime binds the same port beside it (the socket is bound, never
+listening, with ``SO_REUSEPORT``, so it receives no connections; TensorFlow needs
+``TF_GRPC_REUSE_PORT=1`` for this, which is set); (4) heartbeat until the command exits;
+(5) report the exit code and end with the same status (re-raising a fatal signal).
+
+If the manager stops answering for longer than ``CLUSTERFLOW_MANAGER_TIMEOUT`` seconds
+(it died), the supervisor stops its command: no task outlives its manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import FrameType
+
+from clusterflow.cluster import TaskId
+from clusterflow.errors import ClusterflowError, ConfigError
+from clusterflow.rpc import Credentials, RpcClient, RpcError
+
+log = logging.getLogger("clusterflow.supervisor")
+
+ENV_MANAGER = "CLUSTERFLOW_MANAGER"
+ENV_TASK = "CLUSTERFLOW_TASK"
+ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
+ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
+ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
+GRACE_S = 10.0
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A TCP socket bound to an ephemeral port of ``host`` and kept, not listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    def __init__(self, environ: dict[str, str]) -> None:
+        try:
+            self.manager = environ[ENV_MANAGER]
+            self.task = TaskId.parse(environ[ENV_TASK])
+        except KeyError as exc:
+            raise ConfigError(f"supervisor started without {exc.args[0]}") from exc
+        credentials = Credentials.from_env(environ)
+        if credentials is None:
+            raise ConfigError("supervisor started without CLUSTERFLOW_SECRET_FILE")
+        self.credentials = credentials
+        self.host = environ.get(ENV_BIND_HOST, "127.0.0.1")
+        self.heartbeat_s = float(environ.get(ENV_HEARTBEAT, "1.0"))
+        self.manager_timeout_s = float(environ.get(ENV_MANAGER_TIMEOUT, "15"))
+        self.environ = environ
+        self.child: subprocess.Popen[bytes] | None = None
+        self.terminating = False
+
+    def run(self) -> int:
+        reserved = reserve_port(self.host)
+        address = f"{self.host}:{reserved.getsockname()[1]}"
+        client = RpcClient(self.manager, self.credentials, deadline=10.0)
+        try:
+            reply = client.call(
+                "manager.register",
+                {"task": str(self.task), "address": address, "pid": os.getpid()},
+                deadline=float(self.environ.get("CLUSTERFLOW_REGISTER_TIMEOUT", "180")),
+            ).body
+            env = dict(self.environ)
+            env.update(reply["env"])
+            env["CLUSTERFLOW_LISTEN_FD"] = str(reserved.fileno())
+            command = list(reply["command"])
+            if self.terminating:
+                return 143
+            try:
+                self.child = subprocess.Popen(command, env=env, pass_fds=(reserved.fileno(),))
+            except OSError as exc:
+                print(f"clusterflow: cannot run {command[0]!r}: {exc}", file=sys.stderr, flush=True)
+                self._report(client, 127)
+                return 127
+            reserved.close()  # the job holds its own copy now
+            code = self._watch(client, self.child)
+            self._report(client, code)
+            return code
+        finally:
+            client.close()
+
+    def _watch(self, client: RpcClient, child: subprocess.Popen[bytes]) -> int:
+        last_ok = time.monotonic()
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return child.wait(self.heartbeat_s)
+            try:
+                client.call(
+                    "manager.heartbeat",
+                    {"task": str(self.task), "pid": child.pid},
+                    deadline=max(2.0, self.heartbeat_s * 2),
+                )
+                last_ok = time.monotonic()
+            except RpcError as exc:
+                if time.monotonic() - last_ok > self.manager_timeout_s:
+                    print(
+                        f"clusterflow: manager {self.manager} unreachable for "
+                        f"{self.manager_timeout_s:g}s ({exc}); stopping {self.task}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self.stop_child()
+                    return child.wait()
+
+    def _report(self, client: RpcClient, code: int) -> None:
+        with contextlib.suppress(RpcError):
+            client.call("manager.exited", {"task": str(self.task), "code": code}, deadline=2.0)
+
+    def stop_child(self) -> None:
+        """SIGTERM to the job, SIGKILL after the grace period."""
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        child.terminate()
+        try:
+            child.wait(GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.terminating = True
+        if self.child is not None and self.child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.child.send_signal(signum)
+
+
+def _exit_like(code: int) -> None:
+    """Ends this process the way the job ended, so the manager sees the same status."""
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="clusterflow: %(message)s")
+    try:
+        supervisor = Supervisor(dict(os.environ))
+    except ClusterflowError as exc:
+        print(f"clusterflow: {exc}", file=sys.stderr)
+        sys.exit(2)
+    signal.signal(signal.SIGTERM, supervisor.on_signal)
+    signal.signal(signal.SIGINT, supervisor.on_signal)
+    try:
+        code = supervisor.run()
+    except RpcError as exc:
+        print(f"clusterflow: {supervisor.task}: {exc}", file=sys.stderr, flush=True)
+        supervisor.stop_child()
+        code = 1
+    _exit_like(code)
+
+
+if __name__ == "__main__":
+    main()

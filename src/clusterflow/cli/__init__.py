@@ -1,0 +1,1 @@
+"""The ``clusterflow`` command line: argument parsing and printing only."""

@@ -1,0 +1,422 @@
+"""``clusterflow``: start, watch and stop clusters; run a task's server by hand.
+
+Parsing and printing only: every action lives in ``clusterflow.manager`` (or below).
+Errors the user can fix print one line, ``error: ...``, and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+import click
+
+from clusterflow import __version__
+from clusterflow.cli import follow
+from clusterflow.errors import ClusterflowError, ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+USAGE_EXIT = 2
+
+
+def _fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="clusterflow")
+def cli() -> None:
+    """Distributed training clusters of chief, ps, worker and evaluator tasks."""
+
+
+# start ---------------------------------------------------------------------------------
+
+
+def _load_cluster_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {path!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster file {path!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster file {path!r} must hold a mapping, not {type(data).__name__}")
+    known = {"chief", "ps", "workers", "evaluator", "command", "ps_command", "untracked", "env"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"cluster file {path!r}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}"
+        )
+    return data
+
+
+def _as_command(value: Any, what: str) -> tuple[str, ...]:
+    import shlex
+
+    if isinstance(value, str):
+        return tuple(shlex.split(value))
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
+
+
+@cli.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
+@click.option("--chief", is_flag=True, default=None, help="Add a chief task (else worker 0 leads).")
+@click.option("--ps", type=int, default=None, help="Number of parameter-server tasks.")
+@click.option("--workers", type=int, default=None, help="Number of worker tasks [default: 1].")
+@click.option("--evaluator", is_flag=True, default=None, help="Add an evaluator task.")
+@click.option("-c", "--config", "config_file", help="A cluster.yaml with the same settings.")
+@click.option("--ps-cmd", help="Command of ps tasks (default: the built-in server).")
+@click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
+@click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
+@click.option(
+    "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
+)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def start(
+    chief: bool | None,
+    ps: int | None,
+    workers: int | None,
+    evaluator: bool | None,
+    config_file: str | None,
+    ps_cmd: str | None,
+    untracked: str | None,
+    detach: bool,
+    grace: float,
+    command: tuple[str, ...],
+) -> None:
+    """Start a local cluster running COMMAND (after `--`) on each task.
+
+    \b
+    Example:
+      clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
+    """
+    from clusterflow.manager import registry
+    from clusterflow.manager.config import RunConfig
+    from clusterflow.rpc import Credentials
+
+    settings: dict[str, Any] = _load_cluster_file(config_file) if config_file else {}
+    if "command" in settings:
+        settings["command"] = _as_command(settings["command"], "command")
+    if settings.get("ps_command") is not None:
+        settings["ps_command"] = _as_command(settings["ps_command"], "ps_command")
+    if isinstance(settings.get("untracked"), str):
+        settings["untracked"] = settings["untracked"].split(",")
+    if "untracked" in settings:
+        settings["untracked"] = frozenset(str(j).strip() for j in settings["untracked"])
+    if "env" in settings and not isinstance(settings["env"], dict):
+        raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
+    if "env" in settings:
+        settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
+    overrides = {"chief": chief, "ps": ps, "workers": workers, "evaluator": evaluator}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    if command:
+        settings["command"] = tuple(command)
+    if ps_cmd:
+        settings["ps_command"] = _as_command(ps_cmd, "--ps-cmd")
+    if untracked is not None:
+        settings["untracked"] = frozenset(j.strip() for j in untracked.split(",") if j.strip())
+    settings["grace_s"] = grace
+    config = RunConfig(**settings)
+
+    cluster = registry.create()
+    Credentials.generate().to_file(cluster.secret_file)
+    registry.write_json_atomic(cluster.config_file, config.to_dict())
+    if detach:
+        _start_detached(cluster)
+        return
+    sys.exit(_run_foreground(cluster, config))
+
+
+def _run_foreground(cluster: Any, config: Any) -> int:
+    from clusterflow.backends.local import LocalBackend
+    from clusterflow.manager import Controller
+
+    controller = Controller(cluster, config, LocalBackend(), echo=True)
+
+    def _interrupt(signum: int, frame: FrameType | None) -> None:
+        controller.request_stop()
+
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    return controller.run()
+
+
+def _start_detached(cluster: Any) -> None:
+    from clusterflow.manager import registry
+
+    with (cluster.path / "manager.log").open("ab") as manager_log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterflow.manager", str(cluster.path)],
+            stdin=subprocess.DEVNULL,
+            stdout=manager_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        status = cluster.read_state().get("status")
+        if status in ("running", *registry.TERMINAL):
+            break
+        if proc.poll() is not None:
+            _fail(
+                f"the manager of cluster {cluster.id} exited with code {proc.returncode}; "
+                f"see {cluster.path / 'manager.log'}",
+                1,
+            )
+        time.sleep(0.05)
+    click.echo(cluster.id)
+
+
+# ps / describe -------------------------------------------------------------------------
+
+
+def _uptime(state: dict[str, Any]) -> str:
+    created = state.get("created")
+    if not created:
+        return "-"
+    end = state.get("ended") or time.time()
+    seconds = int(max(0.0, end - created))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _task_summary(state: dict[str, Any]) -> str:
+    tasks = state.get("tasks") or []
+    running = sum(1 for t in tasks if t.get("exit_code") is None and t.get("status") == "running")
+    jobs: dict[str, int] = {}
+    for t in tasks:
+        job = str(t.get("task", "?")).split(":")[0]
+        jobs[job] = jobs.get(job, 0) + 1
+    shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
+    return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
+
+
+@cli.command(name="ps", context_settings=CONTEXT)
+@click.option("-a", "--all", "show_all", is_flag=True, help="Include finished clusters.")
+def ps_command(show_all: bool) -> None:
+    """List clusters: id, status, tasks, uptime, command."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from clusterflow.manager import registry
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("ID", "STATUS", "TASKS", "UPTIME", "COMMAND"):
+        table.add_column(column, no_wrap=column != "COMMAND")
+    for cluster in registry.all_clusters():
+        try:
+            state = cluster.read_state()
+        except ClusterflowError as exc:
+            table.add_row(cluster.id, "unreadable", str(exc), "-", "-")
+            continue
+        status = registry.effective_status(state)
+        if not show_all and status in registry.TERMINAL:
+            continue
+        command = " ".join(state.get("command") or [])
+        table.add_row(cluster.id, status, _task_summary(state), _uptime(state), command)
+    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw state as JSON.")
+def describe(cluster_id: str, as_json: bool) -> None:
+    """Show a cluster's spec, command, tasks and events."""
+    from clusterflow.manager import registry
+
+    cluster = registry.find(cluster_id)
+    state = cluster.read_state()
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"id:       {cluster.id}")
+    click.echo(f"status:   {registry.effective_status(state)}")
+    click.echo(f"command:  {' '.join(state.get('command') or [])}")
+    click.echo(f"uptime:   {_uptime(state)}")
+    if state.get("summary"):
+        click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
+    click.echo(f"state:    {cluster.path}")
+    click.echo(f"spec (v{state.get('spec_version', 0)}): {json.dumps(state.get('spec'))}")
+    click.echo("tasks:")
+    for t in state.get("tasks") or []:
+        code = t.get("exit_code")
+        click.echo(
+            f"  {t.get('task'):<14} {t.get('status', '?'):<10} {t.get('address') or '-':<22} "
+            f"pid {t.get('pid') or '-':<8} exit {'-' if code is None else code}"
+        )
+    click.echo("events:")
+    for event in cluster.read_events():
+        when = time.strftime("%H:%M:%S", time.localtime(event.pop("time", 0)))
+        kind = event.pop("event", "?")
+        details = " ".join(f"{k}={json.dumps(v)}" for k, v in event.items())
+        click.echo(f"  {when} {kind} {details}")
+
+
+# logs / attach -------------------------------------------------------------------------
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+@click.option("--task", "task_name", help="Only this task's output, e.g. worker:1.")
+@click.option(
+    "-f", "--follow", "follow_", is_flag=True, help="Keep printing until the cluster ends."
+)
+def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
+    """Print a cluster's output (all tasks, prefixed) or one task's."""
+    from clusterflow.cluster import TaskId
+    from clusterflow.manager import registry
+
+    cluster = registry.find(cluster_id)
+    if task_name:
+        task = TaskId.parse(task_name)
+        known = [t.get("task") for t in cluster.read_state().get("tasks") or []]
+        if known and str(task) not in known:
+            raise ConfigError(
+                f"cluster {cluster.id} has no task {task_name!r}; "
+                f"tasks: {', '.join(map(str, known))}"
+            )
+        path = cluster.task_log(str(task))
+    else:
+        path = cluster.output_file
+    follow.print_file(path, lambda: _finished(cluster) if follow_ else True)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+def attach(cluster_id: str) -> None:
+    """Re-join a running cluster's output stream until it ends (Ctrl-C detaches)."""
+    from clusterflow.manager import registry
+
+    cluster = registry.find(cluster_id)
+    status = registry.effective_status(cluster.read_state())
+    if status in registry.TERMINAL or status == "stale":
+        raise ConfigError(f"cluster {cluster.id} is not running ({status}); see `clusterflow logs`")
+    try:
+        follow.print_file(cluster.output_file, lambda: _finished(cluster))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    state = cluster.read_state()
+    code = state.get("exit_code")
+    sys.exit(int(code) if isinstance(code, int) else 1)
+
+
+def _finished(cluster: Any) -> bool:
+    from clusterflow.manager import registry
+
+    return registry.effective_status(cluster.read_state()) in (*registry.TERMINAL, "stale")
+
+
+# stop ----------------------------------------------------------------------------------
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+@click.option(
+    "--grace", type=float, default=10.0, show_default=True, help="Seconds before forcing."
+)
+def stop(cluster_id: str, grace: float) -> None:
+    """Stop a cluster: SIGTERM to every task, SIGKILL after the grace period."""
+    from clusterflow.manager import registry, stopper
+
+    cluster = registry.find(cluster_id)
+    outcome = stopper.stop_cluster(cluster, grace)
+    click.echo(f"{cluster.id}: {outcome}")
+
+
+# server / secret -----------------------------------------------------------------------
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option(
+    "--cluster-spec", "spec_file", required=True, help="JSON or YAML: {job: [host:port, ...]}."
+)
+@click.option("--job", required=True, help="This task's job name.")
+@click.option("--task", "task_index", required=True, type=int, help="This task's index in its job.")
+@click.option("--secret-file", help="The cluster's secret (see `clusterflow secret`).")
+@click.option("--auth", type=click.Choice(["plain", "curve"]), help="Force an auth mode.")
+def server(
+    spec_file: str, job: str, task_index: int, secret_file: str | None, auth: str | None
+) -> None:
+    """Run one task's server by hand (manual mode, on any machine)."""
+    import yaml
+
+    from clusterflow.rpc import Credentials
+    from clusterflow.server import Server
+
+    try:
+        data = yaml.safe_load(Path(spec_file).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster spec {spec_file!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster spec {spec_file!r} is not valid JSON or YAML: {exc}") from exc
+    if isinstance(data, dict) and isinstance(data.get("cluster"), dict):
+        data = data["cluster"]  # a whole TF_CONFIG is fine too
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster spec {spec_file!r} must map job names to addresses")
+    mode: Any = auth
+    if secret_file:
+        credentials = Credentials.from_file(secret_file, mode)
+    else:
+        found = Credentials.from_env()
+        if found is None:
+            raise ConfigError(
+                "no cluster secret: pass --secret-file (create one with `clusterflow secret FILE`)"
+            )
+        credentials = Credentials(found.secret, mode or found.mode)
+    srv = Server(data, job, task_index, credentials=credentials)
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        srv.stop()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    click.echo(f"serving /job:{job}/task:{task_index} at {srv.target} ({srv._rpc.auth_mode} auth)")
+    srv.join()
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("path")
+def secret(path: str) -> None:
+    """Write a new cluster secret to PATH (mode 0600) for manual-mode servers."""
+    from clusterflow.rpc import Credentials
+
+    if os.path.exists(path):
+        raise ConfigError(f"{path!r} exists; refusing to overwrite a secret")
+    Credentials.generate().to_file(path)
+    click.echo(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one-line errors, exit 2 for usage, never a traceback for bad input."""
+    try:
+        code = cli.main(args=argv, prog_name="clusterflow", standalone_mode=False)
+    except click.UsageError as exc:
+        path = exc.ctx.command_path if exc.ctx else "clusterflow"
+        _fail(f"{exc.format_message()} (see `{path} -h`)")
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        _fail(exc.format_message())
+    except ClusterflowError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""``python -m clusterflow.manager CLUSTER_DIR``: a detached manager (``start --detach``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from clusterflow.backends.local import LocalBackend
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.controller import Controller
+from clusterflow.manager.registry import ClusterDir
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cluster = ClusterDir(Path(sys.argv[1]))
+    controller = Controller(
+        cluster, RunConfig.from_dict(cluster.read_config()), LocalBackend(), echo=False
+    )
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        controller.request_stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return controller.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""What ``clusterflow start`` asked for: the jobs, the commands and the manager's limits."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from clusterflow.cluster import JOB_ORDER, TaskId
+from clusterflow.errors import ConfigError
+
+KNOWN_JOBS = frozenset(JOB_ORDER)
+BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.server")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    command: tuple[str, ...]
+    """The job command every chief, worker and evaluator task runs."""
+    chief: bool = False
+    """Add a ``chief`` task (else worker 0 is the chief)."""
+    ps: int = 0
+    """Number of parameter-server tasks."""
+    workers: int = 1
+    """Number of worker tasks."""
+    evaluator: bool = False
+    """Add an ``evaluator`` task."""
+    ps_command: tuple[str, ...] | None = None
+    """What ps tasks run; None runs clusterflow's built-in server."""
+    untracked: frozenset[str] = frozenset({"ps"})
+    """Jobs the run does not wait for; they are stopped once the tracked ones exit 0."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for every task."""
+    host: str = "127.0.0.1"
+    """Interface tasks bind; local clusters stay on loopback."""
+    grace_s: float = 10.0
+    """Seconds between SIGTERM and SIGKILL when stopping tasks."""
+    register_timeout_s: float = 120.0
+    """Every task must register within this many seconds of the start."""
+    heartbeat_s: float = 1.0
+    """Interval of supervisor heartbeats."""
+    heartbeat_timeout_s: float = 30.0
+    """A running task silent for this long is treated as dead."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no job command given: put it after `--`, e.g. -- python train.py")
+        for name in ("ps", "workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"--{name} must be a non-negative integer, got {value!r}")
+        unknown = sorted(self.untracked - KNOWN_JOBS)
+        if unknown:
+            raise ConfigError(
+                f"--untracked names unknown job {unknown[0]!r}; jobs are {', '.join(JOB_ORDER)}"
+            )
+        if not self.tasks():
+            raise ConfigError("the cluster has no task: give --workers N or --chief")
+        if not any(t.job not in self.untracked for t in self.tasks()):
+            raise ConfigError(
+                f"every job is untracked ({', '.join(sorted(self.untracked))}): "
+                "the run would have nothing to wait for"
+            )
+        for name in ("grace_s", "register_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def tasks(self) -> list[TaskId]:
+        """Every task in canonical order: chief, ps, worker, evaluator."""
+        out = [TaskId("chief", 0)] if self.chief else []
+        out += [TaskId("ps", i) for i in range(self.ps)]
+        out += [TaskId("worker", i) for i in range(self.workers)]
+        if self.evaluator:
+            out.append(TaskId("evaluator", 0))
+        return out
+
+    def command_for(self, task: TaskId) -> tuple[str, ...]:
+        if task.job == "ps":
+            return self.ps_command or BUILTIN_PS_COMMAND
+        return self.command
+
+    def is_tracked(self, task: TaskId) -> bool:
+        return task.job not in self.untracked
+
+    def describe_command(self) -> str:
+        return shlex.join(self.command)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["command"] = list(self.command)
+        data["ps_command"] = list(self.ps_command) if self.ps_command else None
+        data["untracked"] = sorted(self.untracked)
+        data["env"] = dict(self.env)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        values = dict(data)
+        values["command"] = tuple(values.get("command") or ())
+        if values.get("ps_command"):
+            values["ps_command"] = tuple(values["ps_command"])
+        if "untracked" in values:
+            values["untracked"] = frozenset(values["untracked"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"invalid cluster configuration: {exc}") from exc

@@ -1,0 +1,397 @@
+"""The manager's controller loop: launch, assemble the spec, watch, decide, act.
+
+Registration is a barrier: each supervisor's ``manager.register`` call is held (on a
+blocking handler) until every task has registered, and is then answered with the
+assembled cluster spec, so every task starts its job with the same spec version.
+
+The loop polls the tasks, builds a frozen ``ClusterStatus`` and asks ``policy.decide``
+what to do; all side effects (signals, state files, output) happen here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
+from clusterflow.errors import ClusterflowError
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.output import OutputRouter
+from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
+from clusterflow.manager.registry import ClusterDir
+from clusterflow.rpc import Credentials, Request, RpcServer
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""Longest the loop waits between looks at the tasks (an exit also wakes it at once)."""
+
+
+class RegistrationError(ClusterflowError):
+    """A supervisor's registration was refused (unknown task, cluster stopping)."""
+
+
+@dataclass(slots=True)
+class _Task:
+    id: TaskId
+    tracked: bool
+    process: TaskProcess | None = None
+    address: str | None = None
+    exit_code: int | None = None
+    last_heartbeat: float | None = None
+    status: str = "starting"
+
+
+class Controller:
+    """Runs one cluster from launch to exit.
+
+    Args:
+        cluster: the cluster's folder (its config and secret are already written).
+        config: what to run.
+        backend: where tasks run.
+        echo: also write task output to this process's stdout (foreground ``start``).
+    """
+
+    def __init__(
+        self, cluster: ClusterDir, config: RunConfig, backend: Backend, *, echo: bool
+    ) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.backend = backend
+        self.credentials = Credentials.from_file(cluster.secret_file)
+        self.output = OutputRouter(cluster.output_file, echo=echo)
+        self.tasks = {t: _Task(t, config.is_tracked(t)) for t in config.tasks()}
+        self._lock = threading.Condition()
+        self._wake = threading.Event()
+        self._stop_requested = False
+        self._grace_s = config.grace_s
+        self._spec: ClusterSpec | None = None
+        self._spec_version = 0
+        self._status = "starting"
+        self._started = time.monotonic()
+        self._created = time.time()
+        self._store: subprocess.Popen[bytes] | None = None
+        self._store_port = 0
+        self._rpc = RpcServer(self.credentials, host="127.0.0.1", port=0, name="manager")
+        self._rpc.register("manager.register", self._on_register, blocking=True)
+        self._rpc.register("manager.heartbeat", self._on_heartbeat)
+        self._rpc.register("manager.exited", self._on_exited)
+        self._rpc.register("manager.stop", self._on_stop)
+        self._rpc.register("manager.status", lambda request: self._state())
+
+    # The public face ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Asks the loop to stop the cluster (safe from signal handlers and threads)."""
+        self._stop_requested = True
+        self._wake.set()
+
+    def run(self) -> int:
+        """Runs the cluster to its end; returns the exit code for ``clusterflow start``."""
+        self._rpc.start()
+        self.cluster.append_event("starting", tasks=[str(t) for t in self.tasks])
+        self._write_state()
+        try:
+            self._start_store()
+            for task in self.tasks.values():
+                task.process = self.backend.launch(
+                    TaskLaunch(task=task.id, env=self._task_env(task.id))
+                )
+                if task.process.output is not None:
+                    self.output.follow(
+                        str(task.id), task.process.output, self.cluster.task_log(str(task.id))
+                    )
+            self._write_state()
+            verdict = self._loop()
+        except BaseException:
+            self._stop_tasks(list(self.tasks.values()))
+            self._finish("failed", 1, "the manager failed")
+            raise
+        return self._conclude(verdict)
+
+    # The loop ----------------------------------------------------------------------
+
+    def _loop(self) -> Verdict:
+        last_write = time.monotonic()
+        while True:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            changed = False
+            for task in self.tasks.values():
+                if task.exit_code is None and task.process is not None:
+                    code = task.process.poll()
+                    if code is not None:
+                        self._record_exit(task, code)
+                        changed = True
+            verdict = decide(self._snapshot())
+            if verdict.decision != Decision.CONTINUE:
+                return verdict
+            if changed or time.monotonic() - last_write > 2.0:
+                self._write_state()
+                last_write = time.monotonic()
+
+    def _snapshot(self) -> ClusterStatus:
+        now = time.monotonic()
+        with self._lock:
+            registered = all(t.address for t in self.tasks.values())
+            tasks = tuple(
+                TaskStatus(
+                    task=str(t.id),
+                    tracked=t.tracked,
+                    exit_code=t.exit_code,
+                    heartbeat_age_s=None if t.last_heartbeat is None else now - t.last_heartbeat,
+                )
+                for t in self.tasks.values()
+            )
+        return ClusterStatus(
+            tasks=tasks,
+            stop_requested=self._stop_requested,
+            registration_overdue=(
+                not registered and now - self._started > self.config.register_timeout_s
+            ),
+            heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+        )
+
+    def _conclude(self, verdict: Verdict) -> int:
+        if verdict.decision == Decision.SUCCEED:
+            self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
+            self._finish("succeeded", 0, "every tracked task exited 0")
+            return 0
+        self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
+        if verdict.decision == Decision.STOP:
+            self._finish("stopped", verdict.exit_code, "stopped on request")
+            return verdict.exit_code
+        summary = f"clusterflow: cluster {self.cluster.id} failed: {verdict.reason}"
+        self._finish("failed", verdict.exit_code, verdict.reason)
+        print(summary, file=sys.stderr, flush=True)
+        return verdict.exit_code
+
+    def _stop_tasks(self, tasks: list[_Task]) -> None:
+        """SIGTERM to each task's process group; SIGKILL to whatever is left after grace."""
+        live = [t for t in tasks if t.process is not None]
+        for task in live:
+            task.status = "stopping"
+            assert task.process is not None
+            task.process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        for task in live:
+            assert task.process is not None
+            code = task.process.wait(max(0.0, deadline - time.monotonic()))
+            if code is None:
+                task.process.signal(signal.SIGKILL)
+                code = task.process.wait(5.0)
+            # The supervisor is gone; a job that ignored SIGTERM may linger in its group.
+            task.process.signal(signal.SIGKILL)
+            if task.exit_code is None and code is not None:
+                self._record_exit(task, code, stopped=True)
+        self.output.join()
+
+    def _finish(self, status: str, code: int, summary: str) -> None:
+        self._status = status
+        self.cluster.append_event(status, exit_code=code, summary=summary)
+        self._write_state(exit_code=code, summary=summary, ended=time.time())
+        self.output.close()
+        if self._store is not None:
+            with contextlib.suppress(OSError):
+                assert self._store.stdin is not None
+                self._store.stdin.close()
+            try:
+                self._store.wait(5)
+            except subprocess.TimeoutExpired:
+                self._store.kill()
+                self._store.wait()
+        self._rpc.stop()
+
+    def _record_exit(self, task: _Task, code: int, *, stopped: bool = False) -> None:
+        with self._lock:
+            if task.exit_code is not None:
+                return
+            task.exit_code = code
+            task.status = "stopped" if stopped else ("succeeded" if code == 0 else "failed")
+        self.cluster.append_event("task_exited", task=str(task.id), exit_code=code)
+
+    # The torch store ---------------------------------------------------------------
+
+    def _start_store(self) -> None:
+        """Hosts the TCPStore for MASTER_PORT in a helper process, on a reserved socket."""
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self._store_port = sock.getsockname()[1]
+        self._store = subprocess.Popen(
+            [sys.executable, "-m", "clusterflow.manager.store", str(sock.fileno())],
+            stdin=subprocess.PIPE,
+            pass_fds=(sock.fileno(),),
+            start_new_session=True,
+        )
+        sock.close()
+
+    # Environment -------------------------------------------------------------------
+
+    def _task_env(self, task: TaskId) -> dict[str, str]:
+        """The supervisor's environment: how to find the manager and prove membership."""
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.update(
+            {
+                "CLUSTERFLOW_MANAGER": self._rpc.address,
+                "CLUSTERFLOW_SECRET_FILE": str(self.cluster.secret_file),
+                "CLUSTERFLOW_TASK": str(task),
+                "CLUSTERFLOW_CLUSTER_ID": self.cluster.id,
+                "CLUSTERFLOW_BIND_HOST": self.config.host,
+                "CLUSTERFLOW_HEARTBEAT_S": str(self.config.heartbeat_s),
+                "CLUSTERFLOW_REGISTER_TIMEOUT": str(self.config.register_timeout_s),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return env
+
+    def _job_env(self, task: TaskId, spec: ClusterSpec) -> dict[str, str]:
+        """What the job command sees: TF_CONFIG, torchrun's variables, CLUSTERFLOW_*."""
+        env = {
+            "TF_CONFIG": TFConfig(spec, task).to_json(),
+            "CLUSTERFLOW_JOB": task.job,
+            "CLUSTERFLOW_TASK_INDEX": str(task.index),
+            "CLUSTERFLOW_SPEC_VERSION": str(self._spec_version),
+            "CLUSTERFLOW_STATE_DIR": str(self.cluster.path),
+            # A TensorFlow gRPC server may then bind beside the reserved socket.
+            "TF_GRPC_REUSE_PORT": "1",
+        }
+        ranks = [t for t in self.config.tasks() if t.job in ("chief", "worker")]
+        if task in ranks:
+            rank, world = ranks.index(task), len(ranks)
+            env.update(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world),
+                    "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1",
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(self._store_port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0",
+                }
+            )
+        return env
+
+    # RPC handlers ------------------------------------------------------------------
+
+    def _on_register(self, request: Request) -> dict[str, Any]:
+        body = request.body or {}
+        try:
+            task_id = TaskId.parse(str(body.get("task")))
+        except ClusterflowError as exc:
+            raise RegistrationError(f"bad registration {body!r}: {exc}") from exc
+        deadline = self._started + self.config.register_timeout_s
+        with self._lock:
+            task = self.tasks.get(task_id)
+            if task is None:
+                raise RegistrationError(f"task {task_id} is not part of cluster {self.cluster.id}")
+            task.address = str(body.get("address"))
+            task.status = "registered"
+            task.last_heartbeat = time.monotonic()
+            if self._spec is None and all(t.address for t in self.tasks.values()):
+                self._assemble_spec()
+            while self._spec is None and not self._stop_requested:
+                if not self._lock.wait(max(0.0, deadline - time.monotonic())):
+                    raise RegistrationError("not every task registered in time")
+            if self._spec is None:
+                raise RegistrationError(f"cluster {self.cluster.id} is stopping")
+            task.status = "running"
+            return {
+                "spec": self._spec.as_dict(),
+                "spec_version": self._spec_version,
+                "env": self._job_env(task_id, self._spec),
+                "command": list(self.config.command_for(task_id)),
+            }
+
+    def _assemble_spec(self) -> None:
+        """Called with the lock held, once every task has registered."""
+        jobs: dict[str, list[str]] = {}
+        for task in self.tasks.values():
+            assert task.address is not None
+            jobs.setdefault(task.id.job, []).append(task.address)
+        self._spec = ClusterSpec(jobs)
+        self._spec_version += 1
+        self._status = "running"
+        self._lock.notify_all()
+        self.cluster.append_event(
+            "spec_assembled", version=self._spec_version, spec=self._spec.as_dict()
+        )
+        self._wake.set()
+
+    def _on_heartbeat(self, request: Request) -> dict[str, Any]:
+        body = request.body or {}
+        with contextlib.suppress(ClusterflowError):
+            task = self.tasks.get(TaskId.parse(str(body.get("task"))))
+            if task is not None:
+                task.last_heartbeat = time.monotonic()
+        return {"stop": self._stop_requested}
+
+    def _on_exited(self, request: Request) -> None:
+        self._wake.set()  # the loop reads the exit code from the process itself
+
+    def _on_stop(self, request: Request) -> dict[str, Any]:
+        grace = (request.body or {}).get("grace_s")
+        if isinstance(grace, int | float) and grace > 0:
+            self._grace_s = float(grace)
+        self.cluster.append_event("stop_requested", by="rpc")
+        self.request_stop()
+        return {"stopping": True}
+
+    # State -------------------------------------------------------------------------
+
+    def _state(self, **extra: Any) -> dict[str, Any]:
+        me = psutil.Process()
+        with self._lock:
+            tasks = [
+                {
+                    "task": str(t.id),
+                    "tracked": t.tracked,
+                    "status": t.status,
+                    "address": t.address,
+                    "pid": t.process.pid if t.process else None,
+                    "exit_code": t.exit_code,
+                }
+                for t in self.tasks.values()
+            ]
+        state: dict[str, Any] = {
+            "id": self.cluster.id,
+            "status": self._status,
+            "created": self._created,
+            "backend": self.backend.name,
+            "command": list(self.config.command),
+            "manager": {
+                "pid": me.pid,
+                "create_time": me.create_time(),
+                "address": self._rpc.address,
+            },
+            "spec": self._spec.as_dict() if self._spec else None,
+            "spec_version": self._spec_version,
+            "tasks": tasks,
+        }
+        state.update(extra)
+        return state
+
+    def _write_state(self, **extra: Any) -> None:
+        try:
+            self.cluster.write_state(self._state(**extra))
+        except OSError as exc:
+            log.warning("cannot write the state of cluster %s: %s", self.cluster.id, exc)

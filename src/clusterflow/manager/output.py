@@ -1,0 +1,75 @@
+"""Routes every task's output: prefixed to the terminal and ``output.log``, raw to its file.
+
+One reader thread per task turns the task's pipe into lines, so a task that prints a
+partial line never interleaves with another's inside one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+class OutputRouter:
+    """Collects task output; ``echo`` also writes it to the terminal (foreground runs)."""
+
+    def __init__(self, combined: Path, *, echo: bool) -> None:
+        self._combined = combined.open("ab", buffering=0)
+        self._echo = echo
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, task: str, stream: IO[bytes], log_file: Path) -> None:
+        """Starts reading ``stream`` (the task's merged stdout and stderr) until EOF."""
+        thread = threading.Thread(
+            target=self._pump, args=(task, stream, log_file), name=f"output-{task}", daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def line(self, text: str) -> None:
+        """A line of the manager's own (a summary, an event) into the combined stream."""
+        self._write(text.encode() + b"\n")
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Waits for every pipe to reach EOF (all task processes gone)."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._combined.close()
+
+    def _write(self, data: bytes) -> None:
+        with self._lock:
+            if not self._combined.closed:
+                self._combined.write(data)
+            if self._echo:
+                _terminal_write(data)
+
+    def _pump(self, task: str, stream: IO[bytes], log_file: Path) -> None:
+        prefix = f"[{task}] ".encode()
+        try:
+            with log_file.open("ab", buffering=0) as own:
+                for raw in iter(stream.readline, b""):
+                    line = raw if raw.endswith(b"\n") else raw + b"\n"
+                    own.write(line)
+                    self._write(prefix + line)
+        except (OSError, ValueError) as exc:
+            log.warning("output of %s lost: %s", task, exc)
+        finally:
+            stream.close()
+
+
+def _terminal_write(data: bytes, write: Callable[[bytes], object] | None = None) -> None:
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except (OSError, ValueError):
+        pass  # the terminal went away (a closed pipe): the files still get everything

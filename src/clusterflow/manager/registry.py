@@ -1,0 +1,180 @@
+"""The on-disk registry of clusters: one folder per cluster under ``$CLUSTERFLOW_HOME``.
+
+``$CLUSTERFLOW_HOME/clusters/<id>/`` holds ``state.json`` (written atomically by the
+manager: status, spec, tasks), ``config.json`` (what ``start`` asked for), ``secret``
+(the cluster's credentials, mode 0600), ``events.jsonl``, ``output.log`` (every task's
+lines, prefixed) and ``logs/<job>-<index>.log``. The CLI reads these files, so ``ps``,
+``logs`` and ``describe`` work whether or not the manager is alive; ``stop`` and
+``attach`` also talk to it or follow its files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from clusterflow.errors import ConfigError
+
+ENV_HOME = "CLUSTERFLOW_HOME"
+TERMINAL = frozenset({"succeeded", "failed", "stopped"})
+"""Statuses after which nothing runs; every other status needs a live manager."""
+
+
+def home() -> Path:
+    """``$CLUSTERFLOW_HOME``, or ``~/.clusterflow``; created owner-only on first use."""
+    raw = os.environ.get(ENV_HOME)
+    root = Path(raw).expanduser() if raw else Path.home() / ".clusterflow"
+    (root / "clusters").mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def new_cluster_id() -> str:
+    return secrets.token_hex(5)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Readers see the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterDir:
+    """The folder of one cluster and the files in it."""
+
+    path: Path
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def secret_file(self) -> Path:
+        return self.path / "secret"
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def output_file(self) -> Path:
+        return self.path / "output.log"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    def task_log(self, task: str) -> Path:
+        return self.logs_dir / (task.replace(":", "-") + ".log")
+
+    def read_state(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {"id": self.id, "status": "created", "tasks": []}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cluster {self.id}: unreadable state file: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"cluster {self.id}: state file is not a JSON object")
+        return data
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        write_json_atomic(self.state_file, state)
+
+    def read_config(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cluster {self.id}: unreadable config file: {exc}") from exc
+        return dict(data)
+
+    def append_event(self, kind: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": kind, **fields}
+        with self.events_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_events(self) -> list[dict[str, Any]]:
+        events = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.events_file.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(line))
+        return events
+
+
+def create(cluster_id: str | None = None) -> ClusterDir:
+    """Makes the folder of a new cluster (owner-only)."""
+    cid = cluster_id or new_cluster_id()
+    path = home() / "clusters" / cid
+    path.mkdir(mode=0o700)
+    (path / "logs").mkdir(mode=0o700)
+    return ClusterDir(path)
+
+
+def all_clusters() -> list[ClusterDir]:
+    """Every cluster, newest first."""
+    root = home() / "clusters"
+    dirs = [ClusterDir(p) for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return sorted(dirs, key=lambda d: d.path.stat().st_mtime, reverse=True)
+
+
+def find(cluster_id: str) -> ClusterDir:
+    """The cluster whose id is ``cluster_id`` or starts with it (unambiguously).
+
+    Raises:
+        ConfigError: no such cluster, or the prefix matches several.
+    """
+    if not cluster_id or "/" in cluster_id or cluster_id.startswith("."):
+        raise ConfigError(f"invalid cluster id {cluster_id!r}")
+    root = home() / "clusters"
+    exact = root / cluster_id
+    if exact.is_dir():
+        return ClusterDir(exact)
+    matches = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(cluster_id)]
+    if not matches:
+        raise ConfigError(f"no cluster {cluster_id!r} (see `clusterflow ps`)")
+    if len(matches) > 1:
+        names = ", ".join(sorted(p.name for p in matches))
+        raise ConfigError(f"cluster id {cluster_id!r} is ambiguous: {names}")
+    return ClusterDir(matches[0])
+
+
+def process_alive(pid: int | None, create_time: float | None) -> bool:
+    """True if ``pid`` runs and is the same process (not a reused pid)."""
+    if not pid:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - create_time) < 1.0
+    except psutil.Error:
+        return False
+
+
+def effective_status(state: dict[str, Any]) -> str:
+    """The status to show: a live status whose manager is gone reads ``stale``."""
+    status = str(state.get("status", "created"))
+    if status in TERMINAL or status == "created":
+        return status
+    manager = state.get("manager") or {}
+    if not process_alive(manager.get("pid"), manager.get("create_time")):
+        return "stale"
+    return status
