@@ -1,0 +1,108 @@
+"""Imports point one way (ARCHITECTURE.md section 2): cli, manager, backends, runtime, cluster."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "clusterflow"
+
+# For each layer, the layers it must never import.
+FORBIDDEN: dict[str, set[str]] = {
+    "errors": {"*"},
+    "cluster": {"*"},  # only clusterflow.errors
+    "rpc": {
+        "server",
+        "ps",
+        "collective",
+        "strategies",
+        "data",
+        "checkpoint",
+        "train",
+        "backends",
+        "manager",
+        "cli",
+    },
+    "server": {
+        "ps",
+        "collective",
+        "strategies",
+        "data",
+        "checkpoint",
+        "train",
+        "backends",
+        "manager",
+        "cli",
+    },
+    "ps": {"strategies", "train", "backends", "manager", "cli"},
+    "collective": {"strategies", "train", "backends", "manager", "cli"},
+    "data": {"strategies", "train", "backends", "manager", "cli"},
+    "checkpoint": {"train", "backends", "manager", "cli"},
+    "strategies": {"train", "backends", "manager", "cli"},
+    "train": {"backends", "manager", "cli"},
+    "backends": {"manager", "cli"},
+    "manager": {"cli"},
+    "cli": set(),
+}
+ALWAYS_ALLOWED = {"errors"}
+
+
+def _layer_of(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imported_layers(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    layers = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "clusterflow" and len(parts) > 1:
+                layers.add(parts[1])
+    return layers
+
+
+def _modules() -> list[Path]:
+    return [p for p in SRC.rglob("*.py") if p.parent != SRC or p.name != "__init__.py"]
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_point_one_way(path: Path) -> None:
+    layer = _layer_of(path)
+    assert layer in FORBIDDEN, f"new layer {layer!r}: add it to FORBIDDEN with its rules"
+    imported = _imported_layers(path) - {layer} - ALWAYS_ALLOWED
+    forbidden = FORBIDDEN[layer]
+    bad = imported if "*" in forbidden else imported & forbidden
+    assert not bad, f"{path.relative_to(SRC)} ({layer}) imports {sorted(bad)}"
+
+
+def test_package_root_never_imports_manager_or_cli() -> None:
+    imported = _imported_layers(SRC / "__init__.py")
+    assert not imported & {"manager", "cli", "backends"}
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "clusterflow",
+        "clusterflow.cluster",
+        "clusterflow.rpc",
+        "clusterflow.manager",
+        "clusterflow.cli.main",
+    ],
+)
+def test_control_plane_starts_without_torch(module: str) -> None:
+    """The manager, CLI and supervisors must not pay torch's ~2.5 s import."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
