@@ -12,7 +12,7 @@ from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
-BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.server")
+BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,152 @@
+"""Values, settings and errors of the parameter server (ARCHITECTURE.md section 5)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from clusterflow.errors import ClusterflowError, ConfigError
+
+Mode = Literal["async", "sync"]
+StalePolicy = Literal["drop", "scale"]
+WireDtype = Literal["float32", "bfloat16"]
+
+
+class PSError(ClusterflowError):
+    """A parameter-server request was refused; the message names the variable or value."""
+
+
+class PushRejected(PSError):
+    """A push carried a wrong shape, dtype, unknown variable or a non-finite value."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PSConfig:
+    """How a parameter server applies pushes. Every worker must send the same one."""
+
+    mode: Mode = "async"
+    """async: apply each push on arrival. sync: aggregate one step of N replicas."""
+    num_replicas: int = 1
+    """Replicas that train (the chief and the workers)."""
+    backup_workers: int = 0
+    """sync only: a step takes the first num_replicas - backup_workers pushes."""
+    max_staleness: int | None = None
+    """async only: pushes computed from values this many steps old or older are stale."""
+    stale_policy: StalePolicy = "drop"
+    """What happens to a stale push: dropped, or scaled by 1/staleness."""
+    staleness_aware_lr: bool = False
+    """async only: scale every push by 1/max(1, staleness) (Zhang et al., 2016)."""
+    warmup_steps: int = 0
+    """async only: the first W global steps are taken by the chief alone."""
+    reject_nonfinite: bool = True
+    """Refuse gradients holding NaN or Inf instead of poisoning the variables."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ConfigError(f"unknown ps mode {self.mode!r}; expected 'async' or 'sync'")
+        if self.num_replicas < 1:
+            raise ConfigError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if not 0 <= self.backup_workers < self.num_replicas:
+            raise ConfigError(
+                f"backup_workers={self.backup_workers} must be in [0, {self.num_replicas}) "
+                f"for {self.num_replicas} replicas"
+            )
+        if self.backup_workers and self.mode != "sync":
+            raise ConfigError("backup_workers needs mode='sync'")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.stale_policy not in ("drop", "scale"):
+            raise ConfigError(f"unknown stale_policy {self.stale_policy!r}; expected drop or scale")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    @property
+    def replicas_per_step(self) -> int:
+        """N: the pushes one sync step averages."""
+        return self.num_replicas - self.backup_workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PSConfig:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"invalid ps config {data!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VariableSpec:
+    """A variable as the worker declares it, before placement."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool = True
+    device: int | None = None
+    """An explicit ps task index (from ``clusterflow.device``), or None to place greedily."""
+
+    @property
+    def nbytes(self) -> int:
+        from math import prod
+
+        return prod(self.shape) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard:
+    """One piece of a variable on one ps task: rows [start, stop) of dimension 0."""
+
+    variable: str
+    name: str
+    """The name the ps stores it under (the variable's, or ``name/part_i``)."""
+    ps: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.name == self.variable
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where every variable lives: its shards in order of dimension 0."""
+
+    shards: dict[str, tuple[Shard, ...]] = field(default_factory=dict)
+
+    def on_ps(self, ps: int) -> list[Shard]:
+        return [s for shards in self.shards.values() for s in shards if s.ps == ps]
+
+    def load(self, num_ps: int, specs: dict[str, VariableSpec]) -> list[int]:
+        """Bytes held by each ps task."""
+        out = [0] * num_ps
+        for name, shards in self.shards.items():
+            spec = specs[name]
+            row_bytes = spec.nbytes // max(1, spec.shape[0]) if spec.shape else spec.nbytes
+            for s in shards:
+                out[s.ps] += row_bytes * (s.stop - s.start) if spec.shape else spec.nbytes
+        return out
+
+
+_ITEMSIZE = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ConfigError(f"variables of dtype {dtype!r} are not supported") from None

@@ -1,0 +1,496 @@
+"""The variables of one ps task, their optimizer, and the rules that apply pushes.
+
+Pure of networking: ``service.py`` maps RPC methods onto this class, so every rule
+(sync aggregation, staleness, lease de-duplication, quiescing) is tested in-process.
+
+Sync mode with several ps tasks needs one decision per step about *which* replicas'
+gradients form the step, or shards could average different sets (TensorFlow's
+``SyncReplicasOptimizer`` lets each accumulator decide alone). Here a worker first
+pushes to every other shard, which buffer the gradients, then pushes to ps 0 with
+``commit``; ps 0 takes the first N committers and tells every shard to apply exactly
+that set. Late replicas are dropped on every shard alike, so their records can be
+handed back whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from clusterflow.ps import optimizer as optim_bridge
+from clusterflow.ps.api import PSConfig, PSError, PushRejected
+from clusterflow.ps.optimizer import OptimizerSpec
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+@dataclass(slots=True)
+class _Pending:
+    grads: dict[str, torch.Tensor]
+    lease: str | None
+    hyper: list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class PushResult:
+    applied: bool
+    version: int
+    reason: str = ""
+    staleness: int = 0
+    commit: dict[str, Any] | None = None
+    """sync, ps 0: the step this push completed ({"version", "workers"}), to fan out."""
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class VariableStore:
+    """Shards of variables held by one ps task."""
+
+    def __init__(self, ps_index: int = 0) -> None:
+        self.ps_index = ps_index
+        self._cond = threading.Condition()
+        self.config: PSConfig | None = None
+        self.vars: dict[str, torch.Tensor] = {}
+        self.trainable: dict[str, bool] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_spec: OptimizerSpec | None = None
+        self.group_of: dict[str, int] = {}
+        self._opt_group: dict[int, int] = {}
+        self.version = 0
+        self.applied_leases: set[str] = set()
+        self._pending: dict[int, dict[str, _Pending]] = {}
+        self._commits: dict[int, list[str]] = {}
+        self._decided: dict[int, list[str]] = {}
+        self.stats: Counter[str] = Counter()
+        self._held = False
+        self._busy = 0
+
+    # Set-up -----------------------------------------------------------------------
+
+    def create(
+        self,
+        config: PSConfig,
+        specs: list[Mapping[str, Any]],
+        values: Mapping[str, torch.Tensor],
+    ) -> list[str]:
+        """Creates variables; ones that exist already are kept (the first creator wins).
+
+        Raises:
+            PSError: another config than the first creator's, or a variable redeclared
+                with another shape or dtype.
+        """
+        created = []
+        with self._cond:
+            if self.config is None:
+                self.config = config
+            elif self.config != config:
+                raise PSError(
+                    f"ps:{self.ps_index} runs {self.config.to_dict()}; a worker asked for "
+                    f"{config.to_dict()} (every worker must build the same strategy)"
+                )
+            for spec in specs:
+                name = str(spec["name"])
+                shape = tuple(int(d) for d in spec["shape"])
+                dtype = _DTYPES.get(str(spec["dtype"]))
+                if dtype is None:
+                    raise PSError(f"variable {name!r}: unsupported dtype {spec['dtype']!r}")
+                if name in self.vars:
+                    have = self.vars[name]
+                    if tuple(have.shape) != shape or have.dtype != dtype:
+                        raise PSError(
+                            f"variable {name!r} exists as {tuple(have.shape)} {have.dtype}; "
+                            f"redeclared as {shape} {dtype}"
+                        )
+                    continue
+                value = values.get(name)
+                if value is None or tuple(value.shape) != shape:
+                    raise PSError(
+                        f"variable {name!r}: initial value missing or not of shape {shape}"
+                    )
+                self.vars[name] = value.to(dtype).clone()
+                self.trainable[name] = bool(spec.get("trainable", True))
+                created.append(name)
+        return created
+
+    def set_optimizer(self, spec: OptimizerSpec, group_of: Mapping[str, int]) -> None:
+        """Builds the optimizer once; a second worker's identical request is a no-op."""
+        with self._cond:
+            if self.optimizer_spec is not None:
+                if self.optimizer_spec.name != spec.name:
+                    raise PSError(
+                        f"ps:{self.ps_index} applies {self.optimizer_spec.name}; a worker "
+                        f"sent {spec.name}"
+                    )
+                return
+            groups: dict[int, list[torch.Tensor]] = {}
+            for name, tensor in self.vars.items():
+                if not self.trainable[name]:
+                    continue
+                if name not in group_of:
+                    raise PSError(f"variable {name!r} is in no param group of the optimizer")
+                groups.setdefault(int(group_of[name]), []).append(tensor)
+            if not groups:
+                self.optimizer_spec = spec
+                return
+            order = sorted(groups)
+            sub = OptimizerSpec(spec.name, tuple(spec.groups[i] for i in order))
+            self.optimizer = optim_bridge.build(sub, [groups[i] for i in order])
+            self._opt_group = {g: k for k, g in enumerate(order)}
+            self.group_of = {n: int(g) for n, g in group_of.items() if n in self.vars}
+            self.optimizer_spec = spec
+
+    # Reads ------------------------------------------------------------------------
+
+    def pull(
+        self, names: list[str] | None, min_version: int = 0, timeout: float = 60.0
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """A consistent copy of the variables once ``version >= min_version``.
+
+        Blocks until then, at most ``timeout`` seconds.
+
+        Raises:
+            PSError: unknown variable names, or the version did not come in time.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.version < min_version:
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise PSError(
+                        f"ps:{self.ps_index} is at version {self.version}; version "
+                        f"{min_version} did not come within {timeout:g}s"
+                    )
+            return self.version, self._copy(names)
+
+    def _copy(self, names: list[str] | None) -> dict[str, torch.Tensor]:
+        if names is None:
+            return {n: t.clone() for n, t in self.vars.items()}
+        unknown = [n for n in names if n not in self.vars]
+        if unknown:
+            raise PSError(f"ps:{self.ps_index} holds no variable {unknown[0]!r}")
+        return {n: self.vars[n].clone() for n in names}
+
+    def wait_version(self, version: int, timeout: float) -> int:
+        """Blocks until this shard reached ``version`` (warm-up, tests); returns it."""
+        self.pull([], version, timeout)
+        return self.version
+
+    # Pushes -----------------------------------------------------------------------
+
+    def push(
+        self,
+        *,
+        worker: str,
+        version: int,
+        grads: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor] | None = None,
+        lease: str | None = None,
+        hyper: list[dict[str, Any]] | None = None,
+        commit: bool = False,
+        want_values: bool = False,
+        timeout: float = 60.0,
+    ) -> PushResult:
+        """Applies (async) or buffers and maybe commits (sync) one worker's gradients.
+
+        Raises:
+            PushRejected: an unknown variable, a wrong shape or dtype, or a non-finite
+                gradient; nothing of the push is applied.
+            PSError: no config or optimizer yet, or the ps stayed quiesced past timeout.
+        """
+        checked = self._check(grads)
+        checked_buffers = self._check_buffers(buffers or {})
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            config = self._ready()
+            while self._held:
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise PSError(f"ps:{self.ps_index} stayed quiesced for {timeout:g}s")
+            self.stats["pushes"] += 1
+            if lease is not None and lease in self.applied_leases:
+                self.stats["duplicate_leases"] += 1
+                return PushResult(False, self.version, "duplicate lease")
+            for name, value in checked_buffers.items():
+                self.vars[name].copy_(value)
+            if config.mode == "async":
+                return self._apply_async(config, version, checked, lease, hyper, want_values)
+            return self._buffer_sync(config, worker, version, checked, lease, hyper, commit)
+
+    def _ready(self) -> PSConfig:
+        if self.config is None:
+            raise PSError(f"ps:{self.ps_index} has no variables yet (no worker created them)")
+        if self.optimizer is None and any(self.trainable.values()):
+            raise PSError(f"ps:{self.ps_index} has no optimizer yet")
+        return self.config
+
+    def _check(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        reject = self.config is None or self.config.reject_nonfinite
+        for name, raw in grads.items():
+            grad = raw
+            var = self.vars.get(name)
+            if var is None:
+                raise PushRejected(f"push names unknown variable {name!r} on ps:{self.ps_index}")
+            if not self.trainable.get(name, False):
+                raise PushRejected(f"push sends a gradient for non-trainable variable {name!r}")
+            if tuple(grad.shape) != tuple(var.shape):
+                raise PushRejected(
+                    f"gradient of {name!r} has shape {tuple(grad.shape)}; the variable is "
+                    f"{tuple(var.shape)}"
+                )
+            if grad.dtype != var.dtype:
+                if not (grad.dtype == torch.bfloat16 and var.dtype.is_floating_point):
+                    raise PushRejected(
+                        f"gradient of {name!r} is {grad.dtype}; the variable is {var.dtype}"
+                    )
+                grad = grad.to(var.dtype)
+            if reject and grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
+                raise PushRejected(f"gradient of {name!r} holds NaN or Inf; push refused")
+            out[name] = grad
+        return out
+
+    def _check_buffers(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, value in buffers.items():
+            var = self.vars.get(name)
+            if var is None or self.trainable.get(name, True):
+                raise PushRejected(
+                    f"push assigns {name!r}, which is no buffer on ps:{self.ps_index}"
+                )
+            if tuple(value.shape) != tuple(var.shape):
+                raise PushRejected(
+                    f"buffer {name!r} has shape {tuple(value.shape)}, not {tuple(var.shape)}"
+                )
+        return dict(buffers)
+
+    def _step(
+        self, grads: Mapping[str, torch.Tensor], hyper: list[dict[str, Any]] | None, lr_scale: float
+    ) -> None:
+        """One optimizer step over the given gradients (the lock is held)."""
+        opt = self.optimizer
+        if opt is None or not grads:
+            return
+        if hyper:
+            optim_bridge.set_hyperparameters(
+                opt, [hyper[g] for g in sorted(self._opt_group, key=self._opt_group.__getitem__)]
+            )
+        saved = None
+        if lr_scale != 1.0:
+            saved = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * lr_scale
+        for name, grad in grads.items():
+            self.vars[name].grad = grad
+        try:
+            opt.step()
+        finally:
+            for name in grads:
+                self.vars[name].grad = None
+            if saved is not None:
+                for g, lr in zip(opt.param_groups, saved, strict=True):
+                    g["lr"] = lr
+
+    def _apply_async(
+        self,
+        config: PSConfig,
+        version: int,
+        grads: dict[str, torch.Tensor],
+        lease: str | None,
+        hyper: list[dict[str, Any]] | None,
+        want_values: bool,
+    ) -> PushResult:
+        staleness = max(0, self.version - version)
+        scale = 1.0
+        if config.max_staleness is not None and staleness > config.max_staleness:
+            if config.stale_policy == "drop":
+                self.stats["dropped_stale"] += 1
+                return PushResult(False, self.version, "stale", staleness)
+            scale = 1.0 / staleness
+            self.stats["scaled_stale"] += 1
+        if config.staleness_aware_lr:
+            scale = min(scale, 1.0 / max(1, staleness))
+        self._step(grads, hyper, scale)
+        if lease is not None:
+            self.applied_leases.add(lease)
+        self.version += 1
+        self.stats["applied"] += 1
+        self._cond.notify_all()
+        values = self._copy(None) if want_values else {}
+        return PushResult(True, self.version, "", staleness, values=values)
+
+    def _buffer_sync(
+        self,
+        config: PSConfig,
+        worker: str,
+        version: int,
+        grads: dict[str, torch.Tensor],
+        lease: str | None,
+        hyper: list[dict[str, Any]] | None,
+        commit: bool,
+    ) -> PushResult:
+        if version < self.version:
+            self.stats["dropped_late"] += 1
+            return PushResult(False, self.version, "late", self.version - version)
+        if version > self.version:
+            raise PSError(
+                f"push for version {version}, but ps:{self.ps_index} is at {self.version}"
+            )
+        self._pending.setdefault(version, {})[worker] = _Pending(grads, lease, hyper or [])
+        if not commit:
+            return PushResult(True, self.version, "buffered")
+        commits = self._commits.setdefault(version, [])
+        if worker not in commits:
+            commits.append(worker)
+        if len(commits) < config.replicas_per_step:
+            return PushResult(True, self.version, "committed")
+        chosen = commits[: config.replicas_per_step]
+        self._decided[version] = chosen
+        self._apply_sync_locked(version, chosen)
+        return PushResult(
+            True, self.version, "applied", commit={"version": version, "workers": chosen}
+        )
+
+    def apply_sync(self, version: int, workers: list[str], timeout: float = 60.0) -> int:
+        """Applies step ``version`` as the average of ``workers``' buffered gradients.
+
+        Called on every shard but ps 0 when ps 0 decided the step.
+
+        Raises:
+            PSError: a chosen worker's gradients never reached this shard.
+        """
+        with self._cond:
+            if version < self.version:
+                return self.version  # already applied (a retried fan-out)
+            if version > self.version:
+                raise PSError(
+                    f"apply of version {version}, but ps:{self.ps_index} is at {self.version}"
+                )
+            pending = self._pending.get(version, {})
+            missing = [w for w in workers if w not in pending]
+            if missing:
+                raise PSError(
+                    f"ps:{self.ps_index} has no gradients of {missing} for version {version}"
+                )
+            self._apply_sync_locked(version, workers)
+            return self.version
+
+    def _apply_sync_locked(self, version: int, workers: list[str]) -> None:
+        pending = self._pending.pop(version, {})
+        parts = [pending[w] for w in workers]
+        names = set().union(*(p.grads for p in parts))
+        averaged = {}
+        for name in names:
+            grads = [p.grads[name] for p in parts if name in p.grads]
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total.add_(g)
+            averaged[name] = total.div_(len(parts))
+        self._step(averaged, parts[0].hyper if parts else None, 1.0)
+        for p in parts:
+            if p.lease is not None:
+                self.applied_leases.add(p.lease)
+        dropped = len(pending) - len(parts)
+        if dropped > 0:
+            self.stats["dropped_late"] += dropped
+        for old in [v for v in self._pending if v <= version]:
+            self.stats["dropped_late"] += len(self._pending.pop(old))
+        self._commits.pop(version, None)
+        self.version = version + 1
+        self.stats["applied"] += 1
+        self._cond.notify_all()
+
+    # Checkpoint hooks -------------------------------------------------------------
+
+    def quiesce(self, timeout: float = 60.0) -> int:
+        """Holds new pushes and waits for in-flight ones; returns the version held at."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._held = True
+            while self._busy:
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    raise PSError(f"ps:{self.ps_index}: pushes still in flight after {timeout:g}s")
+            return self.version
+
+    def resume(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def begin_fanout(self) -> None:
+        """Marks a sync step's fan-out to other shards as in flight (quiesce waits for it)."""
+        with self._cond:
+            self._busy += 1
+
+    def end_fanout(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything needed to resume: variables, optimizer slots, version, leases."""
+        with self._cond:
+            tensors = {f"var/{n}": t.clone() for n, t in self.vars.items()}
+            meta: dict[str, Any] = {
+                "ps_index": self.ps_index,
+                "version": self.version,
+                "applied_leases": sorted(self.applied_leases),
+                "config": self.config.to_dict() if self.config else None,
+                "optimizer": self.optimizer_spec.to_dict() if self.optimizer_spec else None,
+                "group_of": dict(self.group_of),
+                "trainable": dict(self.trainable),
+                "slots": {},
+            }
+            if self.optimizer is not None:
+                index = {id(p): n for n, p in self.vars.items()}
+                for param, slots in self.optimizer.state.items():
+                    name = index[id(param)]
+                    scalars = {}
+                    for key, value in slots.items():
+                        if isinstance(value, torch.Tensor):
+                            tensors[f"slot/{name}/{key}"] = value.clone()
+                        else:
+                            scalars[key] = value
+                    meta["slots"][name] = scalars
+            return meta, tensors
+
+    def load_state(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replaces everything with a state from ``state()``."""
+        with self._cond:
+            self.config = PSConfig.from_dict(meta["config"]) if meta.get("config") else None
+            self.vars = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("var/")}
+            self.trainable = {str(k): bool(v) for k, v in meta["trainable"].items()}
+            self.version = int(meta["version"])
+            self.applied_leases = set(meta.get("applied_leases") or [])
+            self.optimizer = None
+            self.optimizer_spec = None
+            self._pending.clear()
+            self._commits.clear()
+            if meta.get("optimizer"):
+                spec = OptimizerSpec.from_dict(meta["optimizer"])
+                self.set_optimizer(spec, meta["group_of"])  # the lock is re-entrant
+                assert self.optimizer is not None or not any(self.trainable.values())
+                if self.optimizer is not None:
+                    for name, scalars in meta.get("slots", {}).items():
+                        slots: dict[str, Any] = dict(scalars)
+                        prefix = f"slot/{name}/"
+                        for key, value in tensors.items():
+                            if key.startswith(prefix):
+                                slots[key[len(prefix) :]] = value.clone()
+                        self.optimizer.state[self.vars[name]] = slots
+            self._cond.notify_all()
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"version": self.version, **dict(self.stats)}

@@ -1,0 +1,432 @@
+"""``ParameterServerStrategy`` (between-graph) and ``CentralStorageStrategy``.
+
+Every worker runs the same script::
+
+    strategy = ParameterServerStrategy(mode="sync")
+    with strategy.scope():
+        model = Net()                                  # variables go to the ps tasks
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()                               # applied on the ps
+        optimizer.zero_grad()
+        return loss
+
+    for x, y in strategy.distribute(batches):
+        strategy.run(step, args=(x, y))
+
+``run`` pulls the current values into the model, runs the step, and when the step
+calls ``optimizer.step()`` a global optimizer pre-hook pushes the gradients (one
+message per ps task) and clears them, so torch's local step does nothing: the update
+happens on the ps, with the optimizer's current hyper-parameters (a schedule's lr).
+In async mode each push's reply carries the shard's fresh values, so the next step
+needs no pull; in sync mode the pull of the next version starts right after the push,
+in the background, and the next ``run`` waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from clusterflow.errors import ConfigError
+from clusterflow.ps.api import (
+    Mode,
+    Placement,
+    PSConfig,
+    Shard,
+    StalePolicy,
+    VariableSpec,
+    WireDtype,
+)
+from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
+from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
+from clusterflow.ps.placement import Partitioner, place
+from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
+from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+from clusterflow.strategies.variables import Recorded, recording
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Var:
+    tensor: torch.Tensor
+    spec: VariableSpec
+    shards: tuple[Shard, ...]
+
+
+class ParameterServerStrategy(Strategy):
+    """Variables on ps tasks; workers pull values and push gradients.
+
+    Args:
+        cluster_resolver: the cluster; by default from ``TF_CONFIG``.
+        mode: ``async`` (apply each push on arrival) or ``sync`` (average N replicas).
+        backup_workers: sync only; a step takes the first N = replicas - k pushes.
+        max_staleness: async only; pushes from values older than this are stale.
+        stale_policy: ``drop`` stale pushes, or ``scale`` their lr by 1/staleness.
+        staleness_aware_lr: async only; every push's lr is scaled by 1/staleness.
+        warmup_steps: async only; the chief alone takes the first W global steps.
+        variable_partitioner: splits large variables into shards across ps tasks.
+        gradient_wire_dtype: ``bfloat16`` halves the bytes of every push.
+        value_wire_dtype: ``bfloat16`` halves the bytes of every pull.
+        reject_nonfinite: the ps refuses NaN/Inf gradients.
+        deadline_s: every call to a ps must answer within this many seconds.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        *,
+        mode: Mode = "async",
+        backup_workers: int = 0,
+        max_staleness: int | None = None,
+        stale_policy: StalePolicy = "drop",
+        staleness_aware_lr: bool = False,
+        warmup_steps: int = 0,
+        variable_partitioner: Partitioner | None = None,
+        gradient_wire_dtype: WireDtype = "float32",
+        value_wire_dtype: WireDtype = "float32",
+        reject_nonfinite: bool = True,
+        deadline_s: float = 120.0,
+        _connection: PSConnection | None = None,
+    ) -> None:
+        self._resolver = cluster_resolver or TFConfigClusterResolver()
+        task = self._resolver.task
+        self._worker = str(task) if task is not None else "local:0"
+        replicas = self._resolver.num_workers() if _connection is None else 1
+        self.config = PSConfig(
+            mode=mode,
+            num_replicas=max(1, replicas),
+            backup_workers=backup_workers,
+            max_staleness=max_staleness,
+            stale_policy=stale_policy,
+            staleness_aware_lr=staleness_aware_lr,
+            warmup_steps=warmup_steps,
+            reject_nonfinite=reject_nonfinite,
+        )
+        for name, value in (("gradient", gradient_wire_dtype), ("value", value_wire_dtype)):
+            if value not in ("float32", "bfloat16"):
+                raise ConfigError(f"{name}_wire_dtype must be float32 or bfloat16, got {value!r}")
+        self._grad_dtype = gradient_wire_dtype
+        self._value_dtype = value_wire_dtype
+        self._partitioner = variable_partitioner
+        self._deadline = deadline_s
+        self._ps: PSConnection = _connection or RemotePS(
+            self._resolver.cluster_spec, self._resolver.require_credentials(), deadline=deadline_s
+        )
+        self._vars: list[_Var] = []
+        self._by_tensor: dict[int, _Var] = {}
+        self.placement = Placement()
+        self._versions = [0] * self._ps.num_ps
+        self._next: Future[tuple[list[int], dict[str, torch.Tensor]]] | None = None
+        self._ready_values: tuple[list[int], dict[str, torch.Tensor]] | None = None
+        self._optimizers: set[int] = set()
+        self._in_run = False
+        self._pushed = False
+        self._warm = self.config.warmup_steps == 0 or self.is_chief
+        self.steps = 0
+        self.dropped_pushes = 0
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
+        self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+
+    # Strategy API ------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return (
+            self.config.replicas_per_step
+            if self.config.mode == "sync"
+            else self.config.num_replicas
+        )
+
+    @property
+    def is_chief(self) -> bool:
+        return self._resolver.is_chief
+
+    @property
+    def worker_index(self) -> int:
+        """This replica's index among the chief and the workers (chief first)."""
+        spec, task = self._resolver.cluster_spec, self._resolver.task
+        if task is None:
+            return 0
+        order = [t for t in spec.tasks() if t.job in ("chief", "worker")]
+        return order.index(task) if task in order else 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[ParameterServerStrategy]:
+        """Variables created inside are placed on the ps tasks when the scope closes."""
+        with recording() as recorder:
+            yield self
+        self._create(recorder.items)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Pull, run ``fn`` (which calls ``optimizer.step()``), push.
+
+        Raises:
+            StrategyError: no variables were created in ``scope()``, or ``fn`` computed
+                gradients but never called ``optimizer.step()``.
+        """
+        if not self._vars:
+            raise StrategyError("no variables: create the model inside strategy.scope() first")
+        self._wait_warmup()
+        self._load_values()
+        self._in_run, self._pushed = True, False
+        try:
+            result = fn(*args, **(kwargs or {}))
+        finally:
+            self._in_run = False
+        if not self._pushed and any(v.tensor.grad is not None for v in self._vars):
+            raise StrategyError(
+                "the step computed gradients but did not call optimizer.step(); under "
+                "ParameterServerStrategy the update is applied on the ps when it is called"
+            )
+        self.steps += 1
+        return result
+
+    def reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Each worker runs one replica: the reduction over this worker's replicas is the value."""
+        parse_reduce_op(op)
+        return value
+
+    def distribute(
+        self, dataset: Iterable[Any], global_batch_size: int | None = None
+    ) -> Iterator[Any]:
+        """Every ``num_replicas``-th element, starting at this worker's index."""
+        count, index = self.config.num_replicas, self.worker_index
+        for i, element in enumerate(dataset):
+            if i % count == index:
+                yield element
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "versions": list(self._versions)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+
+    # Extras ------------------------------------------------------------------------
+
+    def global_step(self) -> int:
+        """Steps applied so far: the version of ps 0."""
+        body, _ = self._ps.call(0, "stats")
+        return int(body["version"])
+
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """Per ps task: version, pushes, applied, dropped_stale, dropped_late, ..."""
+        return self._ps.map(lambda i: self._ps.call(i, "stats")[0], range(self._ps.num_ps))
+
+    def close(self) -> None:
+        """Removes the optimizer hook and closes the connections."""
+        self._hook.remove()
+        self._prefetcher.shutdown(wait=False, cancel_futures=True)
+        self._ps.close()
+
+    # Creating variables -----------------------------------------------------------
+
+    def _create(self, items: list[Recorded]) -> None:
+        if not items:
+            return
+        specs = [
+            VariableSpec(
+                name=item.name,
+                shape=tuple(item.tensor.shape),
+                dtype=str(item.tensor.dtype).removeprefix("torch."),
+                trainable=item.trainable,
+                device=item.device,
+            )
+            for item in items
+        ]
+        self.placement = place(specs, self._ps.num_ps, self._partitioner)
+        for item, spec in zip(items, specs, strict=True):
+            var = _Var(item.tensor, spec, self.placement.shards[spec.name])
+            self._vars.append(var)
+            self._by_tensor[id(item.tensor)] = var
+
+        def create(index: int) -> None:
+            shards = self.placement.on_ps(index)
+            if not shards:
+                return
+            decl = [
+                {
+                    "name": s.name,
+                    "shape": list(s.shape),
+                    "dtype": self._spec_of(s).dtype,
+                    "trainable": self._spec_of(s).trainable,
+                }
+                for s in shards
+            ]
+            values = {s.name: self._slice(self._var_of(s).tensor.detach(), s) for s in shards}
+            self._ps.call(index, "create", {"config": self.config.to_dict(), "vars": decl}, values)
+
+        self._ps.map(create, range(self._ps.num_ps))
+        # Whoever created first, everyone now starts from the same values.
+        self._ready_values = self._pull([0] * self._ps.num_ps)
+
+    def _spec_of(self, shard: Shard) -> VariableSpec:
+        return self._var_of(shard).spec
+
+    def _var_of(self, shard: Shard) -> _Var:
+        return next(v for v in self._vars if v.spec.name == shard.variable)
+
+    @staticmethod
+    def _slice(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+        return tensor if shard.whole else tensor[shard.start : shard.stop]
+
+    # Values ------------------------------------------------------------------------
+
+    def _pull(self, min_versions: list[int]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        def pull(index: int) -> tuple[int, dict[str, torch.Tensor]]:
+            body = {
+                "min_version": min_versions[index],
+                "dtype": self._value_dtype,
+                "timeout": self._deadline,
+            }
+            reply, tensors = self._ps.call(index, "pull", body)
+            return int(reply["version"]), tensors
+
+        results = self._ps.map(pull, range(self._ps.num_ps))
+        values: dict[str, torch.Tensor] = {}
+        for _, tensors in results:
+            values.update(tensors)
+        return [r[0] for r in results], values
+
+    def _load_values(self) -> None:
+        """Copies the newest values into the local tensors (waiting for a prefetch)."""
+        if self._next is not None:
+            ready = self._next.result()
+            self._next = None
+        elif self._ready_values is not None:
+            ready = self._ready_values
+        else:
+            ready = self._pull(self._versions)
+        self._ready_values = None
+        versions, values = ready
+        self._versions = versions
+        with torch.no_grad():
+            for var in self._vars:
+                parts = [values[s.name] for s in var.shards]
+                value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+                var.tensor.copy_(value)
+
+    def _wait_warmup(self) -> None:
+        if self._warm:
+            return
+        self._ps.call(0, "wait_version", {"version": self.config.warmup_steps, "timeout": 1e9})
+        self._warm = True
+
+    # Pushing -----------------------------------------------------------------------
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._in_run:
+            return
+        tracked = [
+            (g, self._by_tensor[id(p)])
+            for g, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+            if id(p) in self._by_tensor
+        ]
+        if not tracked:
+            return
+        if id(optimizer) not in self._optimizers:
+            self._register_optimizer(optimizer, tracked)
+        hyper = [hyperparameters(g) for g in optimizer.param_groups]
+        per_ps: list[dict[str, torch.Tensor]] = [{} for _ in range(self._ps.num_ps)]
+        for _, var in tracked:
+            grad = var.tensor.grad
+            if grad is None or not var.spec.trainable:
+                continue
+            grad = grad.detach()
+            if self._grad_dtype == "bfloat16" and grad.is_floating_point():
+                grad = grad.to(torch.bfloat16)
+            for shard in var.shards:
+                per_ps[shard.ps][f"g/{shard.name}"] = self._slice(grad, shard)
+        if self.is_chief:
+            for var in self._vars:
+                if not var.spec.trainable:
+                    for shard in var.shards:
+                        per_ps[shard.ps][f"b/{shard.name}"] = self._slice(
+                            var.tensor.detach(), shard
+                        )
+        self._push(per_ps, hyper)
+        for _, var in tracked:
+            var.tensor.grad = None  # torch's own step then leaves the tensor alone
+        self._pushed = True
+
+    def _register_optimizer(
+        self, optimizer: torch.optim.Optimizer, tracked: list[tuple[int, _Var]]
+    ) -> None:
+        spec = OptimizerSpec.of(optimizer)
+        group_of = {shard.name: g for g, var in tracked for shard in var.shards}
+        self._ps.map(
+            lambda i: self._ps.call(i, "optimizer", {"spec": spec.to_dict(), "group_of": group_of}),
+            range(self._ps.num_ps),
+        )
+        self._optimizers.add(id(optimizer))
+
+    def _push(self, per_ps: list[dict[str, torch.Tensor]], hyper: list[dict[str, Any]]) -> None:
+        sync = self.config.mode == "sync"
+
+        def push(
+            index: int, commit: bool = False
+        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+            body = {
+                "worker": self._worker,
+                "version": self._versions[index],
+                "hyper": hyper,
+                "commit": commit,
+                "want_values": not sync,
+                "values_dtype": self._value_dtype,
+                "timeout": self._deadline,
+            }
+            reply, tensors = self._ps.call(index, "push", body, per_ps[index])
+            return dict(reply), tensors
+
+        if sync:
+            others = [i for i in range(self._ps.num_ps) if i != 0]
+            replies = self._ps.map(push, others)
+            replies.insert(0, push(0, commit=True))
+            if any(not r[0]["applied"] for r in replies):
+                self.dropped_pushes += 1
+            targets = [self._versions[i] + 1 for i in range(self._ps.num_ps)]
+            self._next = self._prefetcher.submit(self._pull, targets)
+            return
+        replies = self._ps.map(push, range(self._ps.num_ps))
+        if any(not r[0]["applied"] for r in replies):
+            self.dropped_pushes += 1
+        if all(r[1] or not self.placement.on_ps(i) for i, r in enumerate(replies)):
+            values: dict[str, torch.Tensor] = {}
+            for _, tensors in replies:
+                values.update(tensors)
+            self._ready_values = ([int(r[0]["version"]) for r in replies], values)
+
+
+class CentralStorageStrategy(ParameterServerStrategy):
+    """One local ps holding the variables, synchronous updates (TensorFlow's name).
+
+    The variables and the optimizer's slots live in an in-process store rather than in
+    the module itself, exactly as on a ps task; nothing crosses a socket.
+    """
+
+    def __init__(self, *, reject_nonfinite: bool = True) -> None:
+        from clusterflow.strategies.resolver import SimpleClusterResolver
+
+        super().__init__(
+            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, "chief", 0),
+            mode="sync",
+            reject_nonfinite=reject_nonfinite,
+            _connection=LocalPS(),
+        )
