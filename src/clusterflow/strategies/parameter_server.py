@@ -103,7 +103,7 @@ class ParameterServerStrategy(Strategy):
         self._resolver = cluster_resolver or TFConfigClusterResolver()
         task = self._resolver.task
         self._worker = str(task) if task is not None else "local:0"
-        replicas = self._resolver.num_workers() if _connection is None else 1
+        replicas = self._resolver.num_workers()
         self.config = PSConfig(
             mode=mode,
             num_replicas=max(1, replicas),

@@ -38,9 +38,11 @@ class Recorder:
     def __init__(self) -> None:
         self.items: list[Recorded] = []
         self._seen: set[int] = set()
+        self.thread = threading.get_ident()
 
     def add(self, tensor: torch.Tensor, label: str, trainable: bool) -> None:
-        if id(tensor) in self._seen:
+        # torch's hooks are global: modules built by other threads are not ours.
+        if id(tensor) in self._seen or threading.get_ident() != self.thread:
             return
         self._seen.add(id(tensor))
         self.items.append(

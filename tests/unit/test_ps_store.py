@@ -1,0 +1,215 @@
+"""The rules of a ps task's store: sync steps, backups, staleness, leases, bad pushes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from clusterflow.errors import ConfigError
+from clusterflow.ps.api import PSConfig, PSError, PushRejected
+from clusterflow.ps.optimizer import OptimizerSpec
+from clusterflow.ps.store import VariableStore
+
+
+def make_store(config: PSConfig, optimizer: str = "SGD", **hyper: object) -> VariableStore:
+    store = VariableStore(0)
+    decl = [
+        {"name": "w", "shape": [4, 3], "dtype": "float32"},
+        {"name": "b", "shape": [3], "dtype": "float32"},
+        {"name": "count", "shape": [], "dtype": "int64", "trainable": False},
+    ]
+    values = {"w": torch.ones(4, 3), "b": torch.zeros(3), "count": torch.tensor(0)}
+    store.create(config, decl, values)
+    groups = ({"lr": 0.1, **hyper},)
+    store.set_optimizer(OptimizerSpec(optimizer, groups), {"w": 0, "b": 0})
+    return store
+
+
+def grads(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4, 3), value), "b": torch.full((3,), value)}
+
+
+def test_create_keeps_the_first_value_and_rejects_redeclaration() -> None:
+    store = make_store(PSConfig())
+    again = store.create(
+        PSConfig(), [{"name": "w", "shape": [4, 3], "dtype": "float32"}], {"w": torch.zeros(4, 3)}
+    )
+    assert again == []
+    assert torch.equal(store.vars["w"], torch.ones(4, 3))
+    with pytest.raises(PSError, match="'w'"):
+        store.create(
+            PSConfig(), [{"name": "w", "shape": [5], "dtype": "float32"}], {"w": torch.zeros(5)}
+        )
+    with pytest.raises(PSError, match="every worker must build the same strategy"):
+        store.create(PSConfig(mode="sync"), [], {})
+
+
+def test_async_applies_each_push_on_arrival() -> None:
+    store = make_store(PSConfig())
+    result = store.push(worker="worker:0", version=0, grads=grads(1.0), want_values=True)
+    assert result.applied and result.version == 1
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 0.9))
+    assert torch.allclose(result.values["w"], store.vars["w"])
+    store.push(worker="worker:1", version=0, grads=grads(1.0))
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 0.8))
+
+
+def test_sync_step_averages_n_replicas_once() -> None:
+    store = make_store(PSConfig(mode="sync", num_replicas=2))
+    first = store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)
+    assert first.applied and store.version == 0  # waiting for the second replica
+    second = store.push(worker="worker:1", version=0, grads=grads(3.0), commit=True)
+    assert second.commit == {"version": 0, "workers": ["worker:0", "worker:1"]}
+    assert store.version == 1
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 1.0 - 0.1 * 2.0))
+
+
+def test_backup_worker_push_is_dropped_and_counted() -> None:
+    store = make_store(PSConfig(mode="sync", num_replicas=3, backup_workers=1))
+    store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)
+    store.push(worker="worker:2", version=0, grads=grads(1.0), commit=True)
+    assert store.version == 1  # two of three made the step; nobody waited for worker:1
+    late = store.push(worker="worker:1", version=0, grads=grads(100.0), commit=True)
+    assert not late.applied and late.reason == "late"
+    assert store.snapshot_stats()["dropped_late"] == 1
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 0.9))
+
+
+def test_sync_fan_out_applies_the_chosen_replicas_on_other_shards() -> None:
+    shard = make_store(PSConfig(mode="sync", num_replicas=3, backup_workers=1))
+    for worker, value in (("worker:0", 1.0), ("worker:1", 50.0), ("worker:2", 3.0)):
+        shard.push(worker=worker, version=0, grads=grads(value))  # buffered, no commit
+    shard.apply_sync(0, ["worker:0", "worker:2"])  # ps 0 decided: worker:1 was late
+    assert shard.version == 1
+    assert torch.allclose(shard.vars["w"], torch.full((4, 3), 1.0 - 0.1 * 2.0))
+    assert shard.apply_sync(0, ["worker:0", "worker:2"]) == 1  # a retried fan-out is a no-op
+    shard.push(worker="worker:9", version=1, grads=grads(1.0))
+    with pytest.raises(PSError, match=r"\['worker:8'\]"):
+        shard.apply_sync(1, ["worker:9", "worker:8"])  # worker:8 never pushed here
+
+
+@pytest.mark.parametrize("policy", ["drop", "scale"])
+def test_max_staleness_drops_or_scales(policy: str) -> None:
+    store = make_store(PSConfig(max_staleness=1, stale_policy=policy))  # type: ignore[arg-type]
+    for _ in range(3):
+        store.push(worker="worker:0", version=store.version, grads=grads(1.0))
+    before = store.vars["w"].clone()
+    result = store.push(worker="worker:1", version=0, grads=grads(1.0))
+    assert result.staleness == 3
+    if policy == "drop":
+        assert not result.applied and result.reason == "stale"
+        assert torch.equal(store.vars["w"], before)
+        assert store.snapshot_stats()["dropped_stale"] == 1
+    else:
+        assert result.applied
+        assert torch.allclose(store.vars["w"], before - 0.1 / 3)
+
+
+def test_staleness_aware_learning_rate() -> None:
+    store = make_store(PSConfig(staleness_aware_lr=True))
+    store.push(worker="worker:0", version=0, grads=grads(1.0))
+    store.push(worker="worker:0", version=1, grads=grads(1.0))
+    before = store.vars["b"].clone()
+    store.push(worker="worker:1", version=0, grads=grads(1.0))  # staleness 2
+    assert torch.allclose(store.vars["b"], before - 0.1 / 2)
+
+
+def test_a_lease_is_applied_at_most_once() -> None:
+    store = make_store(PSConfig())
+    assert store.push(worker="worker:0", version=0, grads=grads(1.0), lease="L1").applied
+    again = store.push(worker="worker:1", version=1, grads=grads(1.0), lease="L1")
+    assert not again.applied and again.reason == "duplicate lease"
+    assert store.version == 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"nope": torch.zeros(3)}, "'nope'"),
+        ({"w": torch.zeros(3, 4)}, r"\(3, 4\)"),
+        ({"w": torch.zeros(4, 3, dtype=torch.int32)}, "int32"),
+        ({"w": torch.full((4, 3), float("nan"))}, "NaN"),
+        ({"b": torch.tensor([0.0, float("inf"), 0.0])}, "NaN or Inf"),
+        ({"count": torch.tensor(1)}, "non-trainable"),
+    ],
+)
+def test_bad_pushes_are_refused_and_the_store_keeps_serving(
+    bad: dict[str, torch.Tensor], match: str
+) -> None:
+    store = make_store(PSConfig())
+    before = store.vars["w"].clone()
+    with pytest.raises(PushRejected, match=match):
+        store.push(worker="worker:0", version=0, grads={"b": torch.ones(3), **bad})
+    assert torch.equal(store.vars["w"], before) and store.version == 0
+    assert store.push(worker="worker:0", version=0, grads=grads(1.0)).applied
+
+
+def test_nonfinite_gradients_can_be_allowed() -> None:
+    store = make_store(PSConfig(reject_nonfinite=False))
+    assert store.push(
+        worker="worker:0", version=0, grads={"b": torch.full((3,), float("nan"))}
+    ).applied
+
+
+def test_bf16_gradients_are_widened() -> None:
+    store = make_store(PSConfig())
+    store.push(worker="worker:0", version=0, grads={"w": torch.ones(4, 3, dtype=torch.bfloat16)})
+    assert store.vars["w"].dtype == torch.float32
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 0.9))
+
+
+def test_quiesce_holds_pushes_until_resume() -> None:
+    store = make_store(PSConfig())
+    assert store.quiesce() == 0
+    done = threading.Event()
+
+    def push() -> None:
+        store.push(worker="worker:0", version=0, grads=grads(1.0))
+        done.set()
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    assert not done.wait(0.3)  # held: the version cannot move while quiesced
+    assert store.version == 0
+    store.resume()
+    thread.join(10)
+    assert done.is_set() and store.version == 1
+    with pytest.raises(PSError, match="quiesced"):
+        store.quiesce()
+        store.push(worker="worker:0", version=1, grads=grads(1.0), timeout=0.2)
+
+
+def test_state_round_trip_restores_values_slots_and_leases() -> None:
+    store = make_store(PSConfig(), "Adam", betas=[0.9, 0.999])
+    for i in range(3):
+        store.push(worker="worker:0", version=i, grads=grads(float(i + 1)), lease=f"L{i}")
+    meta, tensors = store.state()
+    restored = VariableStore(0)
+    restored.load_state(meta, tensors)
+    assert restored.version == 3 and restored.applied_leases == {"L0", "L1", "L2"}
+    for name in ("w", "b", "count"):
+        assert torch.equal(restored.vars[name], store.vars[name])
+    # Both continue identically: Adam's moments and step counts came back too.
+    store.push(worker="worker:0", version=3, grads=grads(0.5))
+    restored.push(worker="worker:0", version=3, grads=grads(0.5))
+    assert torch.equal(restored.vars["w"], store.vars["w"])
+
+
+def test_pull_waits_for_a_version() -> None:
+    store = make_store(PSConfig())
+    with pytest.raises(PSError, match="version 1 did not come"):
+        store.pull(None, min_version=1, timeout=0.1)
+    threading.Timer(0.1, lambda: store.push(worker="w", version=0, grads=grads(1.0))).start()
+    version, values = store.pull(["w"], min_version=1, timeout=10)
+    assert version == 1 and set(values) == {"w"}
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="backup_workers"):
+        PSConfig(mode="sync", num_replicas=2, backup_workers=2)
+    with pytest.raises(ConfigError, match="needs mode='sync'"):
+        PSConfig(num_replicas=3, backup_workers=1)
+    with pytest.raises(ConfigError, match="'nope'"):
+        PSConfig(mode="nope")  # type: ignore[arg-type]

@@ -1,0 +1,290 @@
+"""ParameterServerStrategy and CentralStorageStrategy, with replicas as threads on one store."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clusterflow.errors import ConfigError
+from clusterflow.ps.client import LocalPS
+from clusterflow.ps.placement import MinSizePartitioner
+from clusterflow.strategies import SimpleClusterResolver, StrategyError
+from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.strategies.variables import Variable, device
+
+STEPS = 5
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+def resolver(index: int, workers: int) -> Any:
+    spec = {"worker": [f"127.0.0.1:{2000 + i}" for i in range(workers)], "ps": ["127.0.0.1:3000"]}
+    return SimpleClusterResolver(spec, "worker", index)
+
+
+def replicas(workers: int, connection: LocalPS, **options: Any) -> list[ParameterServerStrategy]:
+    return [
+        ParameterServerStrategy(resolver(i, workers), _connection=connection, **options)
+        for i in range(workers)
+    ]
+
+
+def run_threads(fns: list[Callable[[], None]]) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a replica hung"
+    if errors:
+        raise errors[0]
+
+
+def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[..., float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_sync_matches_one_process_on_the_concatenated_batch(optimizer: str) -> None:
+    ref = make_model()
+    ref_opt = OPTIMIZERS[optimizer](ref.parameters())
+    expected = []
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(step, r) for r in range(2)), strict=True)
+        F.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append([p.detach().clone() for p in ref.parameters()])
+
+    connection = LocalPS()
+    strategies = replicas(2, connection, mode="sync")
+    models, seen = [], [[] for _ in strategies]
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+            models.append((model, OPTIMIZERS[optimizer](model.parameters())))
+
+    def replica(i: int) -> Callable[[], None]:
+        def go() -> None:
+            s, (model, opt) = strategies[i], models[i]
+            for step in range(STEPS):
+                s.run(step_fn(model, opt), batch(step, i))
+                s._load_values()
+                seen[i].append([p.detach().clone() for p in model.parameters()])
+
+        return go
+
+    run_threads([replica(0), replica(1)])
+    for step in range(STEPS):
+        for i in range(2):
+            for got, want in zip(seen[i][step], expected[step], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert connection.store.version == STEPS
+
+
+def test_backup_worker_never_delays_a_step_and_its_push_is_dropped() -> None:
+    connection = LocalPS()
+    strategies = replicas(3, connection, mode="sync", backup_workers=1)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+            models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    store = connection.store
+
+    def replica(i: int, steps: int, slow: bool) -> Callable[[], None]:
+        def go() -> None:
+            model, opt = models[i]
+            inner = step_fn(model, opt)
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> float:
+                if slow:  # held until the others made 3 steps: they must not wait for it
+                    store.wait_version(3, timeout=30)
+                return inner(x, y)
+
+            for step_index in range(steps):
+                strategies[i].run(step, batch(step_index, i))
+
+        return go
+
+    run_threads([replica(0, 3, False), replica(1, 3, False), replica(2, 1, True)])
+    stats = store.snapshot_stats()
+    assert stats["version"] == 3
+    assert stats["dropped_late"] == 1
+    assert strategies[2].dropped_pushes == 1
+
+
+@pytest.mark.parametrize("policy", ["drop", "scale"])
+def test_async_held_back_worker_is_stale(policy: str) -> None:
+    connection = LocalPS()
+    strategies = replicas(2, connection, max_staleness=2, stale_policy=policy)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+            models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    fast, slow = strategies
+    fast_step = step_fn(*models[0])
+    slow_model, slow_opt = models[1]
+    slow_inner = step_fn(slow_model, slow_opt)
+
+    def held(x: torch.Tensor, y: torch.Tensor) -> float:
+        for k in range(4):  # the other worker moves 4 steps on meanwhile
+            fast.run(fast_step, batch(k, 0))
+        return slow_inner(x, y)
+
+    before = [p.detach().clone() for p in connection.store.vars.values()]
+    slow.run(held, batch(0, 1))
+    stats = connection.store.snapshot_stats()
+    if policy == "drop":
+        assert stats["dropped_stale"] == 1 and stats["version"] == 4
+        assert slow.dropped_pushes == 1
+    else:
+        assert stats["scaled_stale"] == 1 and stats["version"] == 5
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, connection.store.vars.values(), strict=True)
+    )
+
+
+def test_async_replicas_train() -> None:
+    connection = LocalPS()
+    strategies = replicas(2, connection)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+            models.append((model, torch.optim.Adam(model.parameters(), lr=0.02)))
+    x, y = batch(0, 0)
+    losses: list[list[float]] = [[], []]
+
+    def replica(i: int) -> Callable[[], None]:
+        def go() -> None:
+            for _ in range(30):
+                losses[i].append(strategies[i].run(step_fn(*models[i]), (x, y)))
+
+        return go
+
+    run_threads([replica(0), replica(1)])
+    assert connection.store.version == 60
+    assert losses[0][-1] < losses[0][0] * 0.5
+
+
+def test_partitioned_variables_and_explicit_devices_and_buffers() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Linear(6, 40)
+            self.norm = torch.nn.BatchNorm1d(40)
+            with device("/job:ps/task:0"):
+                self.head = torch.nn.Linear(40, 3)
+
+    connection = LocalPS()
+    s = ParameterServerStrategy(
+        resolver(0, 1),
+        _connection=connection,
+        variable_partitioner=MinSizePartitioner(min_shard_bytes=64, max_shards=3),
+    )
+    with s.scope():
+        torch.manual_seed(0)
+        net = Net()
+        scale = Variable(torch.ones(3), name="scale")
+        opt = torch.optim.SGD([*net.parameters(), scale], lr=0.1)
+    names = list(s.placement.shards)
+    # emb 2 + norm 5 (weight, bias, running stats, batch count) + head 2 + scale
+    assert len(names) == 10 and names[-1] == "v0009.scale"
+    assert len(s.placement.shards[names[0]]) == 3  # the 40x6 weight was split in three
+    head = [n for n in names if n.startswith(("v0007.", "v0008."))]
+    assert all(sh.ps == 0 for n in head for sh in s.placement.shards[n])
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(net.head(net.norm(net.emb(x))) * scale, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    s.run(step, batch(0, 0))
+    s._load_values()
+    store = connection.store
+
+    def on_ps(name: str) -> torch.Tensor:
+        return torch.cat([store.vars[shard.name] for shard in s.placement.shards[name]])
+
+    assert [sh.name for sh in s.placement.shards[names[0]]] == [
+        f"{names[0]}/part_{i}" for i in range(3)
+    ]
+    assert torch.equal(on_ps(names[0]), net.emb.weight.detach())
+    running_mean = next(n for n in names if n.endswith("running_mean"))
+    assert torch.equal(on_ps(running_mean), net.norm.running_mean)  # the chief's buffers
+    assert not torch.equal(on_ps(running_mean), torch.zeros(40))
+
+
+def test_central_storage_matches_plain_training_with_a_schedule() -> None:
+    ref = make_model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5)
+    s = CentralStorageStrategy()
+    with s.scope():
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for step in range(6):
+        step_fn(ref, ref_opt)(*batch(step, 0))
+        ref_sched.step()
+        s.run(step_fn(model, opt), batch(step, 0))
+        sched.step()
+    s._load_values()
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_misuse_gives_clear_errors() -> None:
+    s = CentralStorageStrategy()
+    with pytest.raises(StrategyError, match=r"inside strategy.scope\(\)"):
+        s.run(lambda: None)
+    with s.scope():
+        model = make_model()
+    with pytest.raises(StrategyError, match=r"did not call optimizer.step\(\)"):
+        s.run(lambda: F.cross_entropy(model(batch(0, 0)[0]), batch(0, 0)[1]).backward())
+    with pytest.raises(ConfigError, match="LBFGS"):
+        s.run(step_fn(model, torch.optim.LBFGS(model.parameters())), batch(0, 0))
+    with pytest.raises(ConfigError, match=r"inside strategy\.scope"):
+        Variable(torch.zeros(2))
+    with pytest.raises(ConfigError, match="ps tasks only"), device("/job:worker/task:0"):
+        pass
+    with pytest.raises(ConfigError, match="wire_dtype"):
+        ParameterServerStrategy(resolver(0, 1), _connection=LocalPS(), gradient_wire_dtype="int8")  # type: ignore[arg-type]
