@@ -213,3 +213,16 @@ def test_config_validation() -> None:
         PSConfig(num_replicas=3, backup_workers=1)
     with pytest.raises(ConfigError, match="'nope'"):
         PSConfig(mode="nope")  # type: ignore[arg-type]
+
+
+def test_a_departed_replica_lowers_the_quorum_and_completes_a_waiting_step() -> None:
+    store = make_store(PSConfig(mode="sync", num_replicas=3))
+    store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)
+    store.push(worker="worker:1", version=0, grads=grads(3.0), commit=True)
+    assert store.version == 0  # 2 of 3
+    assert store.leave("worker:2") == {"version": 0, "workers": ["worker:0", "worker:1"]}
+    assert store.version == 1
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 0.8))
+    store.leave("worker:1")
+    result = store.push(worker="worker:0", version=1, grads=grads(1.0), commit=True)
+    assert result.commit == {"version": 1, "workers": ["worker:0"]}  # alone now

@@ -130,6 +130,9 @@ class LocalPS:
             return reply, result.values
         if method == "stats":
             return store.snapshot_stats(), {}
+        if method == "leave":
+            store.leave(str(body["worker"]))
+            return None, {}
         if method == "wait_version":
             return {
                 "version": store.wait_version(

@@ -59,6 +59,7 @@ class PSService:
             "state",
             "load_state",
             "stats",
+            "leave",
         ):
             server.register(f"ps.{name}", getattr(self, f"_on_{name}"), blocking=True)
 
@@ -144,6 +145,11 @@ class PSService:
 
     def _on_load_state(self, request: Request) -> None:
         self.store.load_state(request.body or {}, request.tensors)
+
+    def _on_leave(self, request: Request) -> None:
+        commit = self.store.leave(str((request.body or {})["worker"]))
+        if commit is not None and len(self._peer_addresses) > 1:
+            self._fan_out(commit)
 
     def _on_stats(self, request: Request) -> dict[str, Any]:
         return self.store.snapshot_stats()

@@ -75,10 +75,10 @@ class VariableStore:
         self.applied_leases: set[str] = set()
         self._pending: dict[int, dict[str, _Pending]] = {}
         self._commits: dict[int, list[str]] = {}
-        self._decided: dict[int, list[str]] = {}
         self.stats: Counter[str] = Counter()
         self._held = False
         self._busy = 0
+        self._departed: set[str] = set()
 
     # Set-up -----------------------------------------------------------------------
 
@@ -353,14 +353,40 @@ class VariableStore:
         commits = self._commits.setdefault(version, [])
         if worker not in commits:
             commits.append(worker)
-        if len(commits) < config.replicas_per_step:
+        quorum = self._quorum(config)
+        if len(commits) < quorum:
             return PushResult(True, self.version, "committed")
-        chosen = commits[: config.replicas_per_step]
-        self._decided[version] = chosen
+        chosen = commits[:quorum]
         self._apply_sync_locked(version, chosen)
         return PushResult(
             True, self.version, "applied", commit={"version": version, "workers": chosen}
         )
+
+    def _quorum(self, config: PSConfig) -> int:
+        """Pushes a sync step takes: N, or fewer once replicas have left for good."""
+        present = config.num_replicas - len(self._departed)
+        return max(1, min(config.replicas_per_step, present))
+
+    def leave(self, worker: str) -> dict[str, Any] | None:
+        """A replica will push no more (its data ran out): steps stop waiting for it.
+
+        Sync training ends unevenly: without this, the last replicas would wait forever
+        for a step that needs replicas which already finished. Returns the step this
+        completed, if the lower quorum completed one (ps 0 then fans it out).
+        """
+        with self._cond:
+            self._departed.add(worker)
+            config = self.config
+            if config is None or config.mode != "sync":
+                return None
+            commits = self._commits.get(self.version, [])
+            quorum = self._quorum(config)
+            if not commits or len(commits) < quorum:
+                return None
+            version = self.version
+            chosen = commits[:quorum]
+            self._apply_sync_locked(version, chosen)
+            return {"version": version, "workers": chosen}
 
     def apply_sync(self, version: int, workers: list[str], timeout: float = 60.0) -> int:
         """Applies step ``version`` as the average of ``workers``' buffered gradients.

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from clusterflow.collective.api import (
+    CollectiveError,
+    CommunicationImplementation,
+    CommunicationOptions,
+    Compression,
+    MembershipError,
+    PeerLost,
+)
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError
 from clusterflow.strategies.resolver import (
     ClusterResolver,
@@ -9,11 +20,52 @@ from clusterflow.strategies.resolver import (
     TFConfigClusterResolver,
 )
 
+if TYPE_CHECKING:
+    from clusterflow.strategies.coordinator import ClusterCoordinator, RemoteValue, serve_worker
+    from clusterflow.strategies.mirrored import (
+        CollectiveAllReduceStrategy,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+        unwrap,
+    )
+
 __all__ = [
+    "ClusterCoordinator",
     "ClusterResolver",
+    "CollectiveAllReduceStrategy",
+    "CollectiveError",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "Compression",
+    "MembershipError",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "PeerLost",
     "ReduceOp",
+    "RemoteValue",
     "SimpleClusterResolver",
     "Strategy",
     "StrategyError",
     "TFConfigClusterResolver",
+    "serve_worker",
+    "unwrap",
 ]
+
+# Names whose modules import torch: loaded on first use, so that importing this package
+# (the resolver, from a control-plane process) stays free of torch.
+_LAZY = {
+    "ClusterCoordinator": "clusterflow.strategies.coordinator",
+    "RemoteValue": "clusterflow.strategies.coordinator",
+    "serve_worker": "clusterflow.strategies.coordinator",
+    "CollectiveAllReduceStrategy": "clusterflow.strategies.mirrored",
+    "MirroredStrategy": "clusterflow.strategies.mirrored",
+    "MultiWorkerMirroredStrategy": "clusterflow.strategies.mirrored",
+    "unwrap": "clusterflow.strategies.mirrored",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -29,6 +29,7 @@ in the background, and the next ``run`` waits for it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,6 +137,7 @@ class ParameterServerStrategy(Strategy):
         self._warm = self.config.warmup_steps == 0 or self.is_chief
         self.steps = 0
         self.dropped_pushes = 0
+        self._left = False
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
 
@@ -229,8 +231,27 @@ class ParameterServerStrategy(Strategy):
         """Per ps task: version, pushes, applied, dropped_stale, dropped_late, ..."""
         return self._ps.map(lambda i: self._ps.call(i, "stats")[0], range(self._ps.num_ps))
 
+    def pull_values(self) -> None:
+        """Copies the newest values from the ps into the local model (before evaluating).
+
+        Waits for the step this replica pushed last, if it is not applied yet.
+        """
+        self._load_values()
+
+    def leave(self) -> None:
+        """This replica will push no more: sync steps stop waiting for it.
+
+        Call it when the replica's data runs out (``close()`` does): replicas finish
+        unevenly, and the others' last steps must not wait for this one.
+        """
+        if not self._left:
+            self._left = True
+            self._ps.call(0, "leave", {"worker": self._worker})
+
     def close(self) -> None:
-        """Removes the optimizer hook and closes the connections."""
+        """Leaves, removes the optimizer hook and closes the connections."""
+        with contextlib.suppress(Exception):
+            self.leave()
         self._hook.remove()
         self._prefetcher.shutdown(wait=False, cancel_futures=True)
         self._ps.close()
@@ -289,16 +310,34 @@ class ParameterServerStrategy(Strategy):
     # Values ------------------------------------------------------------------------
 
     def _pull(self, min_versions: list[int]) -> tuple[list[int], dict[str, torch.Tensor]]:
-        def pull(index: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Pulls every shard; in sync mode, all at one version.
+
+        ps 0 applies a step before it fans the step out, so a pull in between sees ps 0
+        one version ahead of the others. Gradients from such mixed values must not join
+        a step: lagging shards are pulled again up to the newest version seen (they
+        reach it as soon as the fan-out lands, since no shard runs ahead of ps 0).
+        """
+
+        def pull(index: int, min_version: int) -> tuple[int, dict[str, torch.Tensor]]:
             body = {
-                "min_version": min_versions[index],
+                "min_version": min_version,
                 "dtype": self._value_dtype,
                 "timeout": self._deadline,
             }
             reply, tensors = self._ps.call(index, "pull", body)
             return int(reply["version"]), tensors
 
-        results = self._ps.map(pull, range(self._ps.num_ps))
+        results = self._ps.map(lambda i: pull(i, min_versions[i]), range(self._ps.num_ps))
+        if self.config.mode == "sync":
+            newest = max(r[0] for r in results)
+            for _ in range(3):
+                lagging = [i for i, r in enumerate(results) if r[0] < newest]
+                if not lagging:
+                    break
+                repulled = self._ps.map(functools.partial(_pull_at, pull, newest), lagging)
+                for i, again in zip(lagging, repulled, strict=True):
+                    results[i] = again
+                newest = max(r[0] for r in results)
         values: dict[str, torch.Tensor] = {}
         for _, tensors in results:
             values.update(tensors)
@@ -379,13 +418,16 @@ class ParameterServerStrategy(Strategy):
 
     def _push(self, per_ps: list[dict[str, torch.Tensor]], hyper: list[dict[str, Any]]) -> None:
         sync = self.config.mode == "sync"
+        # sync: one step version on every shard; if the pull was mixed, the push is late
+        # at ps 0 (which decides), so it is never counted with gradients missing.
+        step_version = min(self._versions)
 
         def push(
             index: int, commit: bool = False
         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             body = {
                 "worker": self._worker,
-                "version": self._versions[index],
+                "version": step_version if sync else self._versions[index],
                 "hyper": hyper,
                 "commit": commit,
                 "want_values": not sync,
@@ -401,7 +443,7 @@ class ParameterServerStrategy(Strategy):
             replies.insert(0, push(0, commit=True))
             if any(not r[0]["applied"] for r in replies):
                 self.dropped_pushes += 1
-            targets = [self._versions[i] + 1 for i in range(self._ps.num_ps)]
+            targets = [step_version + 1] * self._ps.num_ps
             self._next = self._prefetcher.submit(self._pull, targets)
             return
         replies = self._ps.map(push, range(self._ps.num_ps))
@@ -412,6 +454,10 @@ class ParameterServerStrategy(Strategy):
             for _, tensors in replies:
                 values.update(tensors)
             self._ready_values = ([int(r[0]["version"]) for r in replies], values)
+
+
+def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
+    return pull(index, version)
 
 
 class CentralStorageStrategy(ParameterServerStrategy):

@@ -1,0 +1,492 @@
+"""All-reduce strategies: ``MultiWorkerMirroredStrategy`` and ``MirroredStrategy``.
+
+One process per device (ARCHITECTURE.md section 5); each process is one replica, holding
+a full copy of the model. Gradients are all-reduced by ``DistributedDataParallel``
+(bucketed, overlapped with the backward pass), over the group that
+:mod:`clusterflow.collective` forms from the launcher's environment.
+
+Use, as with ``tf.distribute``::
+
+    strategy = MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = Net()                      # broadcast from rank 0, wrapped in DDP
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)        # this replica's rows of the global batch
+        loss.backward()                    # gradients all-reduced (mean) during backward
+        optimizer.step()
+        return loss.detach()
+
+    for x, y in strategy.distribute(global_batches, global_batch_size=128):
+        loss = strategy.reduce("mean", strategy.run(step, (x, y)))
+    strategy.save_model(model, "model.pt")  # every replica calls it; the chief writes
+
+Order: build the strategy, create the model in ``scope()`` (or call ``prepare``), create
+the optimizer from ``model.parameters()``, then one ``run`` per step. Every replica must
+make the same collective calls (``run`` with a backward, ``reduce``, ``save_model``,
+``barrier``) in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from clusterflow.cluster import TFConfig
+from clusterflow.collective import (
+    CollectiveError,
+    CommunicationOptions,
+    Membership,
+    MembershipError,
+)
+from clusterflow.collective.group import CollectiveGroup, select_device
+from clusterflow.collective.hooks import register_compression
+from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
+from clusterflow.strategies.batches import distribute_batches
+from clusterflow.strategies.module_scope import (
+    ModuleRecorder,
+    forward_check,
+    is_prepared,
+    prepare_module,
+    replica_wrapper,
+    trainable,
+)
+from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+
+__all__ = ["CollectiveAllReduceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]
+
+_log = logging.getLogger(__name__)
+
+_active_scope: Strategy | None = None
+# Gradients as views into DDP's buckets: one copy fewer per step and per parameter.
+_GRADIENT_AS_BUCKET_VIEW: Final = True
+
+
+class CollectiveAllReduceStrategy(Strategy):
+    """Synchronous data parallelism over an all-reduce group; the engine of both strategies.
+
+    Not built directly: use :class:`MultiWorkerMirroredStrategy` or
+    :class:`MirroredStrategy`, which decide who the replicas are.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        *,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[str] | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+    ) -> None:
+        self._options = communication_options or CommunicationOptions()
+        self._resolver = cluster_resolver
+        self._device = select_device(membership, devices)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        self._group = CollectiveGroup.form(membership, self._options, self._device)
+        self._scope_depth = 0
+        self._prepared: list[weakref.ref[nn.Module]] = []
+
+    # Who we are -------------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas whose gradients are averaged into each update."""
+        return self._group.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0: the chief task when the cluster has one, else ``worker:0``."""
+        return self._group.rank == 0
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the group (0 is the chief)."""
+        return self._group.rank
+
+    @property
+    def device(self) -> torch.device:
+        """This replica's device; models and distributed batches are placed on it."""
+        return self._device
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The cluster, as TensorFlow's ``strategy.cluster_resolver``; None without a spec."""
+        return self._resolver
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        return self._options
+
+    # Variables ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Modules created inside are mirrored: placed on this replica's device, made equal
+        to rank 0's and wrapped in DDP when the block ends.
+
+        The user keeps the module object: calling it runs through DDP whenever gradients
+        are enabled. Modules that gain a parameter or a submodule inside the block are
+        recorded; the outermost ones (not a submodule of another) are prepared, those
+        without trainable parameters (loss functions, frozen modules) are left alone.
+        Every replica must create the same modules, since preparing broadcasts them.
+
+        Raises:
+            StrategyError: another strategy's scope is open.
+            PeerLost: a replica died while the parameters were broadcast.
+        """
+        global _active_scope
+        if _active_scope is not None and _active_scope is not self:
+            raise StrategyError(
+                "another strategy's scope() is open; one strategy places a model's variables"
+            )
+        if self._scope_depth:  # nested: the outermost scope prepares
+            self._scope_depth += 1
+            try:
+                yield self
+            finally:
+                self._scope_depth -= 1
+            return
+        recorder = ModuleRecorder()
+        self._scope_depth, _active_scope = 1, self
+        try:
+            with recorder.recording():
+                yield self
+        finally:
+            self._scope_depth, _active_scope = 0, None
+        for root in recorder.roots():
+            if trainable(root):
+                self.prepare(root)
+
+    def prepare(self, module: nn.Module) -> nn.Module:
+        """Mirrors a module created outside ``scope()``; returns the same object.
+
+        Call before creating its optimizer (parameters move to this replica's device)
+        and on every replica, since it broadcasts rank 0's parameters and buffers.
+
+        Raises:
+            StrategyError: ``module`` is already a DDP wrapper.
+            PeerLost: a replica died during the broadcast.
+        """
+        if is_prepared(module):
+            return module
+        if isinstance(module, DistributedDataParallel):
+            raise StrategyError(
+                "prepare() takes the module itself, not a DistributedDataParallel wrapper: "
+                "the strategy wraps it"
+            )
+        module.to(self._device)
+        wrapper: nn.Module | None = None
+        if self.num_replicas_in_sync > 1 and trainable(module):
+            with self._group.guard("broadcasting rank 0's parameters"):
+                ddp = DistributedDataParallel(
+                    module,
+                    device_ids=[self._device.index] if self._device.type == "cuda" else None,
+                    bucket_cap_mb=self._bucket_cap_mb(),
+                    gradient_as_bucket_view=_GRADIENT_AS_BUCKET_VIEW,
+                )
+            register_compression(ddp, self._options.compression, None)
+            wrapper = ddp
+        prepare_module(module, wrapper)
+        self._prepared.append(weakref.ref(module))
+        _log.info(
+            "mirrored %s over %d replicas on %s",
+            type(module).__name__,
+            self.num_replicas_in_sync,
+            self._device,
+        )
+        return module
+
+    def _bucket_cap_mb(self) -> float | None:
+        packed = self._options.bytes_per_pack
+        return packed / 2**20 if packed else None
+
+    def _wrappers(self) -> list[DistributedDataParallel]:
+        modules = (ref() for ref in self._prepared)
+        wrappers = (replica_wrapper(m) for m in modules if m is not None)
+        return [w for w in wrappers if isinstance(w, DistributedDataParallel)]
+
+    # Steps -------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Runs ``fn(*args, **kwargs)`` as one step of this replica and returns its result.
+
+        The backward pass inside ``fn`` all-reduces the gradients (their mean over the
+        replicas), so ``optimizer.step()`` inside ``fn`` applies the same update on every
+        replica. Call ``backward`` inside ``run``, so a peer's failure is reported as one.
+
+        Raises:
+            StrategyError: a module with trainable parameters ran that the strategy does
+                not mirror (created outside ``scope()``, or a submodule called apart from
+                its model), before its gradients could make the replicas drift apart.
+            PeerLost: a replica died or hung; the message names its rank and task.
+            CollectiveError: the all-reduce failed otherwise.
+        """
+        with forward_check(self._describe_unmirrored):
+            try:
+                return fn(*args, **(kwargs or {}))
+            except (StrategyError, CollectiveError):
+                raise
+            except Exception as exc:
+                error = self._group.translate(exc, "the step's gradient all-reduce")
+                if error is None:
+                    raise
+                raise error from exc
+
+    def _describe_unmirrored(self, module: nn.Module) -> str:
+        for ref in self._prepared:
+            root = ref()
+            if root is not None and any(m is module for m in root.modules()):
+                return (
+                    f"{type(module).__name__} is part of the mirrored {type(root).__name__} "
+                    "but was called on its own inside strategy.run(), which bypasses the "
+                    "gradient all-reduce; call the model itself, or mirror the part apart "
+                    "with strategy.prepare()"
+                )
+        return (
+            f"a module with trainable parameters, {type(module).__name__}, ran inside "
+            "strategy.run() but was created outside strategy.scope(): its gradients would "
+            "not be all-reduced and the replicas would drift apart. Create the model inside "
+            "`with strategy.scope():`, or call strategy.prepare(model) before the first step"
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without an all-reduce.
+
+        For gradient accumulation: run the first ``k - 1`` micro-batches inside
+        ``no_sync()`` and the last outside it; that last backward all-reduces the sum of
+        all ``k``, so the update equals one step on the ``k`` micro-batches together.
+        """
+        with contextlib.ExitStack() as stack:
+            for wrapper in self._wrappers():
+                stack.enter_context(wrapper.no_sync())
+            yield
+
+    # Values ------------------------------------------------------------------------------
+
+    def reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Sum or mean of ``value`` over the replicas; every replica gets the result.
+
+        Takes a tensor (returned as a tensor on the same device), a number (returned as
+        a number), or a dict, list or tuple of those. A one-replica run returns the
+        value itself (the mean of one is a float).
+
+        Raises:
+            StrategyError: ``op`` is not "sum" or "mean", or ``value`` is of another type.
+            PeerLost: a replica died or hung.
+        """
+        reduce_op = parse_reduce_op(op)
+        if isinstance(value, torch.Tensor):
+            return self._reduce_tensor(reduce_op, value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, Mapping):
+                return type(value)({k: self.reduce(reduce_op, v) for k, v in value.items()})  # type: ignore[call-arg]
+            if isinstance(value, list | tuple):
+                return type(value)(self.reduce(reduce_op, v) for v in value)
+            raise StrategyError(
+                f"reduce() takes a tensor, a number, or a dict/list/tuple of them; got "
+                f"{type(value).__name__}"
+            )
+        total = self._reduce_tensor(reduce_op, torch.tensor(value, dtype=torch.float64)).item()
+        if reduce_op is ReduceOp.SUM and isinstance(value, int):
+            return round(total)
+        return total
+
+    def _reduce_tensor(self, op: ReduceOp, value: torch.Tensor) -> torch.Tensor:
+        tensor = value.detach().to(self._device, copy=True)
+        self._group.all_reduce_(tensor, "sum")
+        if op is ReduceOp.MEAN:
+            tensor = tensor / self.num_replicas_in_sync
+        return tensor.to(value.device)
+
+    def barrier(self) -> None:
+        """Waits until every replica reaches this call.
+
+        Raises:
+            PeerLost: a replica died or hung.
+        """
+        self._group.barrier()
+
+    # Data --------------------------------------------------------------------------------
+
+    def distribute(
+        self,
+        dataset: Iterable[Any] | Dataset[Any],
+        global_batch_size: int | None = None,
+        *,
+        drop_remainder: bool = False,
+    ) -> Iterator[Any]:
+        """This replica's slice of each global batch, on this replica's device.
+
+        ``dataset`` is either an iterable of global batches (a ``DataLoader`` whose
+        ``batch_size`` is the global batch size; every replica must see the same batches,
+        so seed its shuffling alike), sliced here; or a map-style ``Dataset``, batched
+        here by ``global_batch_size`` in index order, each replica reading only its
+        rows. Replica ``r`` takes the ``r``-th contiguous block of each batch. A final
+        partial batch is split as evenly as it goes (dropped if ``drop_remainder``, or
+        when it has fewer rows than there are replicas).
+
+        Call once per epoch; the iterator makes one pass.
+
+        Raises:
+            StrategyError: ``global_batch_size`` is not divisible by
+                ``num_replicas_in_sync`` (the message names both), a map-style dataset
+                comes without it, or a batch is larger than it.
+        """
+        return distribute_batches(
+            dataset,
+            rank=self._group.rank,
+            replicas=self.num_replicas_in_sync,
+            global_batch_size=global_batch_size,
+            drop_remainder=drop_remainder,
+            device=self._device,
+        )
+
+    # Chief-only side effects -------------------------------------------------------------
+
+    def save_model(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
+        """Writes ``model``'s state dict to ``path`` on the chief; every replica must call it.
+
+        The file holds a plain state dict (CPU tensors, no ``module.`` prefix) that
+        ``Net().load_state_dict(torch.load(path, weights_only=True))`` loads into a
+        single-device module. The write is atomic (a temporary file renamed). The other
+        replicas write nothing and wait until the chief has written, so the file exists
+        on return everywhere that shares the chief's filesystem.
+
+        Raises:
+            StrategyError: the chief failed to write (on the other replicas too).
+            PeerLost: a replica died or hung.
+        """
+        module = unwrap(model)
+        failure: BaseException | None = None
+        if self.is_chief:
+            try:
+                _write_state_dict(module, Path(path))
+            except Exception as exc:
+                failure = exc
+        failed = self._group.all_reduce_(torch.tensor([1.0 if failure else 0.0]), "max")
+        if failure is not None:
+            raise StrategyError(
+                f"the chief could not save the model to {path}: {failure}"
+            ) from failure
+        if failed.item():
+            raise StrategyError(f"the chief could not save the model to {path}; see its log")
+
+    def shutdown(self) -> None:
+        """Stops the heartbeats and leaves the group this strategy formed; idempotent."""
+        self._group.shutdown()
+
+
+class MultiWorkerMirroredStrategy(CollectiveAllReduceStrategy):
+    """One replica per task of the cluster's chief and worker jobs, across hosts.
+
+    The cluster comes from ``cluster_resolver``, else ``TF_CONFIG``, else torchrun's
+    variables; with none, a single replica (the same script runs alone). The group forms
+    here: this blocks until every replica has started, at most
+    ``communication_options.rendezvous_timeout_seconds``.
+
+    Raises:
+        MembershipError: the launcher's variables and the cluster spec disagree (a
+            ``WORLD_SIZE`` or ``RANK`` that is not the spec's), or this task is a ps.
+        CollectiveError: the replicas did not all join in time (naming the missing).
+    """
+
+    def __init__(
+        self,
+        communication_options: CommunicationOptions | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+    ) -> None:
+        resolver = cluster_resolver
+        if resolver is None and TFConfig.from_env() is not None:
+            resolver = TFConfigClusterResolver()
+        membership = Membership.from_env(
+            os.environ,
+            resolver.cluster_spec if resolver else None,
+            resolver.task if resolver else None,
+        )
+        super().__init__(
+            membership, communication_options=communication_options, cluster_resolver=resolver
+        )
+
+
+class MirroredStrategy(CollectiveAllReduceStrategy):
+    """One replica per device of this host, each in its own process.
+
+    TensorFlow's ``MirroredStrategy`` drives every local GPU from one process; here one
+    process runs each device (as torchrun and DDP do), launched together by
+    ``clusterflow start`` (or torchrun), and this strategy joins the processes of this
+    host: ``LOCAL_RANK`` picks this process's device from ``devices``. A lone process is a
+    single replica.
+
+    Args:
+        devices: the host's devices, one per process, in TensorFlow's syntax (``"/gpu:0"``)
+            or torch's (``"cuda:0"``); default: this process's GPU, else the CPU.
+        communication_options: backend, timeout, bucket size and gradient compression.
+
+    Raises:
+        MembershipError: the replicas span more than one host (use
+            :class:`MultiWorkerMirroredStrategy`), or ``devices`` does not list one
+            device per local process.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ) -> None:
+        config = TFConfig.from_env()
+        resolver = TFConfigClusterResolver() if config is not None else None
+        membership = Membership.from_env(
+            os.environ,
+            resolver.cluster_spec if resolver else None,
+            resolver.task if resolver else None,
+        )
+        if membership.local_world_size != membership.world_size:
+            raise MembershipError(
+                f"MirroredStrategy mirrors the replicas of one host, but this cluster has "
+                f"{membership.world_size} replicas and this host runs "
+                f"{membership.local_world_size}; use MultiWorkerMirroredStrategy"
+            )
+        super().__init__(
+            membership,
+            communication_options=communication_options,
+            devices=devices,
+            cluster_resolver=resolver,
+        )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose state dict a plain single-device module loads (DDP unwrapped).
+
+    A mirrored module is its own plain form (its state dict has the user's keys); a DDP
+    wrapper gives its ``module``.
+    """
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _write_state_dict(module: nn.Module, path: Path) -> None:
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+    _log.info("saved the model (%d tensors) to %s", len(state), path)
