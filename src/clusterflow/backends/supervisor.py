@@ -17,7 +17,13 @@ listening, with ``SO_REUSEPORT``, so it receives no connections; TensorFlow need
 (5) report the exit code and end with the same status (re-raising a fatal signal).
 
 If the manager stops answering for longer than ``CLUSTERFLOW_MANAGER_TIMEOUT`` seconds
-(it died), the supervisor stops its command: no task outlives its manager.
+(it died), the supervisor stops its command: no task outlives its manager. The manager
+also reads this supervisor's output through a pipe, so once it died every write to
+stdout or stderr fails (EPIPE); the supervisor's own messages tolerate that, or a dead
+manager would make the supervisor crash and leave its command running.
+
+SIGTERM or SIGINT before the command started (while the registration barrier holds)
+ends the supervisor at once with that signal; afterwards it is forwarded to the command.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import time
 from types import FrameType
+from typing import NoReturn
 
 from clusterflow.cluster import TaskId
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -43,7 +50,28 @@ ENV_TASK = "CLUSTERFLOW_TASK"
 ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
 ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
 ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
+ENV_REGISTER_TIMEOUT = "CLUSTERFLOW_REGISTER_TIMEOUT"
 GRACE_S = 10.0
+
+
+def say(message: str) -> None:
+    """One line to stderr (the manager's pipe), never failing: the manager may be gone."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"clusterflow: {message}", file=sys.stderr, flush=True)
+
+
+def _seconds(environ: dict[str, str], name: str, default: float) -> float:
+    """A positive duration from the environment (a user may set the manager timeout)."""
+    raw = environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def reserve_port(host: str) -> socket.socket:
@@ -69,11 +97,14 @@ class Supervisor:
             raise ConfigError("supervisor started without CLUSTERFLOW_SECRET_FILE")
         self.credentials = credentials
         self.host = environ.get(ENV_BIND_HOST, "127.0.0.1")
-        self.heartbeat_s = float(environ.get(ENV_HEARTBEAT, "1.0"))
-        self.manager_timeout_s = float(environ.get(ENV_MANAGER_TIMEOUT, "15"))
+        self.heartbeat_s = _seconds(environ, ENV_HEARTBEAT, 1.0)
+        self.manager_timeout_s = _seconds(environ, ENV_MANAGER_TIMEOUT, 15.0)
+        self.register_timeout_s = _seconds(environ, ENV_REGISTER_TIMEOUT, 180.0)
         self.environ = environ
         self.child: subprocess.Popen[bytes] | None = None
         self.terminating = False
+        self.manager_lost = False
+        """The last heartbeat went unanswered (the manager may be dead)."""
 
     def run(self) -> int:
         reserved = reserve_port(self.host)
@@ -83,7 +114,7 @@ class Supervisor:
             reply = client.call(
                 "manager.register",
                 {"task": str(self.task), "address": address, "pid": os.getpid()},
-                deadline=float(self.environ.get("CLUSTERFLOW_REGISTER_TIMEOUT", "180")),
+                deadline=self.register_timeout_s,
             ).body
             env = dict(self.environ)
             env.update(reply["env"])
@@ -94,8 +125,9 @@ class Supervisor:
             try:
                 self.child = subprocess.Popen(command, env=env, pass_fds=(reserved.fileno(),))
             except OSError as exc:
-                print(f"clusterflow: cannot run {command[0]!r}: {exc}", file=sys.stderr, flush=True)
-                self._report(client, 127)
+                error = f"cannot run {command[0]!r}: {exc.strerror or exc}"
+                say(f"{self.task}: {error}")
+                self._report(client, 127, error)
                 return 127
             reserved.close()  # the job holds its own copy now
             code = self._watch(client, self.child)
@@ -116,20 +148,25 @@ class Supervisor:
                     deadline=max(2.0, self.heartbeat_s * 2),
                 )
                 last_ok = time.monotonic()
+                self.manager_lost = False
             except RpcError as exc:
+                self.manager_lost = True
                 if time.monotonic() - last_ok > self.manager_timeout_s:
-                    print(
-                        f"clusterflow: manager {self.manager} unreachable for "
-                        f"{self.manager_timeout_s:g}s ({exc}); stopping {self.task}",
-                        file=sys.stderr,
-                        flush=True,
+                    say(
+                        f"manager {self.manager} unreachable for "
+                        f"{self.manager_timeout_s:g}s ({exc}); stopping {self.task}"
                     )
                     self.stop_child()
                     return child.wait()
 
-    def _report(self, client: RpcClient, code: int) -> None:
+    def _report(self, client: RpcClient, code: int, error: str | None = None) -> None:
+        if self.manager_lost:
+            return  # not worth another deadline: the manager reads the exit code itself
+        body: dict[str, object] = {"task": str(self.task), "code": code}
+        if error:
+            body["error"] = error
         with contextlib.suppress(RpcError):
-            client.call("manager.exited", {"task": str(self.task), "code": code}, deadline=2.0)
+            client.call("manager.exited", body, deadline=2.0)
 
     def stop_child(self) -> None:
         """SIGTERM to the job, SIGKILL after the grace period."""
@@ -144,12 +181,18 @@ class Supervisor:
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.terminating = True
-        if self.child is not None and self.child.poll() is None:
+        if self.child is None:
+            # Still in the registration barrier (a blocking call that may last the whole
+            # registration timeout): nothing to stop gracefully, so end now, as the signal
+            # would have. A command being started this very moment shares our process
+            # group, which the manager signals as a whole.
+            _exit_like(-signum)
+        if self.child.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.child.send_signal(signum)
 
 
-def _exit_like(code: int) -> None:
+def _exit_like(code: int) -> NoReturn:
     """Ends this process the way the job ended, so the manager sees the same status."""
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
@@ -162,14 +205,14 @@ def main() -> None:
     try:
         supervisor = Supervisor(dict(os.environ))
     except ClusterflowError as exc:
-        print(f"clusterflow: {exc}", file=sys.stderr)
+        say(str(exc))
         sys.exit(2)
     signal.signal(signal.SIGTERM, supervisor.on_signal)
     signal.signal(signal.SIGINT, supervisor.on_signal)
     try:
         code = supervisor.run()
     except RpcError as exc:
-        print(f"clusterflow: {supervisor.task}: {exc}", file=sys.stderr, flush=True)
+        say(f"{supervisor.task}: {exc}")
         supervisor.stop_child()
         code = 1
     _exit_like(code)

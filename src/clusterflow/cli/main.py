@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,8 +28,36 @@ USAGE_EXIT = 2
 
 
 def _fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {_one_line(message)}", err=True)
     sys.exit(code)
+
+
+def _one_line(message: str) -> str:
+    """Errors are one line (scripts grep them); a multi-line message is joined up."""
+    return "; ".join(part.strip() for part in message.splitlines() if part.strip())
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: where, and what (PyYAML's own text spans several)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return str(problem)
+
+
+def _read_yaml(path: str, what: str) -> Any:
+    """The YAML (or JSON) document in ``path``; a ConfigError naming it if unreadable."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path!r} is not text: {exc.reason}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {_yaml_problem(exc)}") from exc
 
 
 @click.group(context_settings=CONTEXT)
@@ -41,14 +70,7 @@ def cli() -> None:
 
 
 def _load_cluster_file(path: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster file {path!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cluster file {path!r} is not valid YAML: {exc}") from exc
+    data = _read_yaml(path, "cluster file")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -63,8 +85,6 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
 
 
 def _as_command(value: Any, what: str) -> tuple[str, ...]:
-    import shlex
-
     if isinstance(value, str):
         return tuple(shlex.split(value))
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -129,6 +149,7 @@ def start(
     if untracked is not None:
         settings["untracked"] = frozenset(j.strip() for j in untracked.split(",") if j.strip())
     settings["grace_s"] = grace
+    settings.setdefault("command", ())  # so RunConfig says what is missing, and how
     config = RunConfig(**settings)
 
     cluster = registry.create()
@@ -151,15 +172,24 @@ def _run_foreground(cluster: Any, config: Any) -> int:
 
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    return controller.run()
+    # A closed terminal stops the cluster in order too; left at its default, SIGHUP
+    # would kill this manager and orphan the tasks (they run in their own sessions).
+    signal.signal(signal.SIGHUP, _interrupt)
+    code = controller.run()
+    if controller.failure:
+        click.echo(f"error: {_one_line(controller.failure)}", err=True)
+    return code
 
 
 def _start_detached(cluster: Any) -> None:
     from clusterflow.manager import registry
+    from clusterflow.manager.stopper import ENV_CLUSTER_ID
 
     with (cluster.path / "manager.log").open("ab") as manager_log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "clusterflow.manager", str(cluster.path)],
+            # Tagged like its tasks, so `stop` and cleanup find every process of it.
+            env={**os.environ, ENV_CLUSTER_ID: cluster.id},
             stdin=subprocess.DEVNULL,
             stdout=manager_log,
             stderr=subprocess.STDOUT,
@@ -211,24 +241,29 @@ def ps_command(show_all: bool) -> None:
     """List clusters: id, status, tasks, uptime, command."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from clusterflow.manager import registry
 
     table = Table(box=None, pad_edge=False)
     for column in ("ID", "STATUS", "TASKS", "UPTIME", "COMMAND"):
-        table.add_column(column, no_wrap=column != "COMMAND")
+        # One line per cluster, so scripts can read the table; a terminal too narrow
+        # for a command cuts it short (`describe` shows it whole).
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
     for cluster in registry.all_clusters():
         try:
             state = cluster.read_state()
         except ClusterflowError as exc:
-            table.add_row(cluster.id, "unreadable", str(exc), "-", "-")
-            continue
-        status = registry.effective_status(state)
-        if not show_all and status in registry.TERMINAL:
-            continue
-        command = " ".join(state.get("command") or [])
-        table.add_row(cluster.id, status, _task_summary(state), _uptime(state), command)
-    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+            cells = [cluster.id, "unreadable", str(exc), "-", "-"]
+        else:
+            status = registry.effective_status(state)
+            if not show_all and status in registry.TERMINAL:
+                continue
+            command = shlex.join(str(arg) for arg in state.get("command") or [])
+            cells = [cluster.id, status, _task_summary(state), _uptime(state), command]
+        table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
+    # Off a terminal nothing is cut: the width only bounds the table.
+    Console(width=None if sys.stdout.isatty() else 100_000).print(table)
 
 
 @cli.command(context_settings=CONTEXT)
@@ -245,7 +280,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
         return
     click.echo(f"id:       {cluster.id}")
     click.echo(f"status:   {registry.effective_status(state)}")
-    click.echo(f"command:  {' '.join(state.get('command') or [])}")
+    click.echo(f"command:  {shlex.join(str(arg) for arg in state.get('command') or [])}")
     click.echo(f"uptime:   {_uptime(state)}")
     if state.get("summary"):
         click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
@@ -352,17 +387,10 @@ def server(
     spec_file: str, job: str, task_index: int, secret_file: str | None, auth: str | None
 ) -> None:
     """Run one task's server by hand (manual mode, on any machine)."""
-    import yaml
-
     from clusterflow.rpc import Credentials
     from clusterflow.server import Server
 
-    try:
-        data = yaml.safe_load(Path(spec_file).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster spec {spec_file!r}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cluster spec {spec_file!r} is not valid JSON or YAML: {exc}") from exc
+    data = _read_yaml(spec_file, "cluster spec")
     if isinstance(data, dict) and isinstance(data.get("cluster"), dict):
         data = data["cluster"]  # a whole TF_CONFIG is fine too
     if not isinstance(data, dict):
@@ -384,7 +412,7 @@ def server(
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    click.echo(f"serving /job:{job}/task:{task_index} at {srv.target} ({srv._rpc.auth_mode} auth)")
+    click.echo(f"serving /job:{job}/task:{task_index} at {srv.target} ({srv.auth_mode} auth)")
     srv.join()
 
 
@@ -394,9 +422,16 @@ def secret(path: str) -> None:
     """Write a new cluster secret to PATH (mode 0600) for manual-mode servers."""
     from clusterflow.rpc import Credentials
 
-    if os.path.exists(path):
+    if os.path.lexists(path):
         raise ConfigError(f"{path!r} exists; refusing to overwrite a secret")
-    Credentials.generate().to_file(path)
+    try:
+        # Created exclusively first, so a file that appears meanwhile is not clobbered.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        Credentials.generate().to_file(path)
+    except FileExistsError as exc:
+        raise ConfigError(f"{path!r} exists; refusing to overwrite a secret") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot write secret {path!r}: {exc.strerror or exc}") from exc
     click.echo(path)
 
 

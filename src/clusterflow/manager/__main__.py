@@ -13,6 +13,8 @@ from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
 from clusterflow.manager.registry import ClusterDir
 
+log = logging.getLogger("clusterflow.manager")
+
 
 def main() -> int:
     logging.basicConfig(
@@ -29,7 +31,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return controller.run()
+    code = controller.run()
+    if controller.failure:
+        log.error("%s", controller.failure)
+    return code
 
 
 if __name__ == "__main__":

@@ -47,6 +47,17 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise ConfigError("no job command given: put it after `--`, e.g. -- python train.py")
+        for name in ("command", "ps_command"):
+            value = getattr(self, name)
+            if value is not None and not all(isinstance(arg, str) for arg in value):
+                raise ConfigError(f"{name} must be a list of strings, got {list(value)!r}")
+        if self.ps_command is not None and not self.ps_command:
+            raise ConfigError("ps_command is empty: leave it out to run the built-in server")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ConfigError(f"env must map names to strings, got {dict(self.env)!r}")
+        for name in ("chief", "evaluator"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("ps", "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -64,8 +75,9 @@ class RunConfig:
                 "the run would have nothing to wait for"
             )
         for name in ("grace_s", "register_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
     def tasks(self) -> list[TaskId]:
         """Every task in canonical order: chief, ps, worker, evaluator."""
@@ -98,12 +110,20 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
         values = dict(data)
-        values["command"] = tuple(values.get("command") or ())
-        if values.get("ps_command"):
-            values["ps_command"] = tuple(values["ps_command"])
+        values["command"] = _as_tuple(values.get("command") or (), "command")
+        if values.get("ps_command") is not None:
+            values["ps_command"] = _as_tuple(values["ps_command"], "ps_command")
         if "untracked" in values:
-            values["untracked"] = frozenset(values["untracked"])
+            values["untracked"] = frozenset(_as_tuple(values["untracked"], "untracked"))
+        if "env" in values and not isinstance(values["env"], Mapping):
+            raise ConfigError(f"env must be a mapping, got {values['env']!r}")
         try:
             return cls(**values)
         except TypeError as exc:
             raise ConfigError(f"invalid cluster configuration: {exc}") from exc
+
+
+def _as_tuple(value: Any, name: str) -> tuple[Any, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple | set | frozenset):
+        raise ConfigError(f"{name} must be a list, got {value!r}")
+    return tuple(value)

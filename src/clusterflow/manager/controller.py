@@ -6,6 +6,13 @@ assembled cluster spec, so every task starts its job with the same spec version.
 
 The loop polls the tasks, builds a frozen ``ClusterStatus`` and asks ``policy.decide``
 what to do; all side effects (signals, state files, output) happen here.
+
+When the run ends (success, failure or a stop request) the controller, in this order:
+releases registrations still held at the barrier, stops the tasks that still run
+(SIGTERM to each process group, SIGKILL after the grace period), stops the torch store,
+ends whatever the tasks left behind (found by the cluster id in their environment),
+waits for their output, and only then records the final status, so whoever sees a
+final status in ``state.json`` also sees every line in the logs.
 """
 
 from __future__ import annotations
@@ -14,9 +21,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +35,8 @@ from clusterflow.manager.config import RunConfig
 from clusterflow.manager.output import OutputRouter
 from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
 from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.stopper import ENV_CLUSTER_ID, cluster_processes, kill_processes
+from clusterflow.manager.store_host import StoreHost
 from clusterflow.rpc import Credentials, Request, RpcServer
 
 log = logging.getLogger(__name__)
@@ -51,7 +57,10 @@ class _Task:
     address: str | None = None
     exit_code: int | None = None
     last_heartbeat: float | None = None
+    """When the supervisor last reported; set once its command is released to run."""
     status: str = "starting"
+    error: str | None = None
+    """Why the supervisor could not run the command (from ``manager.exited``)."""
 
 
 class Controller:
@@ -76,14 +85,17 @@ class Controller:
         self._lock = threading.Condition()
         self._wake = threading.Event()
         self._stop_requested = False
+        self._closing = False
+        self._dirty = False
+        self.failure: str | None = None
+        """Why the run failed, in one line, once ``run`` returned; None unless it failed."""
         self._grace_s = config.grace_s
         self._spec: ClusterSpec | None = None
         self._spec_version = 0
         self._status = "starting"
         self._started = time.monotonic()
         self._created = time.time()
-        self._store: subprocess.Popen[bytes] | None = None
-        self._store_port = 0
+        self._store: StoreHost | None = None
         self._rpc = RpcServer(self.credentials, host="127.0.0.1", port=0, name="manager")
         self._rpc.register("manager.register", self._on_register, blocking=True)
         self._rpc.register("manager.heartbeat", self._on_heartbeat)
@@ -94,9 +106,13 @@ class Controller:
     # The public face ---------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Asks the loop to stop the cluster (safe from signal handlers and threads)."""
+        """Asks the loop to stop the cluster; the loop sees it within ``POLL_S``.
+
+        Safe from signal handlers because it takes no lock: a handler runs on the main
+        thread between two bytecodes, possibly inside the loop's own ``Event`` calls,
+        whose lock is not reentrant.
+        """
         self._stop_requested = True
-        self._wake.set()
 
     def run(self) -> int:
         """Runs the cluster to its end; returns the exit code for ``clusterflow start``."""
@@ -104,7 +120,7 @@ class Controller:
         self.cluster.append_event("starting", tasks=[str(t) for t in self.tasks])
         self._write_state()
         try:
-            self._start_store()
+            self._store = StoreHost({**os.environ, ENV_CLUSTER_ID: self.cluster.id})
             for task in self.tasks.values():
                 task.process = self.backend.launch(
                     TaskLaunch(task=task.id, env=self._task_env(task.id))
@@ -116,7 +132,7 @@ class Controller:
             self._write_state()
             verdict = self._loop()
         except BaseException:
-            self._stop_tasks(list(self.tasks.values()))
+            self._shut_down()
             self._finish("failed", 1, "the manager failed")
             raise
         return self._conclude(verdict)
@@ -138,6 +154,8 @@ class Controller:
             verdict = decide(self._snapshot())
             if verdict.decision != Decision.CONTINUE:
                 return verdict
+            with self._lock:
+                changed, self._dirty = changed or self._dirty, False
             if changed or time.monotonic() - last_write > 2.0:
                 self._write_state()
                 last_write = time.monotonic()
@@ -152,6 +170,7 @@ class Controller:
                     tracked=t.tracked,
                     exit_code=t.exit_code,
                     heartbeat_age_s=None if t.last_heartbeat is None else now - t.last_heartbeat,
+                    error=t.error,
                 )
                 for t in self.tasks.values()
             )
@@ -165,18 +184,45 @@ class Controller:
         )
 
     def _conclude(self, verdict: Verdict) -> int:
+        self._shut_down()
         if verdict.decision == Decision.SUCCEED:
-            self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
             self._finish("succeeded", 0, "every tracked task exited 0")
             return 0
-        self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
         if verdict.decision == Decision.STOP:
             self._finish("stopped", verdict.exit_code, "stopped on request")
             return verdict.exit_code
-        summary = f"clusterflow: cluster {self.cluster.id} failed: {verdict.reason}"
+        self.failure = f"cluster {self.cluster.id} failed: {verdict.reason}"
         self._finish("failed", verdict.exit_code, verdict.reason)
-        print(summary, file=sys.stderr, flush=True)
         return verdict.exit_code
+
+    def _shut_down(self) -> None:
+        """Stops everything the cluster runs; returns once it is gone and its output read."""
+        with self._lock:
+            # Registrations held at the barrier would otherwise wait out the registration
+            # timeout, and the interpreter joins their threads before this process exits.
+            self._closing = True
+            self._lock.notify_all()
+        self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
+        if self._store is not None:
+            self._store.close()
+        self._sweep()
+        self.output.join()
+
+    def _sweep(self) -> None:
+        """Ends what the tasks left behind, such as a job's background processes.
+
+        They may have outlived their supervisor's process group (a job that exited 0
+        leaves its children there; a daemon starts its own session), but each carries
+        the cluster id in its environment, as ``clusterflow stop`` finds them.
+        """
+        leftovers = cluster_processes(self.cluster.id)
+        if leftovers:
+            log.info(
+                "ending %d process(es) left behind by the tasks: %s",
+                len(leftovers),
+                ", ".join(str(p.pid) for p in leftovers),
+            )
+            kill_processes(leftovers, self._grace_s)
 
     def _stop_tasks(self, tasks: list[_Task]) -> None:
         """SIGTERM to each task's process group; SIGKILL to whatever is left after grace."""
@@ -196,22 +242,12 @@ class Controller:
             task.process.signal(signal.SIGKILL)
             if task.exit_code is None and code is not None:
                 self._record_exit(task, code, stopped=True)
-        self.output.join()
 
     def _finish(self, status: str, code: int, summary: str) -> None:
         self._status = status
         self.cluster.append_event(status, exit_code=code, summary=summary)
         self._write_state(exit_code=code, summary=summary, ended=time.time())
         self.output.close()
-        if self._store is not None:
-            with contextlib.suppress(OSError):
-                assert self._store.stdin is not None
-                self._store.stdin.close()
-            try:
-                self._store.wait(5)
-            except subprocess.TimeoutExpired:
-                self._store.kill()
-                self._store.wait()
         self._rpc.stop()
 
     def _record_exit(self, task: _Task, code: int, *, stopped: bool = False) -> None:
@@ -221,22 +257,6 @@ class Controller:
             task.exit_code = code
             task.status = "stopped" if stopped else ("succeeded" if code == 0 else "failed")
         self.cluster.append_event("task_exited", task=str(task.id), exit_code=code)
-
-    # The torch store ---------------------------------------------------------------
-
-    def _start_store(self) -> None:
-        """Hosts the TCPStore for MASTER_PORT in a helper process, on a reserved socket."""
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self._store_port = sock.getsockname()[1]
-        self._store = subprocess.Popen(
-            [sys.executable, "-m", "clusterflow.manager.store", str(sock.fileno())],
-            stdin=subprocess.PIPE,
-            pass_fds=(sock.fileno(),),
-            start_new_session=True,
-        )
-        sock.close()
 
     # Environment -------------------------------------------------------------------
 
@@ -249,7 +269,7 @@ class Controller:
                 "CLUSTERFLOW_MANAGER": self._rpc.address,
                 "CLUSTERFLOW_SECRET_FILE": str(self.cluster.secret_file),
                 "CLUSTERFLOW_TASK": str(task),
-                "CLUSTERFLOW_CLUSTER_ID": self.cluster.id,
+                ENV_CLUSTER_ID: self.cluster.id,
                 "CLUSTERFLOW_BIND_HOST": self.config.host,
                 "CLUSTERFLOW_HEARTBEAT_S": str(self.config.heartbeat_s),
                 "CLUSTERFLOW_REGISTER_TIMEOUT": str(self.config.register_timeout_s),
@@ -283,7 +303,7 @@ class Controller:
                     "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(world),
                     "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(self._store_port),
+                    "MASTER_PORT": str(self._store.port if self._store else 0),
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": "0",
                     "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -304,17 +324,17 @@ class Controller:
             task = self.tasks.get(task_id)
             if task is None:
                 raise RegistrationError(f"task {task_id} is not part of cluster {self.cluster.id}")
-            task.address = str(body.get("address"))
-            task.status = "registered"
-            task.last_heartbeat = time.monotonic()
-            if self._spec is None and all(t.address for t in self.tasks.values()):
-                self._assemble_spec()
-            while self._spec is None and not self._stop_requested:
+            if self._spec is None:
+                task.address = str(body.get("address"))
+                task.status = "registered"
+                self._dirty = True
+                if all(t.address for t in self.tasks.values()):
+                    self._assemble_spec()
+            while self._spec is None and not (self._stop_requested or self._closing):
                 if not self._lock.wait(max(0.0, deadline - time.monotonic())):
                     raise RegistrationError("not every task registered in time")
-            if self._spec is None:
+            if self._spec is None or self._closing:
                 raise RegistrationError(f"cluster {self.cluster.id} is stopping")
-            task.status = "running"
             return {
                 "spec": self._spec.as_dict(),
                 "spec_version": self._spec_version,
@@ -331,6 +351,13 @@ class Controller:
         self._spec = ClusterSpec(jobs)
         self._spec_version += 1
         self._status = "running"
+        now = time.monotonic()
+        for task in self.tasks.values():
+            # Heartbeats start with the command; waiting at the barrier is bounded by
+            # the registration timeout instead.
+            task.status = "running"
+            task.last_heartbeat = now
+        self._dirty = True
         self._lock.notify_all()
         self.cluster.append_event(
             "spec_assembled", version=self._spec_version, spec=self._spec.as_dict()
@@ -346,6 +373,14 @@ class Controller:
         return {"stop": self._stop_requested}
 
     def _on_exited(self, request: Request) -> None:
+        body = request.body or {}
+        error = body.get("error")
+        if isinstance(error, str) and error:
+            with contextlib.suppress(ClusterflowError):
+                task = self.tasks.get(TaskId.parse(str(body.get("task"))))
+                if task is not None:
+                    with self._lock:
+                        task.error = error[:500]
         self._wake.set()  # the loop reads the exit code from the process itself
 
     def _on_stop(self, request: Request) -> dict[str, Any]:
@@ -354,6 +389,7 @@ class Controller:
             self._grace_s = float(grace)
         self.cluster.append_event("stop_requested", by="rpc")
         self.request_stop()
+        self._wake.set()
         return {"stopping": True}
 
     # State -------------------------------------------------------------------------

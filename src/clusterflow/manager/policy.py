@@ -30,7 +30,9 @@ class TaskStatus:
     exit_code: int | None
     """None while running; negative for death by signal, as Popen reports it."""
     heartbeat_age_s: float | None = None
-    """Seconds since the last heartbeat from its supervisor; None before the first."""
+    """Seconds since the last heartbeat from its supervisor; None before its command ran."""
+    error: str | None = None
+    """Why the task's command could not run, as its supervisor reported it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,12 +58,10 @@ def decide(status: ClusterStatus) -> Verdict:
         return Verdict(Decision.STOP, exit_code=130, reason="stop requested")
     for task in status.tasks:
         if task.exit_code is not None and task.exit_code != 0:
-            return Verdict(
-                Decision.FAIL,
-                task.task,
-                exit_code_of(task.exit_code),
-                f"task {task.task} {describe_exit(task.exit_code)}",
-            )
+            reason = f"task {task.task} {describe_exit(task.exit_code)}"
+            if task.error:
+                reason += f": {task.error}"
+            return Verdict(Decision.FAIL, task.task, exit_code_of(task.exit_code), reason)
         if task.exit_code is None and (task.heartbeat_age_s or 0.0) > status.heartbeat_timeout_s:
             return Verdict(
                 Decision.FAIL,

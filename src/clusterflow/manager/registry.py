@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,21 @@ def new_cluster_id() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Readers see the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
-    os.replace(tmp, path)
+    """Readers see the old file or the new one, never a torn one.
+
+    The temporary file is unique to this call, so writers in several threads or
+    processes (the manager, ``clusterflow stop``) never write into each other's.
+    """
+    text = json.dumps(data, indent=1)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +141,18 @@ def create(cluster_id: str | None = None) -> ClusterDir:
 
 
 def all_clusters() -> list[ClusterDir]:
-    """Every cluster, newest first."""
+    """Every cluster, newest first (by creation: its config is written once, at start)."""
     root = home() / "clusters"
     dirs = [ClusterDir(p) for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return sorted(dirs, key=lambda d: d.path.stat().st_mtime, reverse=True)
+    return sorted(dirs, key=_created, reverse=True)
+
+
+def _created(cluster: ClusterDir) -> float:
+    # Not the folder's own mtime: every state.json rewrite (a rename into it) bumps it.
+    for path in (cluster.config_file, cluster.path):
+        with contextlib.suppress(OSError):
+            return path.stat().st_mtime
+    return 0.0
 
 
 def find(cluster_id: str) -> ClusterDir:

@@ -21,15 +21,18 @@ from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger(__name__)
 
+ENV_CLUSTER_ID = "CLUSTERFLOW_CLUSTER_ID"
+"""Set for a cluster's detached manager, its store, supervisors and (inherited) jobs."""
+
 
 def cluster_processes(cluster_id: str) -> list[psutil.Process]:
-    """Every live process of this user that belongs to the cluster."""
+    """Every live process of this user that belongs to the cluster (this one excepted)."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == os.getpid():
             continue
         with contextlib.suppress(psutil.Error):
-            if proc.environ().get("CLUSTERFLOW_CLUSTER_ID") == cluster_id:
+            if proc.environ().get(ENV_CLUSTER_ID) == cluster_id:
                 found.append(proc)
     return found
 
@@ -72,6 +75,8 @@ def stop_cluster(cluster: ClusterDir, grace_s: float) -> str:
     state["status"] = "stopped"
     state["summary"] = "stopped by `clusterflow stop` (the manager was gone or hung)"
     state["ended"] = time.time()
+    if state.get("exit_code") is None:
+        state["exit_code"] = 130  # what a manager that takes the stop request exits with
     for task in state.get("tasks") or []:
         if task.get("exit_code") is None:
             task["status"] = "stopped"

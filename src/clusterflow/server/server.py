@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import zmq
+
 from clusterflow.cluster import ClusterSpec, ClusterSpecLike, TaskId, TFConfig, parse_address
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, Request, RpcServer
@@ -43,7 +45,8 @@ class Server:
             a supervisor passed in ``CLUSTERFLOW_LISTEN_FD`` when it is for this task.
 
     Raises:
-        ConfigError: an unknown job or index, or no credentials to be found.
+        ConfigError: an unknown job or index, no credentials to be found, or an
+            address this host cannot serve (another machine's, or a port in use).
     """
 
     def __init__(
@@ -73,11 +76,17 @@ class Server:
                     "CLUSTERFLOW_SECRET_FILE (clusterflow start sets it for its tasks)"
                 )
             self._credentials = creds
-            host, port = parse_address(spec.task_address(self._task.job, self._task.index))
+            address = spec.task_address(self._task.job, self._task.index)
+            host, port = parse_address(address)
             fd = listen_fd if listen_fd is not None else _inherited_fd(self._task)
-            self._rpc = RpcServer(
-                creds, host=host, port=port, listen_fd=fd, name=f"server-{self._task}"
-            )
+            try:
+                self._rpc = RpcServer(
+                    creds, host=host, port=port, listen_fd=fd, name=f"server-{self._task}"
+                )
+            except (zmq.ZMQError, OSError) as exc:
+                # The spec names an address this host cannot serve (another machine's,
+                # or a port already taken): the user's spec, so a ConfigError naming it.
+                raise ConfigError(f"cannot serve {self._task} at {address}: {exc}") from exc
         self._rpc.register("health.ping", self._ping)
         if start:
             self.start()
@@ -98,6 +107,11 @@ class Server:
     @property
     def credentials(self) -> Credentials | None:
         return self._credentials
+
+    @property
+    def auth_mode(self) -> str:
+        """How peers prove membership: ``plain`` (loopback) or ``curve`` (encrypted)."""
+        return self._rpc.auth_mode
 
     def register(
         self, method: str, handler: Callable[[Request], Any], *, blocking: bool = False

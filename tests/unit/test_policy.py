@@ -1,0 +1,166 @@
+"""``policy.decide``: every rule of the manager, on plain values, without processes."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from clusterflow.manager.policy import (
+    ClusterStatus,
+    Decision,
+    TaskStatus,
+    Verdict,
+    decide,
+    describe_exit,
+    exit_code_of,
+)
+
+
+def task(
+    name: str,
+    exit_code: int | None = None,
+    *,
+    tracked: bool = True,
+    heartbeat_age_s: float | None = 0.5,
+    error: str | None = None,
+) -> TaskStatus:
+    return TaskStatus(
+        task=name,
+        tracked=tracked,
+        exit_code=exit_code,
+        heartbeat_age_s=heartbeat_age_s,
+        error=error,
+    )
+
+
+def status(*tasks: TaskStatus, **kwargs: object) -> ClusterStatus:
+    return ClusterStatus(tasks=tasks, **kwargs)  # type: ignore[arg-type]
+
+
+def test_running_tasks_continue() -> None:
+    verdict = decide(status(task("ps:0", tracked=False), task("worker:0"), task("worker:1", 0)))
+    assert verdict == Verdict(Decision.CONTINUE)
+
+
+def test_tasks_before_their_first_heartbeat_continue() -> None:
+    assert decide(status(task("worker:0", heartbeat_age_s=None))).decision == Decision.CONTINUE
+
+
+def test_every_tracked_task_done_succeeds_while_untracked_still_run() -> None:
+    verdict = decide(status(task("chief:0", 0), task("ps:0", tracked=False), task("worker:0", 0)))
+    assert verdict == Verdict(Decision.SUCCEED)
+
+
+def test_untracked_tasks_exiting_zero_do_not_end_the_run() -> None:
+    verdict = decide(status(task("ps:0", 0, tracked=False), task("worker:0")))
+    assert verdict.decision == Decision.CONTINUE
+
+
+def test_no_tracked_task_never_succeeds() -> None:
+    assert decide(status(task("ps:0", 0, tracked=False))).decision == Decision.CONTINUE
+
+
+def test_a_failed_task_fails_the_run_naming_it() -> None:
+    verdict = decide(status(task("worker:0"), task("worker:1", 3)))
+    assert verdict.decision == Decision.FAIL
+    assert verdict.failed_task == "worker:1"
+    assert verdict.exit_code == 3
+    assert verdict.reason == "task worker:1 exited with code 3"
+
+
+def test_the_first_failed_task_in_order_is_named() -> None:
+    verdict = decide(status(task("chief:0", 2), task("worker:0", 5)))
+    assert (verdict.failed_task, verdict.exit_code) == ("chief:0", 2)
+
+
+def test_an_untracked_task_failing_fails_the_run() -> None:
+    verdict = decide(status(task("ps:0", 1, tracked=False), task("worker:0")))
+    assert verdict.decision == Decision.FAIL
+    assert verdict.failed_task == "ps:0"
+
+
+def test_a_failure_wins_over_success_of_the_rest() -> None:
+    verdict = decide(status(task("ps:0", 1, tracked=False), task("worker:0", 0)))
+    assert verdict.decision == Decision.FAIL
+
+
+def test_a_task_killed_by_a_signal_exits_like_a_shell() -> None:
+    verdict = decide(status(task("worker:0", -signal.SIGKILL)))
+    assert verdict.exit_code == 128 + signal.SIGKILL
+    assert verdict.reason == "task worker:0 was killed by SIGKILL"
+
+
+def test_the_reason_carries_what_the_supervisor_reported() -> None:
+    error = "cannot run 'nosuch': No such file or directory"
+    verdict = decide(status(task("ps:0", 127, tracked=False, error=error)))
+    assert verdict.reason == f"task ps:0 exited with code 127: {error}"
+    assert verdict.exit_code == 127
+
+
+def test_missed_heartbeats_fail_a_running_task() -> None:
+    verdict = decide(status(task("worker:0"), task("worker:1", heartbeat_age_s=31.0)))
+    assert verdict.decision == Decision.FAIL
+    assert verdict.failed_task == "worker:1"
+    assert verdict.exit_code == 1
+    assert "missed heartbeats" in verdict.reason
+
+
+def test_heartbeat_age_at_the_timeout_is_still_alive() -> None:
+    verdict = decide(status(task("worker:0", heartbeat_age_s=10.0), heartbeat_timeout_s=10.0))
+    assert verdict.decision == Decision.CONTINUE
+
+
+def test_the_heartbeat_timeout_is_the_snapshots() -> None:
+    verdict = decide(status(task("worker:0", heartbeat_age_s=6.0), heartbeat_timeout_s=5.0))
+    assert verdict.decision == Decision.FAIL
+
+
+def test_an_exited_task_has_no_heartbeat_to_miss() -> None:
+    verdict = decide(status(task("worker:0", 0, heartbeat_age_s=1000.0)))
+    assert verdict.decision == Decision.SUCCEED
+
+
+def test_registration_overdue_fails_the_run() -> None:
+    verdict = decide(status(task("worker:0", heartbeat_age_s=None), registration_overdue=True))
+    assert verdict.decision == Decision.FAIL
+    assert verdict.failed_task is None
+    assert verdict.exit_code == 1
+    assert "registered" in verdict.reason
+
+
+def test_a_stop_request_wins_over_everything() -> None:
+    verdict = decide(
+        status(
+            task("worker:0", 3), task("worker:1", 0), stop_requested=True, registration_overdue=True
+        )
+    )
+    assert verdict.decision == Decision.STOP
+    assert verdict.exit_code == 130
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [(1, 1), (3, 3), (255, 255), (256, 255), (1000, 255), (-2, 130), (-9, 137), (-15, 143)],
+)
+def test_exit_code_of(code: int, expected: int) -> None:
+    assert exit_code_of(code) == expected
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (0, "exited with code 0"),
+        (2, "exited with code 2"),
+        (-15, "was killed by SIGTERM"),
+        (-200, "was killed by signal 200"),
+    ],
+)
+def test_describe_exit(code: int, words: str) -> None:
+    assert describe_exit(code) == words
+
+
+def test_status_values_are_frozen() -> None:
+    snapshot = status(task("worker:0"))
+    with pytest.raises(AttributeError):
+        snapshot.stop_requested = True  # type: ignore[misc]
