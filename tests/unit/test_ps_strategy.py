@@ -288,3 +288,60 @@ def test_misuse_gives_clear_errors() -> None:
         pass
     with pytest.raises(ConfigError, match="wire_dtype"):
         ParameterServerStrategy(resolver(0, 1), _connection=LocalPS(), gradient_wire_dtype="int8")  # type: ignore[arg-type]
+
+
+def test_bf16_on_the_wire_trains_and_keeps_float32_variables() -> None:
+    connection = LocalPS()
+    s = ParameterServerStrategy(
+        resolver(0, 1),
+        _connection=connection,
+        gradient_wire_dtype="bfloat16",
+        value_wire_dtype="bfloat16",
+    )
+    with s.scope():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch(0, 0)
+    losses = [s.run(step_fn(model, opt), (x, y)) for _ in range(20)]
+    assert losses[-1] < losses[0] * 0.7
+    assert all(v.dtype == torch.float32 for v in connection.store.vars.values())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    s.pull_values()
+    for p, v in zip(model.parameters(), connection.store.vars.values(), strict=True):
+        assert torch.equal(p.detach(), v.bfloat16().float())  # values came as bf16
+
+
+def test_async_warmup_lets_the_chief_train_alone_first() -> None:
+    connection = LocalPS()
+    strategies = replicas(2, connection, warmup_steps=3)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+            models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    seen: list[int] = []
+
+    def late_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        seen.append(connection.store.version)
+        return step_fn(*models[1])(x, y)
+
+    worker = threading.Thread(target=lambda: strategies[1].run(late_step, batch(0, 1)))
+    worker.start()
+    for k in range(3):
+        strategies[0].run(step_fn(*models[0]), batch(k, 0))
+    worker.join(30)
+    assert seen and seen[0] >= 3  # worker 1 started only after the chief's 3 steps
+
+
+def test_a_lease_is_applied_once_and_reported() -> None:
+    connection = LocalPS()
+    s = ParameterServerStrategy(resolver(0, 1), _connection=connection)
+    with s.scope():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s.run(step_fn(model, opt), batch(0, 0), lease="split-7")
+    assert s.last_push_applied
+    s.run(step_fn(model, opt), batch(0, 0), lease="split-7")  # a replayed split
+    assert not s.last_push_applied
+    stats = connection.store.snapshot_stats()
+    assert stats["version"] == 1 and stats["duplicate_leases"] == 1

@@ -127,7 +127,7 @@ class LocalPS:
                 "reason": result.reason,
                 "staleness": result.staleness,
             }
-            return reply, result.values
+            return reply, wire_cast(result.values, body.get("values_dtype"))
         if method == "stats":
             return store.snapshot_stats(), {}
         if method == "leave":

@@ -137,6 +137,9 @@ class ParameterServerStrategy(Strategy):
         self._warm = self.config.warmup_steps == 0 or self.is_chief
         self.steps = 0
         self.dropped_pushes = 0
+        self.last_push_applied = False
+        """Whether the last ``run``'s update was applied on every ps task."""
+        self._lease: str | None = None
         self._left = False
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
@@ -176,8 +179,19 @@ class ParameterServerStrategy(Strategy):
         fn: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        lease: str | None = None,
     ) -> Any:
         """Pull, run ``fn`` (which calls ``optimizer.step()``), push.
+
+        Args:
+            fn: the step; it computes gradients and calls ``optimizer.step()``.
+            args: positional arguments of ``fn`` (this replica's batch).
+            kwargs: keyword arguments of ``fn``.
+            lease: the data lease the batch came from; each ps task applies a lease at
+                most once. After the call, ``last_push_applied`` says whether the update
+                was applied (a sync step may drop a late replica's push: hand its lease
+                back to the data service then).
 
         Raises:
             StrategyError: no variables were created in ``scope()``, or ``fn`` computed
@@ -188,6 +202,8 @@ class ParameterServerStrategy(Strategy):
         self._wait_warmup()
         self._load_values()
         self._in_run, self._pushed = True, False
+        self._lease = lease
+        self.last_push_applied = False
         try:
             result = fn(*args, **(kwargs or {}))
         finally:
@@ -430,6 +446,7 @@ class ParameterServerStrategy(Strategy):
                 "version": step_version if sync else self._versions[index],
                 "hyper": hyper,
                 "commit": commit,
+                "lease": self._lease,
                 "want_values": not sync,
                 "values_dtype": self._value_dtype,
                 "timeout": self._deadline,
@@ -441,13 +458,16 @@ class ParameterServerStrategy(Strategy):
             others = [i for i in range(self._ps.num_ps) if i != 0]
             replies = self._ps.map(push, others)
             replies.insert(0, push(0, commit=True))
-            if any(not r[0]["applied"] for r in replies):
+            # ps 0 decides the step: a commit it counted is in the step on every shard.
+            self.last_push_applied = bool(replies[0][0]["applied"])
+            if not self.last_push_applied:
                 self.dropped_pushes += 1
             targets = [step_version + 1] * self._ps.num_ps
             self._next = self._prefetcher.submit(self._pull, targets)
             return
         replies = self._ps.map(push, range(self._ps.num_ps))
-        if any(not r[0]["applied"] for r in replies):
+        self.last_push_applied = all(r[0]["applied"] for r in replies)
+        if not self.last_push_applied:
             self.dropped_pushes += 1
         if all(r[1] or not self.placement.on_ps(i) for i, r in enumerate(replies)):
             values: dict[str, torch.Tensor] = {}
