@@ -165,10 +165,12 @@ def test_async_held_back_worker_is_stale(policy: str) -> None:
     def held(x: torch.Tensor, y: torch.Tensor) -> float:
         for k in range(4):  # the other worker moves 4 steps on meanwhile
             fast.run(fast_step, batch(k, 0))
+        fast.flush()
         return slow_inner(x, y)
 
     before = [p.detach().clone() for p in connection.store.vars.values()]
     slow.run(held, batch(0, 1))
+    slow.flush()
     stats = connection.store.snapshot_stats()
     if policy == "drop":
         assert stats["dropped_stale"] == 1 and stats["version"] == 4
@@ -195,6 +197,7 @@ def test_async_replicas_train() -> None:
         def go() -> None:
             for _ in range(30):
                 losses[i].append(strategies[i].run(step_fn(*models[i]), (x, y)))
+            strategies[i].flush()
 
         return go
 
@@ -238,7 +241,7 @@ def test_partitioned_variables_and_explicit_devices_and_buffers() -> None:
         return loss.item()
 
     s.run(step, batch(0, 0))
-    s._load_values()
+    s.pull_values()
     store = connection.store
 
     def on_ps(name: str) -> torch.Tensor:

@@ -81,6 +81,9 @@ class ParameterServerStrategy(Strategy):
         gradient_wire_dtype: ``bfloat16`` halves the bytes of every push.
         value_wire_dtype: ``bfloat16`` halves the bytes of every pull.
         reject_nonfinite: the ps refuses NaN/Inf gradients.
+        overlap_push: async only; a push travels while the next step computes (at most
+            one in flight; the step uses the newest values that have arrived). Steps
+            given a data ``lease`` always wait for their push, so an ack follows the update.
         deadline_s: every call to a ps must answer within this many seconds.
     """
 
@@ -98,6 +101,7 @@ class ParameterServerStrategy(Strategy):
         gradient_wire_dtype: WireDtype = "float32",
         value_wire_dtype: WireDtype = "float32",
         reject_nonfinite: bool = True,
+        overlap_push: bool = True,
         deadline_s: float = 120.0,
         _connection: PSConnection | None = None,
     ) -> None:
@@ -129,8 +133,15 @@ class ParameterServerStrategy(Strategy):
         self._by_tensor: dict[int, _Var] = {}
         self.placement = Placement()
         self._versions = [0] * self._ps.num_ps
+        self._overlap = overlap_push and mode == "async"
+        # sync: the background pull of the next version.
         self._next: Future[tuple[list[int], dict[str, torch.Tensor]]] | None = None
-        self._ready_values: tuple[list[int], dict[str, torch.Tensor]] | None = None
+        # async: the push in flight; its thread writes only _bg_values, which the
+        # main thread reads after collecting the future.
+        self._inflight: Future[None] | None = None
+        self._bg_values: tuple[list[int], dict[str, torch.Tensor]] | None = None
+        # Values that arrived and wait to be copied into the model (main thread only).
+        self._staged: tuple[list[int], dict[str, torch.Tensor]] | None = None
         self._optimizers: set[int] = set()
         self._in_run = False
         self._pushed = False
@@ -252,6 +263,9 @@ class ParameterServerStrategy(Strategy):
 
         Waits for the step this replica pushed last, if it is not applied yet.
         """
+        self.flush()
+        if self._next is None and self._staged is None:
+            self._staged = self._pull(self._versions)
         self._load_values()
 
     def leave(self) -> None:
@@ -260,6 +274,7 @@ class ParameterServerStrategy(Strategy):
         Call it when the replica's data runs out (``close()`` does): replicas finish
         unevenly, and the others' last steps must not wait for this one.
         """
+        self.flush()
         if not self._left:
             self._left = True
             self._ps.call(0, "leave", {"worker": self._worker})
@@ -311,7 +326,7 @@ class ParameterServerStrategy(Strategy):
 
         self._ps.map(create, range(self._ps.num_ps))
         # Whoever created first, everyone now starts from the same values.
-        self._ready_values = self._pull([0] * self._ps.num_ps)
+        self._staged = self._pull([0] * self._ps.num_ps)
 
     def _spec_of(self, shard: Shard) -> VariableSpec:
         return self._var_of(shard).spec
@@ -360,15 +375,24 @@ class ParameterServerStrategy(Strategy):
         return [r[0] for r in results], values
 
     def _load_values(self) -> None:
-        """Copies the newest values into the local tensors (waiting for a prefetch)."""
+        """Copies the newest values that arrived into the local tensors.
+
+        sync: waits for the next version's prefetch. async: takes the values a finished
+        push brought back; while a push is still in flight it keeps the values at hand
+        (bounded staleness), and with nothing staged or in flight it pulls.
+        """
         if self._next is not None:
             ready = self._next.result()
             self._next = None
-        elif self._ready_values is not None:
-            ready = self._ready_values
         else:
-            ready = self._pull(self._versions)
-        self._ready_values = None
+            self._collect_inflight(wait=False)
+            if self._staged is not None:
+                ready = self._staged
+            elif self._inflight is not None:
+                return
+            else:
+                ready = self._pull(self._versions)
+        self._staged = None
         versions, values = ready
         self._versions = versions
         with torch.no_grad():
@@ -376,6 +400,19 @@ class ParameterServerStrategy(Strategy):
                 parts = [values[s.name] for s in var.shards]
                 value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
                 var.tensor.copy_(value)
+
+    def _collect_inflight(self, *, wait: bool) -> None:
+        """Takes the result of the push in flight, if done (or once done, with ``wait``)."""
+        if self._inflight is None or not (wait or self._inflight.done()):
+            return
+        self._inflight.result()  # re-raises the push's error here, in the training loop
+        self._inflight = None
+        if self._bg_values is not None:
+            self._staged, self._bg_values = self._bg_values, None
+
+    def flush(self) -> None:
+        """Waits until this replica's last push was answered (async overlap)."""
+        self._collect_inflight(wait=True)
 
     def _wait_warmup(self) -> None:
         if self._warm:
@@ -413,9 +450,10 @@ class ParameterServerStrategy(Strategy):
             for var in self._vars:
                 if not var.spec.trainable:
                     for shard in var.shards:
-                        per_ps[shard.ps][f"b/{shard.name}"] = self._slice(
-                            var.tensor.detach(), shard
-                        )
+                        # A copy: the next forward updates buffers in place while a
+                        # background push may still be sending them.
+                        value = self._slice(var.tensor.detach(), shard).clone()
+                        per_ps[shard.ps][f"b/{shard.name}"] = value
         self._push(per_ps, hyper)
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
@@ -437,16 +475,17 @@ class ParameterServerStrategy(Strategy):
         # sync: one step version on every shard; if the pull was mixed, the push is late
         # at ps 0 (which decides), so it is never counted with gradients missing.
         step_version = min(self._versions)
+        versions, lease = list(self._versions), self._lease
 
         def push(
             index: int, commit: bool = False
         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             body = {
                 "worker": self._worker,
-                "version": step_version if sync else self._versions[index],
+                "version": step_version if sync else versions[index],
                 "hyper": hyper,
                 "commit": commit,
-                "lease": self._lease,
+                "lease": lease,
                 "want_values": not sync,
                 "values_dtype": self._value_dtype,
                 "timeout": self._deadline,
@@ -465,15 +504,24 @@ class ParameterServerStrategy(Strategy):
             targets = [step_version + 1] * self._ps.num_ps
             self._next = self._prefetcher.submit(self._pull, targets)
             return
-        replies = self._ps.map(push, range(self._ps.num_ps))
-        self.last_push_applied = all(r[0]["applied"] for r in replies)
-        if not self.last_push_applied:
-            self.dropped_pushes += 1
-        if all(r[1] or not self.placement.on_ps(i) for i, r in enumerate(replies)):
-            values: dict[str, torch.Tensor] = {}
-            for _, tensors in replies:
-                values.update(tensors)
-            self._ready_values = ([int(r[0]["version"]) for r in replies], values)
+
+        def push_all() -> None:
+            replies = self._ps.map(push, range(self._ps.num_ps))
+            self.last_push_applied = all(r[0]["applied"] for r in replies)
+            if not self.last_push_applied:
+                self.dropped_pushes += 1
+            if all(r[1] or not self.placement.on_ps(i) for i, r in enumerate(replies)):
+                values: dict[str, torch.Tensor] = {}
+                for _, tensors in replies:
+                    values.update(tensors)
+                self._bg_values = ([int(r[0]["version"]) for r in replies], values)
+
+        self._collect_inflight(wait=True)  # at most one push in flight
+        if self._overlap and self._lease is None:
+            self._inflight = self._prefetcher.submit(push_all)
+        else:
+            push_all()
+            self._staged, self._bg_values = self._bg_values, None
 
 
 def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
