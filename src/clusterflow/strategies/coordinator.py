@@ -96,6 +96,8 @@ POLL_S = 1.0
 """How long one call to a worker waits for the function to finish before the chief polls."""
 PROBE_MIN_S, PROBE_MAX_S = 0.2, 5.0
 """Back-off between probes of a worker that does not answer."""
+STOP_DEADLINE_S = 2.0
+"""How long ``close`` waits for a worker to acknowledge the stop."""
 FUNCTION_CACHE = 128
 """Pickled functions kept on the chief (keyed by the function object)."""
 
@@ -264,6 +266,7 @@ class _Abandoned(Exception):
 class _Worker:
     index: int
     name: str
+    address: str
     client: RpcClient
     timeout_s: float
     up: bool = False
@@ -271,7 +274,6 @@ class _Worker:
     sent: set[str] = field(default_factory=set)
     """Digests of the functions this incarnation of the worker holds."""
     busy: bool = False
-    ever_up: bool = False
 
     def call(self, method: str, body: Any, wait: float = 0.0) -> dict[str, Any]:
         """One call; every way it can fail means the worker is lost for now."""
@@ -298,7 +300,7 @@ class _Worker:
                 log.info("%s is a new process (pid %s)", self.name, info.get("pid"))
             self.incarnation = incarnation
             self.sent.clear()
-        self.up = self.ever_up = True
+        self.up = True
         return True
 
 
@@ -373,6 +375,7 @@ class ClusterCoordinator:
             raise ConfigError(f"the cluster has no worker job to schedule on: {spec.as_dict()}")
         credentials: Credentials = resolver.require_credentials()
         self._strategy = strategy
+        self._credentials = credentials
         self._max_attempts = max_attempts
         self._id = uuid.uuid4().hex[:8]
         self._cond = threading.Condition()
@@ -380,6 +383,7 @@ class ClusterCoordinator:
             _Worker(
                 index=i,
                 name=f"worker:{i}",
+                address=spec.task_address("worker", i),
                 client=RpcClient(spec.task_address("worker", i), credentials),
                 timeout_s=worker_timeout_s,
             )
@@ -469,6 +473,8 @@ class ClusterCoordinator:
         """Waits for every function scheduled so far (TensorFlow's ``join``).
 
         Blocks until none is waiting, queued or running, or ``timeout`` seconds pass.
+        A function whose workers are all down waits for one to come back (as in
+        TensorFlow), so give a ``timeout`` where that must not hang.
 
         Raises:
             FunctionError: a function raised since the last ``join`` or ``done`` raised
@@ -511,13 +517,13 @@ class ClusterCoordinator:
         Raises:
             RpcError: a ps task did not answer within the strategy's deadline.
         """
-        # The strategy keeps the values its own scope pulled at creation, for its first
-        # run; the chief never runs, so they are dropped for a fresh pull. (A public
-        # ``refresh`` on ParameterServerStrategy would make this reach-in unnecessary.)
-        self._strategy._ready_values = None
-        self._strategy._load_values()
+        # The strategy keeps the values its scope pulled at creation for its first run;
+        # the chief never runs, so they are dropped, or pull_values would load them.
+        self._strategy._staged = None
+        self._strategy.pull_values()
 
     def stats(self) -> CoordinatorStats:
+        """Counts so far (retries show worker failures that cost a re-run); never blocks."""
         with self._cond:
             return CoordinatorStats(
                 scheduled=self._scheduled,
@@ -532,8 +538,9 @@ class ClusterCoordinator:
         """Stops scheduling; unfinished functions fail with ``CoordinatorClosed``.
 
         With ``stop_workers`` each worker's ``serve_worker()`` returns, so worker tasks
-        exit 0 and a ``clusterflow start`` run that tracks them can end. Waits at most
-        a few seconds for the dispatch threads and for the workers' acknowledgements.
+        exit 0 and a ``clusterflow start`` run that tracks them can end. Waits a few
+        seconds at most: for the dispatch threads to leave their current poll, and for
+        the workers to acknowledge the stop (a dead one is not waited for longer).
         Called at interpreter exit if not called before.
         """
         with self._cond:
@@ -543,12 +550,12 @@ class ClusterCoordinator:
             for closure in list(self._unfinished):
                 self._fail(closure, CoordinatorClosed(f"{closure.name}: coordinator closed"))
             self._queues = {index: deque() for index in self._queues}
+            self._closing.set()
             self._cond.notify_all()
-        self._closing.set()
         atexit.unregister(self.close)
-        for thread in self._threads:
-            thread.join(POLL_S + 1.0)
         if stop_workers:
+            # Fresh clients: a dispatch thread may still hold its worker's client in a
+            # call to a dead worker, for up to worker_timeout_s.
             stoppers = [
                 threading.Thread(target=self._stop_worker, args=(w,), daemon=True)
                 for w in self._workers
@@ -556,9 +563,11 @@ class ClusterCoordinator:
             for thread in stoppers:
                 thread.start()
             for thread in stoppers:
-                thread.join(3.0)
-        for worker in self._workers:
-            worker.client.close()
+                thread.join(STOP_DEADLINE_S + 1.0)
+        for worker, thread in zip(self._workers, self._threads, strict=True):
+            thread.join(POLL_S + 1.0)
+            if not thread.is_alive():
+                worker.client.close()  # else it closes with the process
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -804,7 +813,8 @@ class ClusterCoordinator:
 
     def _stop_worker(self, worker: _Worker) -> None:
         try:
-            worker.client.call(METHOD_STOP, None, deadline=2.0)
+            with RpcClient(worker.address, self._credentials, deadline=STOP_DEADLINE_S) as client:
+                client.call(METHOD_STOP)
         except RpcError as exc:
             log.debug("%s did not take the stop: %s", worker.name, exc)
 

@@ -264,7 +264,7 @@ class ParameterServerStrategy(Strategy):
         Waits for the step this replica pushed last, if it is not applied yet.
         """
         self.flush()
-        if self._next is None and self._staged is None:
+        if self._next is None:  # sync: the prefetch already waits for the newest version
             self._staged = self._pull(self._versions)
         self._load_values()
 

@@ -14,9 +14,10 @@ is refused at connect), and nothing else is ever unpickled here.
 Variables: the chief pickles the strategy's variables as references (name, shape,
 placement), not values. Unpickling binds each to one local tensor per variable, owned
 by this worker's own ``ParameterServerStrategy`` (the same ps tasks and placement as
-the chief's), and every function runs inside that strategy's ``run``: the current
-values are pulled first, and ``optimizer.step()`` pushes the gradients to the ps.
-Every copy of a function's model on this worker shares those tensors.
+the chief's), and every function runs inside that strategy's ``run``: the newest
+values are pulled first, ``optimizer.step()`` pushes the gradients to the ps, and the
+push is answered before the function's result goes back to the chief. Every copy of a
+function's model on this worker shares those tensors.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import io
 import logging
 import os
 import pickle
+import queue
 import signal
 import threading
 import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -151,6 +152,33 @@ class WorkerStrategy(ParameterServerStrategy):
         """Variables bound so far (0: functions run without pulling anything)."""
         return len(self._bound)
 
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Runs ``fn`` as every replica does, from the newest values, push included.
+
+        A between-graph replica starts a step from the values its own last push got
+        back, and may leave its push in flight. A scheduled function must see what the
+        other workers pushed since, and its own update must be applied before the chief
+        hears it finished: then a function scheduled after ``join()`` sees every update
+        made before it, as TensorFlow's reads at the ps do.
+        """
+        self._staged = None  # else the values our last push brought back
+        try:
+            return super().run(fn, args, kwargs, **options)
+        finally:
+            self.flush()
+
+    def leave(self) -> None:
+        """Nothing to leave: the coordinator is asynchronous only, so no sync step waits.
+
+        (And ``close()`` at a task's SIGTERM must not wait on a ps that stops with it.)
+        """
+
     def update(self, settings: StrategySettings) -> None:
         """Takes the variables the chief created since; its options must not change.
 
@@ -171,7 +199,7 @@ class WorkerStrategy(ParameterServerStrategy):
     def variable(self, name: str, is_parameter: bool, requires_grad: bool) -> torch.Tensor:
         """The one local tensor of variable ``name`` on this worker, bound on first use.
 
-        Its values are garbage until the next ``run`` pulls them, which happens before
+        It holds zeros until the next ``run`` pulls the values, which happens before
         every scheduled function.
         """
         tensor = self._bound.get(name)
@@ -239,7 +267,11 @@ class WorkerService:
         self._functions: OrderedDict[str, Callable[..., Any]] = OrderedDict()
         self._calls: OrderedDict[str, _Call] = OrderedDict()
         self._strategy: WorkerStrategy | None = None
-        self._runner = ThreadPoolExecutor(1, thread_name_prefix="worker-function")
+        # A daemon thread, not an executor: a task told to stop must not wait at exit
+        # for a function that may run for a long time (or forever).
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._runner = threading.Thread(target=self._run_calls, name="worker-function", daemon=True)
+        self._runner.start()
         self.stopped = threading.Event()
         """Set when the coordinator asked this worker to stop."""
         self.executed = 0
@@ -258,8 +290,8 @@ class WorkerService:
         return self._strategy
 
     def close(self) -> None:
-        """Abandons queued calls and closes the strategy's ps connections."""
-        self._runner.shutdown(wait=False, cancel_futures=True)
+        """Runs no more calls (a running one is abandoned) and closes the ps connections."""
+        self._queue.put(None)
         if self._strategy is not None:
             self._strategy.close()
 
@@ -280,7 +312,7 @@ class WorkerService:
                     return {"state": "need_function"}
                 call = _Call(call_id)
                 self._calls[call_id] = call
-                self._runner.submit(self._execute, call, digest, payload, args, list(inputs))
+                self._queue.put((call, digest, payload, args, list(inputs)))
         return self._await(call, float(body.get("wait", 1.0)))
 
     def _on_result(self, request: Request) -> dict[str, Any]:
@@ -312,6 +344,10 @@ class WorkerService:
         return call.reply
 
     # Running a call ----------------------------------------------------------------
+
+    def _run_calls(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._execute(*item)
 
     def _execute(
         self, call: _Call, digest: str, payload: bytes | None, args: bytes, inputs: list[bytes]
