@@ -1,13 +1,91 @@
 """clusterflow: distributed training for PyTorch on the architecture of distributed TensorFlow.
 
 The public API is re-exported here lazily, so ``import clusterflow`` stays cheap for
-processes that never touch torch (the manager, the CLI, task supervisors).
+processes that never touch torch (the manager, the CLI, task supervisors)::
+
+    import clusterflow as cf
+
+    strategy = cf.ParameterServerStrategy(mode="sync", backup_workers=1)
+    with strategy.scope():
+        model = Net()
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from clusterflow.errors import ClusterflowError, ConfigError
 
-__all__ = ["ClusterflowError", "ConfigError", "__version__"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from clusterflow.cluster import ClusterSpec, DeviceSpec, TaskId, TFConfig
+    from clusterflow.server import Server, create_local_server
+    from clusterflow.strategies import (
+        ClusterCoordinator,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+        ReduceOp,
+        RemoteValue,
+        SimpleClusterResolver,
+        Strategy,
+        TFConfigClusterResolver,
+    )
+    from clusterflow.strategies.parameter_server import (
+        CentralStorageStrategy,
+        ParameterServerStrategy,
+    )
+    from clusterflow.strategies.variables import Variable, device
+
+_LAZY = {
+    "ClusterSpec": "clusterflow.cluster",
+    "DeviceSpec": "clusterflow.cluster",
+    "TaskId": "clusterflow.cluster",
+    "TFConfig": "clusterflow.cluster",
+    "Server": "clusterflow.server",
+    "create_local_server": "clusterflow.server",
+    "Strategy": "clusterflow.strategies",
+    "ReduceOp": "clusterflow.strategies",
+    "SimpleClusterResolver": "clusterflow.strategies",
+    "TFConfigClusterResolver": "clusterflow.strategies",
+    "MirroredStrategy": "clusterflow.strategies",
+    "MultiWorkerMirroredStrategy": "clusterflow.strategies",
+    "ClusterCoordinator": "clusterflow.strategies",
+    "RemoteValue": "clusterflow.strategies",
+    "ParameterServerStrategy": "clusterflow.strategies.parameter_server",
+    "CentralStorageStrategy": "clusterflow.strategies.parameter_server",
+    "Variable": "clusterflow.strategies.variables",
+    "device": "clusterflow.strategies.variables",
+}
+
+__all__ = [
+    "CentralStorageStrategy",
+    "ClusterCoordinator",
+    "ClusterSpec",
+    "ClusterflowError",
+    "ConfigError",
+    "DeviceSpec",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
+    "ReduceOp",
+    "RemoteValue",
+    "Server",
+    "SimpleClusterResolver",
+    "Strategy",
+    "TFConfig",
+    "TFConfigClusterResolver",
+    "TaskId",
+    "Variable",
+    "__version__",
+    "create_local_server",
+    "device",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clusterflow' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
