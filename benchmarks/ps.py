@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import socket
 import time
 from multiprocessing.connection import Connection

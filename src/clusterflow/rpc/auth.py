@@ -96,9 +96,11 @@ class Credentials:
             ConfigError: the file is missing, unreadable or not a secret.
         """
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="ascii")
         except OSError as exc:
             raise ConfigError(f"cannot read cluster secret file {str(path)!r}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{str(path)!r}: cluster secret is not hex text") from exc
         try:
             return cls.from_hex(text, mode)
         except ConfigError as exc:
@@ -115,7 +117,10 @@ class Credentials:
         if env.get(ENV_SECRET_FILE):
             return cls.from_file(env[ENV_SECRET_FILE], mode)
         if env.get(ENV_SECRET):
-            return cls.from_hex(env[ENV_SECRET], mode)
+            try:
+                return cls.from_hex(env[ENV_SECRET], mode)
+            except ConfigError as exc:
+                raise ConfigError(f"{ENV_SECRET}: {exc}") from exc
         return None
 
     def to_hex(self) -> str:
@@ -124,9 +129,11 @@ class Credentials:
     def to_file(self, path: str | os.PathLike[str]) -> None:
         """Writes the secret readable by the owner only (created 0600, never widened)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # O_CREAT's mode applies only to a new file: narrow an existing one before the
+        # secret is written into it, not after.
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.to_hex() + "\n")
-        os.chmod(path, 0o600)
 
     def resolve_mode(self, host: str) -> AuthMode:
         """The mechanism for a connection to or a bind on ``host``."""
@@ -192,6 +199,7 @@ class _ProcessAuthenticator:
     """One ZAP thread per context, holding the credentials of every cluster served here."""
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.context = context
         self._lock = threading.Lock()
         self._auth = zmq.auth.thread.ThreadAuthenticator(context, log=log)
         self._auth.start()
@@ -211,6 +219,13 @@ class _ProcessAuthenticator:
                 self._curve[domain] = keys
                 self._auth.configure_curve_callback(domain, keys)
 
+    @property
+    def alive(self) -> bool:
+        return self._auth.is_alive()
+
+    def stop(self) -> None:
+        self._auth.stop()
+
 
 _AUTHENTICATORS: dict[int, _ProcessAuthenticator] = {}
 _AUTHENTICATORS_LOCK = threading.Lock()
@@ -219,6 +234,22 @@ _AUTHENTICATORS_LOCK = threading.Lock()
 def _authenticator(context: zmq.Context[zmq.Socket[bytes]]) -> _ProcessAuthenticator:
     with _AUTHENTICATORS_LOCK:
         key = id(context)
-        if key not in _AUTHENTICATORS:
-            _AUTHENTICATORS[key] = _ProcessAuthenticator(context)
-        return _AUTHENTICATORS[key]
+        found = _AUTHENTICATORS.get(key)
+        # An id outlives its object: a context built where a terminated one lived must
+        # not inherit that one's (stopped) authenticator, or its sockets would have none.
+        if found is None or found.context is not context or not found.alive:
+            found = _AUTHENTICATORS[key] = _ProcessAuthenticator(context)
+        return found
+
+
+def stop_authenticators(context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    """Stops the ZAP thread of ``context`` (of every context when None) and closes its sockets.
+
+    Call after the server sockets it guards are closed; a server built later starts a
+    new one.
+    """
+    with _AUTHENTICATORS_LOCK:
+        keys = [k for k, a in _AUTHENTICATORS.items() if context is None or a.context is context]
+        stopping = [_AUTHENTICATORS.pop(k) for k in keys]
+    for authenticator in stopping:
+        authenticator.stop()

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.utils.monitor
 
-from clusterflow.rpc import codec
+from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import Credentials
 from clusterflow.rpc.errors import (
     AuthenticationError,
     ClientClosed,
     DeadlineExceeded,
+    ProtocolError,
     RemoteError,
 )
 from clusterflow.rpc.message import Response
@@ -74,12 +75,13 @@ class RpcClient:
         self._host, self.endpoint = split_endpoint(address)
         self._credentials = credentials
         self.deadline = deadline
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctx = runtime.context()
         self._lock = threading.Lock()
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller: zmq.Poller | None = None
         self._closed = False
+        runtime.track_client(self)
 
     def __enter__(self) -> RpcClient:
         return self
@@ -88,9 +90,21 @@ class RpcClient:
         self.close()
 
     def close(self) -> None:
+        """Closes the socket; later calls raise ``ClientClosed``. Waits for a call in flight."""
         with self._lock:
             self._closed = True
             self._reset()
+
+    def _close_at_exit(self, timeout: float) -> bool:
+        """``close`` unless another thread is inside a call past ``timeout``; True if closed."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        try:
+            self._closed = True
+            self._reset()
+            return True
+        finally:
+            self._lock.release()
 
     def call(
         self,
@@ -102,7 +116,9 @@ class RpcClient:
     ) -> Response:
         """Sends a request and waits for its reply.
 
-        Blocks until the reply arrives or ``deadline`` seconds pass.
+        Blocks until the reply arrives or ``deadline`` seconds pass. The tensors are sent
+        without a copy, straight from their memory: do not modify them in place from
+        another thread while the call runs.
 
         Raises:
             DeadlineExceeded: no reply in time (the peer is dead, hung or unreachable).
@@ -120,19 +136,26 @@ class RpcClient:
             sock.send_multipart(frames, copy=False)
             try:
                 return self._await_reply(sock, request_id, method, end, timeout)
+            except RemoteError:
+                raise  # a well-formed answer: the connection is as good as before
             except BaseException:
+                # Anything else leaves a request of ours in flight (or the stream in doubt):
+                # a new socket guarantees its late reply is never read as another's.
                 self._reset()
                 raise
 
     def send(
         self, method: str, body: Any = None, tensors: Mapping[str, torch.Tensor] | None = None
     ) -> None:
-        """Sends a one-way message: no reply, no delivery guarantee if the peer is down."""
+        """Sends a one-way message: no reply, no delivery guarantee if the peer is down.
+
+        Returns once the message is queued. The tensors are copied first (only their
+        frames over 64 KiB cost anything): with no reply to wait for, a caller could
+        otherwise not know when it may modify or reuse them.
+        """
+        frames = codec.encode(codec.KIND_ONEWAY, 0, method, body, tensors)
         with self._lock:
-            sock = self._socket()
-            sock.send_multipart(
-                codec.encode(codec.KIND_ONEWAY, 0, method, body, tensors), copy=False
-            )
+            self._socket().send_multipart(frames, copy=True)
 
     # -------------------------------------------------------------------------------
 
@@ -160,6 +183,7 @@ class RpcClient:
     def _reset(self) -> None:
         """Drops the socket (and anything queued on it); the next call dials afresh."""
         self._drop_monitor()
+        self._poller = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -168,9 +192,11 @@ class RpcClient:
         if self._monitor is not None:
             if self._sock is not None:
                 self._sock.disable_monitor()
+            if self._poller is not None:
+                # Kept, polling the socket alone: Socket.poll() would build a Poller per call.
+                self._poller.unregister(self._monitor)
             self._monitor.close(linger=0)
             self._monitor = None
-            self._poller = None
 
     def _await_reply(
         self, sock: zmq.Socket[bytes], request_id: int, method: str, end: float, timeout: float
@@ -179,18 +205,22 @@ class RpcClient:
             remaining_ms = int((end - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
-            if self._poller is not None:
-                ready = dict(self._poller.poll(remaining_ms))
-                if self._monitor is not None and self._monitor in ready:
+            assert self._poller is not None  # built with the socket
+            events = self._poller.poll(remaining_ms)
+            if not events:
+                continue
+            if self._monitor is not None:
+                ready = dict(events)
+                if self._monitor in ready:
                     self._read_monitor(method)
                 if sock not in ready:
                     continue
-            elif not sock.poll(remaining_ms):
-                continue
             frames = sock.recv_multipart(copy=False)
             header = codec.decode_header(frames[0])
             if header["id"] != request_id:
                 continue  # a late reply to an earlier call that gave up
+            if header["k"] not in (codec.KIND_REPLY, codec.KIND_ERROR):
+                raise ProtocolError(f"{method} to {self.endpoint}: a {header['k']!r} as reply")
             if header["k"] == codec.KIND_ERROR:
                 raise RemoteError(
                     str(header.get("c", "internal")),

@@ -2,7 +2,9 @@
 
 Only the small header is encoded. A tensor's bytes leave straight from its buffer (the
 frames are memoryviews over the tensor, sent by ZeroMQ without a copy) and, when a
-tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the received frame.
+tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the received frame
+(copied only when that frame is misaligned for the dtype: ZeroMQ packs small frames
+back to back in one receive buffer, at any address).
 Large tensors are cut into frames of ``FRAME_BYTES``: measured on this machine, 1-4 MiB
 frames move at about 1.8 GB/s over loopback where one 64 MiB frame moves at 0.8 GB/s.
 
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
 
 from clusterflow.rpc.errors import ProtocolError
 from clusterflow.rpc.pool import RECEIVE_POOL
@@ -184,18 +187,24 @@ def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str
                 out[name] = torch.empty(shape, dtype=dtype)
             elif count == 1:
                 flat = torch.frombuffer(_buffer(parts[0]), dtype=torch.uint8)
+                if flat.data_ptr() % itemsize:
+                    flat = flat.clone()  # small (<= 8 KiB): misaligned loads are UB in C++
                 out[name] = flat.view(dtype).reshape(shape)
             else:
                 flat = RECEIVE_POOL.take(nbytes)
+                # A plain memcpy on this thread, through NumPy: torch's copy_ splits the
+                # work over its OpenMP threads, and on a busy 2-core host the parallel
+                # region waits for them: measured here, 124 ms for 64 MiB against 7 ms.
+                dest = flat.numpy()
                 offset = 0
                 for part, size in zip(parts, sizes, strict=True):
-                    flat[offset : offset + size] = torch.frombuffer(
-                        _buffer(part), dtype=torch.uint8
-                    )
+                    dest[offset : offset + size] = np.frombuffer(_buffer(part), dtype=np.uint8)
                     offset += size
+                del dest
                 out[name] = flat.view(dtype).reshape(shape)
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"malformed tensor descriptors {descriptors!r}: {exc}") from exc
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        # RuntimeError: torch refusing a shape (too many dims, sizes it cannot index).
+        raise ProtocolError(f"malformed tensor descriptors {descriptors!r:.200}: {exc}") from exc
     if position != len(frames):
         raise ProtocolError(f"{len(frames) - position} frames left over after the tensors")
     return out

@@ -24,7 +24,12 @@ class Request:
 
 @dataclass(slots=True)
 class Response:
-    """What a call returns: a msgpack-able body and named tensors sent as raw frames."""
+    """What a call returns: a msgpack-able body and named tensors sent as raw frames.
+
+    The tensors leave without a copy, from their own memory, after the handler has
+    returned: return a tensor that nothing modifies in place meanwhile (a clone of a
+    variable that other handlers update, not the variable itself).
+    """
 
     body: Any = None
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)

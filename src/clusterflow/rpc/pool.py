@@ -31,7 +31,9 @@ class ReceivePool:
     """Hands out uint8 tensors of an exact size, recycling released ones."""
 
     def __init__(self, max_idle_bytes: int = DEFAULT_POOL_BYTES) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: an allocation inside _give can start the cyclic garbage collector,
+        # which may finalize another pooled tensor and so re-enter _give on this thread.
+        self._lock = threading.RLock()
         self._free: dict[int, list[np.ndarray]] = {}
         self._idle = 0
         self.max_idle_bytes = max_idle_bytes
@@ -44,13 +46,14 @@ class ReceivePool:
         """A uint8 tensor of ``nbytes`` whose memory returns here when it is released."""
         import torch
 
+        array: np.ndarray | None = None
         with self._lock:
             stack = self._free.get(nbytes)
             if stack:
                 array = stack.pop()
                 self._idle -= nbytes
-            else:
-                array = np.empty(nbytes, dtype=np.uint8)
+        if array is None:
+            array = np.empty(nbytes, dtype=np.uint8)
         owner = array.view()
         weakref.finalize(owner, self._give, array)
         tensor = torch.from_numpy(owner)

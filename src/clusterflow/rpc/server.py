@@ -3,8 +3,10 @@
 One thread owns the ROUTER socket (ZeroMQ sockets are not thread-safe). Handlers
 registered as ``blocking=False`` run inline on that thread: they must be quick and never
 wait, which keeps a no-op call at the cost of the socket round trip. Handlers that may
-wait (a long poll, a barrier) are registered ``blocking=True`` and run on a thread pool;
-their replies come back to the loop through an inproc PUSH/PULL pair.
+wait (a long poll, a barrier) are registered ``blocking=True`` and run on a pool of
+daemon threads; their replies come back to the loop through an inproc PUSH/PULL pair.
+The threads are daemons so that a handler still waiting never keeps a finished process
+alive; ``runtime`` stops every server before the interpreter finalizes.
 
 A bad message never takes the server down: malformed frames, an unknown method, a
 message over the size limit or an exception in a handler each produce an error reply
@@ -15,18 +17,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import zmq
+import zmq.utils.monitor
 
 from clusterflow.errors import ClusterflowError
-from clusterflow.rpc import codec
+from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import AuthMode, Credentials
 from clusterflow.rpc.errors import ProtocolError
 from clusterflow.rpc.message import Handler, Request, Response
@@ -44,6 +47,69 @@ _instances = itertools.count()
 class _Entry:
     handler: Handler
     blocking: bool
+
+
+class _HandlerThreads:
+    """Daemon threads that run blocking handlers, started as calls need them.
+
+    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so one
+    handler waiting on an event that never comes would hang the process forever.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = max(1, size)
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._cond = threading.Condition()
+        self._threads = 0
+        self._busy = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Queues ``fn(*args)``; False once ``close`` was called."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._busy += 1
+            if self._busy > self._threads and self._threads < self._size:
+                self._threads += 1
+                threading.Thread(
+                    target=self._work, name=f"{self._name}-handler-{self._threads}", daemon=True
+                ).start()
+        self._jobs.put((fn, args))
+        return True
+
+    def close(self) -> None:
+        """Lets idle threads end; running handlers are abandoned, queued ones dropped."""
+        with self._cond:
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._jobs.put(None)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no handler runs; True if none does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                if not self._closed:
+                    fn(*args)
+            except Exception:
+                log.exception("%s: blocking handler thread failed", self._name)
+            finally:
+                del job, fn, args
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
 
 
 def bind_host(host: str) -> str:
@@ -87,39 +153,48 @@ class RpcServer:
         workers: int = 8,
         name: str = "rpc",
     ) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctx = runtime.context()
         self._handlers: dict[str, _Entry] = {}
         self._max_message_bytes = max_message_bytes
         self._name = name
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.linger = 0
-        self._router.sndhwm = 0
-        self._router.rcvhwm = 0
-        # A single frame above the limit cannot be answered (ZeroMQ drops the peer);
-        # multi-frame messages above it are answered with `too_large` below.
-        self._router.maxmsgsize = max_message_bytes
-        self._router.router_mandatory = False
-        if listen_fd is not None:
-            adopted = socket.socket(fileno=listen_fd)
-            host, port = adopted.getsockname()[:2]
-            adopted.listen(512)
-            self._router.setsockopt(zmq.USE_FD, adopted.detach())
-        interface = bind_host(host)
-        self.auth_mode: AuthMode = credentials.apply_server(self._router, host)
-        self._router.bind(f"tcp://{interface}:{port}")
-        endpoint = str(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.port = int(endpoint.rsplit(":", 1)[1])
-        self.host = _advertised_host(host)
-        self._inproc = f"inproc://clusterflow-rpc-replies-{next(_instances)}"
         self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.linger = 0
-        self._replies.bind(self._inproc)
-        self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-handler")
+        try:
+            self._router.linger = 0
+            self._router.sndhwm = 0
+            self._router.rcvhwm = 0
+            # A single frame above the limit cannot be answered (ZeroMQ drops the peer);
+            # multi-frame messages above it are answered with `too_large` below.
+            self._router.maxmsgsize = max_message_bytes
+            self._router.router_mandatory = False
+            if listen_fd is not None:
+                adopted = socket.socket(fileno=listen_fd)
+                host, port = adopted.getsockname()[:2]
+                adopted.listen(512)
+                self._router.setsockopt(zmq.USE_FD, adopted.detach())
+            interface = bind_host(host)
+            self.auth_mode: AuthMode = credentials.apply_server(self._router, host)
+            self._router.bind(f"tcp://{interface}:{port}")
+            self._bound = str(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.port = int(self._bound.rsplit(":", 1)[1])
+            self.host = _advertised_host(host)
+            self._inproc = f"inproc://clusterflow-rpc-replies-{next(_instances)}"
+            self._replies.linger = 0
+            self._replies.bind(self._inproc)
+        except BaseException:
+            self._router.close(linger=0)
+            self._replies.close(linger=0)
+            raise
+        self._workers = _HandlerThreads(workers, name)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._pushers: list[zmq.Socket[bytes]] = []
-        self._pushers_lock = threading.Lock()
+        # One PUSH socket carries replies of blocking handlers (and the stop signal) to
+        # the loop. ZeroMQ sockets are not thread-safe: every use, and the close, holds
+        # the lock, so a handler finishing during stop() never races the close.
+        self._pusher: zmq.Socket[bytes] | None = None
+        self._pusher_lock = threading.Lock()
+        self._sockets_closed = False
+        runtime.track_server(self)
 
     @property
     def address(self) -> str:
@@ -148,20 +223,21 @@ class RpcServer:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stops serving and releases the port. Pending blocking handlers are abandoned."""
+        """Stops serving and releases the port. Pending blocking handlers are abandoned.
+
+        Waits up to ``timeout`` seconds for the loop thread to finish the message it is
+        handling; idempotent.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self._thread is not None:
-            waker = self._ctx.socket(zmq.PUSH)
-            waker.linger = 0
-            waker.connect(self._inproc)
-            waker.send(_STOP)
-            self._thread.join(timeout)
-            waker.close()
+        self._workers.close()
+        if self._thread is not None and self._thread.is_alive():
+            self._push([_STOP])
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
         else:
             self._close_sockets()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RpcServer:
         return self.start()
@@ -178,34 +254,76 @@ class RpcServer:
         try:
             while True:
                 events = dict(poller.poll())
+                # One message per socket per wake-up: polling again costs less than the
+                # zmq.Again a drained socket raises, and replies and requests take turns.
                 if self._replies in events:
-                    while True:
-                        try:
-                            frames = self._replies.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(frames) == 1 and frames[0].bytes == _STOP:
-                            return
-                        self._router.send_multipart(frames, copy=False)
+                    frames = self._replies.recv_multipart(copy=False)
+                    if len(frames) == 1 and frames[0].bytes == _STOP:
+                        return
+                    self._router.send_multipart(frames, copy=False)
                 if self._router in events:
-                    for _ in range(64):
-                        try:
-                            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    frames = self._router.recv_multipart(copy=False)
+                    try:
                         self._dispatch(frames)
+                    except Exception:
+                        # Expected failures were answered inside _dispatch; one that gets
+                        # here is a bug of ours, and the loop still serves everyone else.
+                        log.exception("%s: dropped a message that failed dispatch", self._name)
         except Exception:
             log.exception("%s: serving loop failed", self._name)
         finally:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
+        self._release_port()
         self._router.close(linger=0)
         self._replies.close(linger=0)
-        with self._pushers_lock:
-            for pusher in self._pushers:
-                pusher.close(linger=0)
-            self._pushers.clear()
+        with self._pusher_lock:
+            if self._pusher is not None:
+                self._pusher.close(linger=0)
+            self._sockets_closed = True
+
+    def _release_port(self, timeout_ms: int = 2000) -> None:
+        """Unbinds, and waits until libzmq's IO thread has closed the listening socket.
+
+        ``close()`` returns before that happens, so a server started on the same port
+        right after ``stop()`` (a restarted task) would find it still in use.
+        """
+        try:
+            monitor = self._router.get_monitor_socket(zmq.EVENT_CLOSED)
+        except zmq.ZMQError:
+            return
+        try:
+            self._router.unbind(self._bound)
+            if monitor.poll(timeout_ms):
+                zmq.utils.monitor.recv_monitor_message(monitor)
+            else:
+                log.warning("%s: port %s not released in time", self._name, self.port)
+        except zmq.ZMQError as exc:
+            log.debug("%s: unbind of %s failed: %s", self._name, self._bound, exc)
+        finally:
+            self._router.disable_monitor()
+            monitor.close(linger=0)
+
+    def _push(self, frames: list[Any]) -> None:
+        """Hands frames to the loop thread, from any thread; dropped once it has stopped."""
+        with self._pusher_lock:
+            if self._sockets_closed:
+                return
+            if self._pusher is None:
+                self._pusher = self._ctx.socket(zmq.PUSH)
+                self._pusher.linger = 0
+                self._pusher.sndhwm = 0
+                self._pusher.connect(self._inproc)
+            self._pusher.send_multipart(frames, copy=False)
+
+    # Used by runtime.shutdown at interpreter exit.
+
+    def _closed(self) -> bool:
+        return self._sockets_closed
+
+    def _wait_handlers(self, timeout: float) -> bool:
+        return self._workers.wait_idle(timeout)
 
     def _dispatch(self, frames: list[Any]) -> None:
         identity = frames[0].bytes
@@ -247,7 +365,7 @@ class RpcServer:
             return
         request = Request(method, header.get("b"), tensors, identity, oneway)
         if entry.blocking:
-            self._pool.submit(self._run_blocking, entry, request, request_id)
+            self._workers.submit(self._run_blocking, entry, request, request_id)
         else:
             reply = self._invoke(entry, request, request_id)
             if reply is not None:
@@ -257,12 +375,6 @@ class RpcServer:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
         try:
             result = entry.handler(request)
-            response = result if isinstance(result, Response) else Response(body=result)
-            if request.oneway:
-                return None
-            return codec.encode(
-                codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
-            )
         except Exception as exc:
             if isinstance(exc, ClusterflowError):
                 log.info("%s: %s failed: %s", self._name, request.method, exc)
@@ -273,21 +385,23 @@ class RpcServer:
             if request.oneway:
                 return None
             return _error_frames(request_id, request.method, code, exc)
+        if request.oneway:
+            return None
+        response = result if isinstance(result, Response) else Response(body=result)
+        try:
+            return codec.encode(
+                codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
+            )
+        except Exception as exc:
+            # The handler returned what cannot travel (a set, a complex tensor, a list
+            # where a tensor belongs): a fault of this side, not the caller's.
+            log.error("%s: reply of %s cannot be sent: %s", self._name, request.method, exc)
+            return _error_frames(request_id, request.method, "internal", exc)
 
     def _run_blocking(self, entry: _Entry, request: Request, request_id: int) -> None:
         reply = self._invoke(entry, request, request_id)
-        if reply is None or self._stopped.is_set():
-            return
-        pusher = getattr(self._local, "pusher", None)
-        if pusher is None:
-            pusher = self._ctx.socket(zmq.PUSH)
-            pusher.linger = 0
-            pusher.sndhwm = 0
-            pusher.connect(self._inproc)
-            self._local.pusher = pusher
-            with self._pushers_lock:
-                self._pushers.append(pusher)
-        pusher.send_multipart([request.peer, *reply], copy=False)
+        if reply is not None and not self._stopped.is_set():
+            self._push([request.peer, *reply])
 
     def _reply_or_log(
         self,
