@@ -62,6 +62,7 @@ from clusterflow.strategies.module_scope import (
     prepare_module,
     replica_wrapper,
     trainable,
+    unprepare_class,
 )
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 
@@ -254,10 +255,10 @@ class CollectiveAllReduceStrategy(Strategy):
             root = ref()
             if root is not None and any(m is module for m in root.modules()):
                 return (
-                    f"{type(module).__name__} is part of the mirrored {type(root).__name__} "
-                    "but was called on its own inside strategy.run(), which bypasses the "
-                    "gradient all-reduce; call the model itself, or mirror the part apart "
-                    "with strategy.prepare()"
+                    f"{type(module).__name__} is part of the mirrored "
+                    f"{unprepare_class(root).__name__} but was called on its own inside "
+                    "strategy.run(), which bypasses the gradient all-reduce; call the model "
+                    "itself"
                 )
         return (
             f"a module with trainable parameters, {type(module).__name__}, ran inside "

@@ -163,8 +163,9 @@ def _routed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _reduce_plain(self: nn.Module, protocol: Any) -> tuple[Any, ...]:
     """Pickles (``torch.save(model)``, ``copy.deepcopy``) as the plain, unprepared module."""
-    state = {k: v for k, v in self.__dict__.items() if k not in (_REPLICA_ATTR, _INSIDE_ATTR)}
-    return (_restore_plain, (unprepare_class(self), state))
+    state = self.__getstate__()  # type: ignore[no-untyped-call]
+    plain = {k: v for k, v in state.items() if k not in (_REPLICA_ATTR, _INSIDE_ATTR)}
+    return (_restore_plain, (unprepare_class(self), plain))
 
 
 def _restore_plain(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:

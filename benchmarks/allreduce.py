@@ -1,0 +1,205 @@
+"""All-reduce training: MultiWorkerMirroredStrategy against hand-written DDP, same run.
+
+Two worker processes, one torch thread each, batch 128 per worker of synthetic MNIST-
+shaped data (784 features, 10 classes), SGD. Each worker forms the gloo group by hand
+(``init_process_group``, as a DDP script does) and trains, in alternating timed windows:
+
+* raw: ``DistributedDataParallel(model)`` with torch's defaults, a plain loop;
+* ours: the same model created in ``MultiWorkerMirroredStrategy().scope()`` (the strategy
+  adopts the group), one ``strategy.run(step)`` per step;
+* ours, bf16: the same with ``CommunicationOptions(compression=BF16)`` (large MLP only);
+* alone: the model without DDP, each worker on its own: the ceiling without communication.
+
+on the MLPs 784-512-512-10 and 784-4096-4096-10. Figures are samples/s over both
+workers. Each RESULT ratio is the median, over rounds, of the two sides' windows of the
+same round; the samples/s printed are each side's best window.
+
+    python -m benchmarks.allreduce [--quick]
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from benchmarks._common import parser, result
+
+WORKERS = 2
+BATCH = 128  # per worker
+
+
+@dataclass(frozen=True)
+class Plan:
+    rounds: int
+    small_steps: int
+    large_steps: int
+    warmup: int
+
+
+def _mlp(hidden: int) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(784, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORKERS),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORKERS),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from clusterflow.strategies import (
+        CommunicationOptions,
+        Compression,
+        MultiWorkerMirroredStrategy,
+    )
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # by hand, as a DDP script; the strategies adopt it
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+
+    def looped(model: Any, steps: int, run: Any = None) -> Any:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        def window(n: int) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                if run is None:
+                    step()
+                else:
+                    run(step)
+            dist.barrier()
+            return WORKERS * BATCH * n / (time.perf_counter() - start)
+
+        window(plan.warmup)
+        return lambda: window(steps)
+
+    figures: dict[str, dict[str, list[float]]] = {}
+    strategies: list[Any] = []
+    for size, hidden, steps in (
+        ("small", 512, plan.small_steps),
+        ("large", 4096, plan.large_steps),
+    ):
+        sides = {
+            # No all-reduce at all: each worker trains alone. The ceiling, to show how much
+            # of a step the communication costs.
+            "alone": looped(_mlp(hidden), steps),
+            "raw": looped(DistributedDataParallel(_mlp(hidden)), steps),
+        }
+        strategy = MultiWorkerMirroredStrategy()
+        strategies.append(strategy)
+        with strategy.scope():
+            model = _mlp(hidden)
+        sides["ours"] = looped(model, steps, strategy.run)
+        if size == "large":
+            bf16 = MultiWorkerMirroredStrategy(CommunicationOptions(compression=Compression.BF16))
+            strategies.append(bf16)
+            with bf16.scope():
+                compressed = _mlp(hidden)
+            sides["bf16"] = looped(compressed, steps, bf16.run)
+        windows: dict[str, list[float]] = {name: [] for name in sides}
+        order = list(sides)
+        for _ in range(plan.rounds):
+            # Interleaved, so load changes hit every side alike, and in alternating order,
+            # so no side always runs right after another (caches, the other core's work).
+            for name in order:
+                windows[name].append(sides[name]())
+            order.reverse()
+        figures[size] = windows
+    if conn is not None:
+        conn.send(figures)
+    for strategy in strategies:
+        strategy.shutdown()  # they adopted the group: this stops only their heartbeats
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parser("allreduce", __doc__).parse_args()
+    # Short windows, many rounds: each round gives one ratio per pair of sides.
+    plan = (
+        Plan(rounds=4, small_steps=40, large_steps=3, warmup=2)
+        if args.quick
+        else Plan(rounds=12, small_steps=60, large_steps=4, warmup=4)
+    )
+    import torch.distributed as dist
+
+    # Hosted here and joined as clients by both workers, as clusterflow's manager does.
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, store.port, plan, child if rank == 0 else None))
+        for rank in range(WORKERS)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        figures: dict[str, dict[str, list[float]]] = parent.recv()
+        for proc in procs:
+            proc.join(60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    for size, model in (("small", "784-512-512-10"), ("large", "784-4096-4096-10")):
+        best = {name: max(values) for name, values in figures[size].items()}
+        print(
+            f"MLP {model}, best windows: raw DDP {best['raw']:,.0f} samples/s, strategy "
+            f"{best['ours']:,.0f}"
+            + (f", strategy bf16 {best['bf16']:,.0f}" if "bf16" in best else "")
+            + f" (no all-reduce at all: {best['alone']:,.0f})"
+        )
+    result(
+        "allreduce",
+        vs_ddp=_ratio(figures["small"], "ours", "raw"),
+        vs_ddp_large=_ratio(figures["large"], "ours", "raw"),
+        bf16_vs_ddp_fp32=_ratio(figures["large"], "bf16", "raw"),
+    )
+
+
+def _ratio(windows: dict[str, list[float]], ours: str, peer: str) -> float:
+    """The median over rounds of ours/peer in the same round.
+
+    Windows of one round run back to back, under nearly the same load from the rest of
+    the machine, so their ratio is steadier than a ratio of two independent bests (on a
+    shared two-core machine a burst of other work can halve one window).
+    """
+    return statistics.median(a / b for a, b in zip(windows[ours], windows[peer], strict=True))
+
+
+if __name__ == "__main__":
+    main()

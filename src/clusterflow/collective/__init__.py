@@ -1,0 +1,50 @@
+"""The collective engine: all-reduce over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+The value types and errors load without torch; :class:`CollectiveGroup` and the
+compression hooks import it on first use, so ``import clusterflow.collective`` stays as
+cheap as the control plane needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from clusterflow.collective.api import (
+    CollectiveError,
+    CommunicationImplementation,
+    CommunicationOptions,
+    Compression,
+    MembershipError,
+    PeerLost,
+)
+from clusterflow.collective.membership import Membership
+
+if TYPE_CHECKING:
+    from clusterflow.collective.group import CollectiveGroup, select_backend, select_device
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveGroup",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "Compression",
+    "Membership",
+    "MembershipError",
+    "PeerLost",
+    "select_backend",
+    "select_device",
+]
+
+_LAZY = {
+    "CollectiveGroup": "clusterflow.collective.group",
+    "select_backend": "clusterflow.collective.group",
+    "select_device": "clusterflow.collective.group",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

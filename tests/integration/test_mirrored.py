@@ -1,0 +1,535 @@
+"""The all-reduce strategies with real replica processes on 127.0.0.1.
+
+This file is also the replicas' program: ``python test_mirrored.py SCENARIO OUT`` runs one
+replica of a scenario and writes what it saw to ``OUT/result-<rank>.json``; the tests
+launch the replicas, wait for them (killing any left, even when a test fails) and assert
+on those files. Each scenario packs several checks into one launch, because every replica
+pays torch's import (~2.5 s of CPU) and the suite runs on two cores.
+
+The replicas get the environment ``clusterflow start`` gives its tasks (``TF_CONFIG``,
+the torchrun variables, ``TORCHELASTIC_USE_AGENT_STORE``), with the TCPStore hosted here,
+as the manager hosts it; one scenario uses TensorFlow's manual mode instead (``TF_CONFIG``
+alone: the chief's address hosts the store). The last test goes through
+``clusterflow start`` itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset
+
+if TYPE_CHECKING:
+    from conftest import Clusterflow
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+WORLD = 2
+
+# ----------------------------------------------------------------------------------------
+# The replicas' side
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return (_flat(a) - _flat(b)).abs().max().item()
+
+
+def _spread_across_replicas(tensor: torch.Tensor) -> float:
+    """The largest difference between any replica's copy of ``tensor`` and rank 0's."""
+    copies = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, tensor.contiguous())
+    return max((c - copies[0]).abs().max().item() for c in copies)
+
+
+def _global_batches(n: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(123)  # the same global batches on every replica
+    return [
+        (torch.randn(rows, 6, generator=gen), torch.randint(0, 3, (rows,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def scenario_train(out: Path) -> dict[str, Any]:
+    """Equivalence with one process, accumulation, bf16, distribute, reduce, save_model."""
+    from clusterflow.collective.hooks import CastState, bf16_allreduce_hook
+    from clusterflow.strategies import (
+        CommunicationOptions,
+        Compression,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+        StrategyError,
+    )
+
+    strategy = MirroredStrategy()
+    rank, n = strategy.rank, strategy.num_replicas_in_sync
+    result: dict[str, Any] = {"rank": rank, "replicas": n, "is_chief": strategy.is_chief}
+    data = _global_batches(6)
+
+    # 1. Step for step equal to one process training on the global batch.
+    with strategy.scope():
+        model = _mlp(seed=rank)  # unequal on purpose: the wrap must broadcast rank 0's
+    reference = _mlp(seed=0)  # one process, whole global batches; never inside run()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    result["initial_diff"] = _max_diff(model, reference)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    diffs, spreads = [], []
+    for (x, y), (mine_x, mine_y) in zip(data, strategy.distribute(data, 8), strict=True):
+        strategy.run(step, (mine_x, mine_y))
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        diffs.append(_max_diff(model, reference))
+        spreads.append(_spread_across_replicas(_flat(model)))
+    result["step_diffs"], result["step_spreads"] = diffs, spreads
+    result["local_rows"] = len(mine_y)
+
+    # 2. Gradient accumulation: two micro-batches, the first without synchronisation.
+    with strategy.scope():
+        acc = _mlp(seed=1)
+    acc_ref = _mlp(seed=1)
+    acc_opt = torch.optim.SGD(acc.parameters(), lr=0.5)
+    acc_ref_opt = torch.optim.SGD(acc_ref.parameters(), lr=0.5)
+    micro = list(strategy.distribute(data[:2], 8))
+
+    def accumulate() -> float:
+        acc_opt.zero_grad()
+        with strategy.no_sync():
+            F.cross_entropy(acc(micro[0][0]), micro[0][1]).backward()
+        local = torch.cat([p.grad.flatten() for p in acc.parameters() if p.grad is not None])
+        spread = _spread_across_replicas(local)
+        F.cross_entropy(acc(micro[1][0]), micro[1][1]).backward()
+        acc_opt.step()
+        return spread
+
+    result["no_sync_grad_spread"] = strategy.run(accumulate)
+    acc_ref_opt.zero_grad()
+    sum(F.cross_entropy(acc_ref(x), y) for x, y in data[:2]).backward()  # type: ignore[union-attr]
+    acc_ref_opt.step()
+    result["accumulate_diff"] = _max_diff(acc, acc_ref)
+
+    # 3. bf16 compression, on a second strategy that adopts the group formed above.
+    bf16 = MultiWorkerMirroredStrategy(CommunicationOptions(compression=Compression.BF16))
+    with bf16.scope():
+        small = _mlp(seed=10 + rank)
+    small_ref = _mlp(seed=10)
+    # The hook in chunks of 50 gradients (the model has 163): chunking must not change
+    # a single bit of the result.
+    chunked = DistributedDataParallel(_mlp(seed=10))
+    chunked.register_comm_hook(CastState(None, chunk_elements=50), bf16_allreduce_hook)
+    small_opt = torch.optim.SGD(small.parameters(), lr=0.5)
+    small_ref_opt = torch.optim.SGD(small_ref.parameters(), lr=0.5)
+    chunked_opt = torch.optim.SGD(chunked.parameters(), lr=0.5)
+    losses = []
+    for _ in range(3):
+        for (x, y), (mx, my) in zip(data, bf16.distribute(data, 8), strict=True):
+
+            def bf16_step(mx: torch.Tensor = mx, my: torch.Tensor = my) -> torch.Tensor:
+                small_opt.zero_grad()
+                loss = F.cross_entropy(small(mx), my)
+                loss.backward()
+                small_opt.step()
+                return loss.detach()
+
+            losses.append(bf16.reduce("mean", bf16.run(bf16_step)).item())
+            small_ref_opt.zero_grad()
+            F.cross_entropy(small_ref(x), y).backward()
+            small_ref_opt.step()
+            chunked_opt.zero_grad()
+            F.cross_entropy(chunked(mx), my).backward()
+            chunked_opt.step()
+    result["bf16_spread"] = _spread_across_replicas(_flat(small))
+    result["bf16_diff"] = _max_diff(small, small_ref)
+    result["bf16_chunked_diff"] = _max_diff(small, chunked.module)
+    result["bf16_first_loss"], result["bf16_last_loss"] = losses[0], losses[-1]
+
+    # 4. distribute: contiguous slices of a map-style dataset and of an iterable.
+    rows = TensorDataset(torch.arange(10).float().unsqueeze(1), torch.arange(10))
+    result["map_rows"] = [y.tolist() for _, y in strategy.distribute(rows, global_batch_size=4)]
+    result["iter_rows"] = [b.tolist() for b in strategy.distribute([torch.arange(6)] * 2, 6)]
+    try:
+        strategy.distribute(rows, global_batch_size=5)
+    except StrategyError as exc:
+        result["indivisible"] = str(exc)
+
+    # 5. reduce across replicas.
+    result["reduce_sum"] = strategy.reduce("sum", rank + 1)
+    result["reduce_mean"] = strategy.reduce("mean", torch.tensor([2.0 * rank, 1.0])).tolist()
+    result["reduce_dict"] = strategy.reduce("sum", {"n": 1, "x": 0.5})
+
+    # 6. A model created outside scope() is refused inside run().
+    try:
+        strategy.run(lambda: reference(data[0][0]))
+    except StrategyError as exc:
+        result["unscoped"] = str(exc)
+
+    # 7. save_model: each replica names its own path; only the chief's may appear.
+    strategy.save_model(model, out / f"model-from-rank{rank}.pt")
+    result["params"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    strategy.shutdown()
+    return result
+
+
+def _train_until_lost(strategy: Any, lose: Callable[[], None], lose_at: int = 3) -> dict[str, Any]:
+    """Trains; rank 1 calls ``lose`` (kill or stop itself) at step ``lose_at``."""
+    from clusterflow.strategies import PeerLost
+
+    with strategy.scope():
+        model = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _global_batches(1)[0]
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    started = time.monotonic()
+    for n in range(100_000):
+        if n == lose_at:
+            if strategy.rank == 1:
+                lose()
+            started = time.monotonic()
+        try:
+            strategy.run(step)
+        except PeerLost as exc:
+            return {
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "ranks": list(exc.ranks),
+                "tasks": [str(t) for t in exc.tasks],
+                "step": n,
+                "seconds_after_loss": time.monotonic() - started,
+            }
+    return {"error": None}
+
+
+def scenario_kill(out: Path) -> dict[str, Any]:
+    from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
+
+    strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=30))
+    return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def scenario_stop(out: Path) -> dict[str, Any]:
+    from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
+
+    strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=4))
+    return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGSTOP))
+
+
+SCENARIOS = {"train": scenario_train, "kill": scenario_kill, "stop": scenario_stop}
+
+
+def replica_main(scenario: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    result = SCENARIOS[scenario](out)
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]  # worker i is rank i
+    (out / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------
+# The tests' side
+
+
+def _free_port() -> int:
+    # Only for TensorFlow's manual mode, whose store must bind a port named in TF_CONFIG.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    env = {
+        k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")
+    }
+    env.pop("MASTER_PORT", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _tf_config(addresses: list[str], index: int) -> str:
+    return json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
+    )
+
+
+class Replicas:
+    """Replica processes of one scenario; :meth:`close` kills any still running."""
+
+    def __init__(self, scenario: str, out: Path, envs: list[dict[str, str]]) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen[str]] = []
+        for env in envs:
+            self.procs.append(
+                subprocess.Popen(
+                    [PY, __file__, scenario, str(out)],
+                    env={**_clean_env(), **env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+
+    def wait(self, rank: int, timeout: float) -> str:
+        """Replica ``rank``'s output, once it exited; fails (not hangs) after ``timeout``."""
+        try:
+            output, _ = self.procs[rank].communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"replica {rank} still ran after {timeout:g} s") from None
+        return output
+
+    def result(self, rank: int, output: str) -> dict[str, Any]:
+        path = self.out / f"result-{rank}.json"
+        assert path.exists(), f"replica {rank} wrote no result; its output:\n{output}"
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+            proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def agent_store() -> Iterator[int]:
+    """A TCPStore hosted here, as ``clusterflow start``'s manager hosts one: its port."""
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    yield int(store.port)
+    del store
+
+
+def _agent_envs(port: int) -> list[dict[str, str]]:
+    """The variables the manager gives worker tasks (manager/controller.py ``_job_env``)."""
+    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(WORLD)]  # unused in this mode
+    return [
+        {
+            "TF_CONFIG": _tf_config(addresses, rank),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+        for rank in range(WORLD)
+    ]
+
+
+@pytest.fixture(scope="module")
+def trained(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    """Runs the ``train`` scenario once for the tests that read its results."""
+    out = tmp_path_factory.mktemp("train")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    replicas = Replicas("train", out, _agent_envs(int(store.port)))
+    try:
+        outputs = [replicas.wait(rank, 100) for rank in range(WORLD)]
+        for rank, proc in enumerate(replicas.procs):
+            assert proc.returncode == 0, f"replica {rank} failed:\n{outputs[rank]}"
+        yield out, [replicas.result(rank, outputs[rank]) for rank in range(WORLD)]
+    finally:
+        replicas.close()
+        del store
+
+
+TOLERANCE = 1e-5  # float sums in another order: two half-batch means against one mean
+
+
+@pytest.mark.timeout(150)
+def test_two_replicas_match_one_process_on_the_global_batch_step_for_step(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = trained
+    for result in results:
+        assert result["replicas"] == WORLD
+        assert result["initial_diff"] == 0.0  # rank 1's different init was overwritten
+        assert result["local_rows"] == 4  # each replica computed on half the global batch
+        assert len(result["step_diffs"]) == 6
+        assert max(result["step_diffs"]) < TOLERANCE, result["step_diffs"]
+        assert max(result["step_spreads"]) == 0.0  # replicas bit-identical
+    assert [r["is_chief"] for r in results] == [True, False]
+
+
+@pytest.mark.timeout(150)
+def test_no_sync_accumulates_locally_then_equals_one_big_step(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = trained
+    for result in results:
+        assert result["no_sync_grad_spread"] > 0.0  # really not synchronised inside
+        assert result["accumulate_diff"] < TOLERANCE
+
+
+@pytest.mark.timeout(150)
+def test_bf16_compression_trains_and_keeps_replicas_equal(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = trained
+    for result in results:
+        assert result["bf16_spread"] == 0.0
+        assert result["bf16_chunked_diff"] == 0.0
+        assert result["bf16_last_loss"] < result["bf16_first_loss"]
+        # bf16 keeps 8 bits of mantissa: close to fp32 training, not equal to it.
+        assert 0.0 < result["bf16_diff"] < 5e-2
+
+
+@pytest.mark.timeout(150)
+def test_distribute_gives_each_replica_its_contiguous_slice(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, (first, second) = trained
+    assert first["map_rows"] == [[0, 1], [4, 5], [8]]
+    assert second["map_rows"] == [[2, 3], [6, 7], [9]]
+    assert first["iter_rows"] == [[0, 1, 2], [0, 1, 2]]
+    assert second["iter_rows"] == [[3, 4, 5], [3, 4, 5]]
+    for result in (first, second):
+        assert "global batch size 5" in result["indivisible"]
+        assert "2 replicas" in result["indivisible"]
+
+
+@pytest.mark.timeout(150)
+def test_reduce_sums_and_averages_across_replicas(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = trained
+    for result in results:
+        assert result["reduce_sum"] == 3
+        assert result["reduce_mean"] == [1.0, 1.0]
+        assert result["reduce_dict"] == {"n": 2, "x": 1.0}
+
+
+@pytest.mark.timeout(150)
+def test_a_model_made_outside_scope_is_refused_in_run(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, results = trained
+    for result in results:
+        assert "created outside strategy.scope()" in result["unscoped"]
+
+
+@pytest.mark.timeout(150)
+def test_save_model_writes_on_the_chief_only_and_loads_into_a_plain_module(
+    trained: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, results = trained
+    assert (out / "model-from-rank0.pt").exists()
+    assert not (out / "model-from-rank1.pt").exists()
+    plain = _mlp(seed=99)
+    plain.load_state_dict(torch.load(out / "model-from-rank0.pt", weights_only=True))
+    assert type(plain) is nn.Sequential
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, torch.tensor(results[0]["params"][name]))
+
+
+def _assert_names_lost_worker(result: dict[str, Any], within_s: float) -> None:
+    assert result["error"] == "PeerLost", result
+    assert result["ranks"] == [1]
+    assert result["tasks"] == ["worker:1"]
+    assert "rank 1 (worker:1)" in result["message"]
+    # Raised, not hung: the bound is the behaviour promised, loose enough for a busy host.
+    assert result["seconds_after_loss"] < within_s, result
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_replica_makes_the_other_raise_naming_it(tmp_path: Path) -> None:
+    # TensorFlow's manual mode: TF_CONFIG alone; worker:0's address hosts the store.
+    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(WORLD)]
+    envs = [{"TF_CONFIG": _tf_config(addresses, rank)} for rank in range(WORLD)]
+    replicas = Replicas("kill", tmp_path, envs)
+    try:
+        output = replicas.wait(0, 90)
+        assert replicas.procs[0].returncode == 0, output
+        # Sooner than the 30 s timeout: a dead peer's closed socket fails the step at once.
+        _assert_names_lost_worker(replicas.result(0, output), within_s=30)
+        replicas.wait(1, 30)
+        assert replicas.procs[1].returncode == -signal.SIGKILL
+    finally:
+        replicas.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_replica_makes_the_other_raise_within_the_timeout(
+    tmp_path: Path, agent_store: int
+) -> None:
+    replicas = Replicas("stop", tmp_path, _agent_envs(agent_store))
+    try:
+        output = replicas.wait(0, 90)
+        assert replicas.procs[0].returncode == 0, output
+        result = replicas.result(0, output)
+        # The 4 s timeout, plus the seconds naming the peer may wait for its heartbeats.
+        _assert_names_lost_worker(result, within_s=4 + 10)
+        assert "Timed out" in result["message"]  # the group's timeout fired, not a reset
+    finally:
+        replicas.close()
+
+
+@pytest.mark.timeout(180)
+def test_digits_example_trains_under_clusterflow_start(cf: Clusterflow, tmp_path: Path) -> None:
+    saved = tmp_path / "digits.pt"
+    done = cf.run(
+        "start",
+        "--workers",
+        "2",
+        "--",
+        PY,
+        str(ROOT / "examples" / "digits_mirrored.py"),
+        "--epochs",
+        "12",
+        "--save",
+        str(saved),
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    final = [line for line in done.stdout.splitlines() if "final test_accuracy" in line]
+    assert len(final) == 1 and final[0].startswith("[worker:0]"), done.stdout  # chief only
+    assert float(final[0].split()[-1]) >= 0.95
+    plain = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    plain.load_state_dict(torch.load(saved, weights_only=True))
+
+
+if __name__ == "__main__":
+    replica_main(sys.argv[1], Path(sys.argv[2]))
