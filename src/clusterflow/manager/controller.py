@@ -30,6 +30,7 @@ import psutil
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
+from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.output import OutputRouter
@@ -102,6 +103,9 @@ class Controller:
         self._rpc.register("manager.exited", self._on_exited)
         self._rpc.register("manager.stop", self._on_stop)
         self._rpc.register("manager.status", lambda request: self._state())
+        # The data service lives here for clusters started by `clusterflow start`: every
+        # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
+        self.data = DispatcherService().register_on(self._rpc)
 
     # The public face ---------------------------------------------------------------
 
@@ -257,6 +261,10 @@ class Controller:
             task.exit_code = code
             task.status = "stopped" if stopped else ("succeeded" if code == 0 else "failed")
         self.cluster.append_event("task_exited", task=str(task.id), exit_code=code)
+        if code != 0:
+            returned = self.data.release_worker(str(task.id))
+            if returned:
+                self.cluster.append_event("leases_returned", task=str(task.id), leases=returned)
 
     # Environment -------------------------------------------------------------------
 

@@ -1,0 +1,542 @@
+"""The worker side: lease splits, read them ahead, and yield batches to the training loop.
+
+Two background threads keep data ready: one keeps a lease in hand ahead of need (so the
+dispatcher's round trip is off the critical path), the other reads each leased split
+from the source (I/O and decoding, which release the GIL) and shuffles it. The training
+loop's ``next()`` cuts the read splits into batches and collates them (``batching.py``
+says why there). Every ``Batch`` says which leases it holds records of and which leases
+it *completes*: once the update computed from a batch is applied, its completed leases
+may be acked (by the parameter server carrying them, by ``ack_through``, or, in the
+simple mode, automatically when the next batch is asked for).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from clusterflow.data.api import (
+    DataError,
+    DatasetSpec,
+    Lease,
+    LocatedSource,
+    Source,
+    SourceError,
+    describe_source,
+)
+from clusterflow.data.batching import Batch, Batcher, ReadSplit
+from clusterflow.data.collate import Collate, take, torch_collate, writable
+from clusterflow.data.env import default_worker_name
+from clusterflow.data.splits import location_runs, shuffle_buffer_order, split_range, split_seed
+from clusterflow.errors import ConfigError
+from clusterflow.rpc import Credentials, RpcClient, RpcServer
+
+log = logging.getLogger(__name__)
+
+INCARNATION = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+"""This process's identity: a restarted task reuses its name, never this."""
+MAX_WAIT_S = 0.02
+"""Longest pause between asks while the last splits are out with other workers: the
+latency of the end-of-data barrier, against one cheap dispatcher call per pause."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """How one worker consumes one dataset. Every worker of a dataset must agree on the
+    fields that define it (``name``, ``split_size``, ``seed``, ``epochs``)."""
+
+    name: str = "default"
+    """The dataset's name on the dispatcher."""
+    batch_size: int = 32
+    """Records per batch; the last batch a worker gets of an epoch may be smaller."""
+    split_size: int = 1024
+    """Records per lease; for Parquet, the row-group size (a split then reads one)."""
+    seed: int = 0
+    """Seeds the split order of each epoch and the shuffle buffers."""
+    epochs: int | None = 1
+    """Epochs to go through; None for ever."""
+    shuffle_buffer: int = 0
+    """Records shuffled together inside a split (0: split order only); at least the
+    split size gives a full permutation of each split."""
+    prefetch: int = 4
+    """Batches' worth of records read ahead of the training loop, rounded up to whole
+    splits (at least one split is always read ahead, besides the one being cut)."""
+    auto_ack: bool = True
+    """Ack a batch's completed leases when the next batch is asked for. Turn off when a
+    parameter server acks them with the update it applies."""
+    wait_for_all_acks: bool | None = None
+    """At the end of the data, wait until every worker's leases are acked, so that a
+    dead worker's splits still come back to the survivors: what parameter-server
+    training needs (a dead worker is replaced; the others go on). False stops as soon
+    as nothing is left to lend: what synchronous all-reduce training needs, whose ranks
+    must leave the loop for the others to finish their last steps (DDP's ``join()``),
+    and where a dead rank restarts the whole cluster from a checkpoint anyway. None:
+    False in the simple mode (``auto_ack``), True when a parameter server acks."""
+
+    @property
+    def waits_for_all_acks(self) -> bool:
+        return not self.auto_ack if self.wait_for_all_acks is None else self.wait_for_all_acks
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "split_size", "prefetch"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.shuffle_buffer < 0:
+            raise ConfigError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer!r}")
+
+
+class DispatcherClient:
+    """Calls the dispatcher's ``data.*`` methods (thread-safe, as ``RpcClient`` is)."""
+
+    def __init__(self, rpc: RpcClient) -> None:
+        self.rpc = rpc
+
+    def register(self, spec: DatasetSpec, locations: list[list[Any]]) -> dict[str, Any]:
+        body = {"spec": spec.to_wire(), "locations": locations}
+        reply: dict[str, Any] = self.rpc.call("data.register", body).body
+        return reply
+
+    def lease(
+        self, name: str, worker: str, host: str | None, acks: list[int] | None = None
+    ) -> dict[str, Any]:
+        """The next split, after acking ``acks`` (one call instead of two)."""
+        body: dict[str, Any] = {
+            "name": name,
+            "worker": worker,
+            "host": host,
+            "incarnation": INCARNATION,
+        }
+        if acks:
+            body["acks"] = acks
+        reply: dict[str, Any] = self.rpc.call("data.lease", body).body
+        return reply
+
+    def ack(self, name: str, lease_ids: Iterable[int], worker: str | None = None) -> dict[str, int]:
+        """Marks leases applied.
+
+        Raises:
+            RemoteError: an id is unknown to the dispatcher (``error_type`` is
+                ``UnknownLeaseError``; the message names each id), or so is the dataset.
+        """
+        body = {"name": name, "leases": [int(x) for x in lease_ids], "worker": worker}
+        reply: dict[str, int] = self.rpc.call("data.ack", body).body
+        return reply
+
+    def release(self, name: str, worker: str, lease_ids: Iterable[int] | None = None) -> int:
+        body: dict[str, Any] = {"name": name, "worker": worker}
+        if lease_ids is not None:
+            body["leases"] = [int(x) for x in lease_ids]
+        return int(self.rpc.call("data.release", body).body["released"])
+
+    def status(self, name: str) -> dict[str, Any]:
+        reply: dict[str, Any] = self.rpc.call("data.status", {"name": name}).body
+        return reply
+
+    def state_dict(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self.rpc.call("data.state_dict").body
+        return reply
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rpc.call("data.load_state_dict", dict(state))
+
+
+@dataclass(slots=True)
+class _Failure:
+    error: BaseException
+
+
+_END = object()
+_WAIT = object()
+
+
+class DataClient:
+    """Iterates over this worker's share of a dataset, epoch after epoch.
+
+    Build it in every worker with the same source and ``DataConfig``; iterate once.
+    Registration happens here (so a conflicting definition fails at once); leasing
+    starts on ``start()`` or the first ``next()``. Close it (or use ``with``) so that
+    leases it holds unacked go back to the queue at once.
+
+    Args:
+        source: where records are read (every worker opens its own).
+        config: the dataset definition and how this worker consumes it.
+        dispatcher: a ``DispatcherClient`` or ``RpcClient`` to the dispatcher, or its
+            ``host:port`` (``distributed_dataset`` finds it from the environment).
+        credentials: the cluster's secret when ``dispatcher`` is an address.
+        collate_fn: columns of a batch -> what the step gets; default ``torch_collate``.
+        worker: this worker's name: the dispatcher's unit of failure. Default: the task
+            (``CLUSTERFLOW_TASK`` or ``TF_CONFIG``), else ``host:pid``.
+        host: this worker's host, matched against sources' location hints.
+
+    Raises:
+        RemoteError: another worker registered the name with a different definition
+            (``error_type`` ``DatasetConflictError``, the message names each field).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        config: DataConfig,
+        *,
+        dispatcher: DispatcherClient | RpcClient | str,
+        credentials: Credentials | None = None,
+        collate_fn: Collate | None = None,
+        worker: str | None = None,
+        host: str | None = None,
+        _owned: RpcServer | None = None,
+    ) -> None:
+        self.source = source
+        self.config = config
+        self.worker = worker or default_worker_name()
+        self.host = host if host is not None else socket.gethostname()
+        self._owned_server = _owned
+        self._owns_rpc = isinstance(dispatcher, str)
+        if isinstance(dispatcher, str):
+            if credentials is None:
+                raise ConfigError(f"credentials are required to reach the dispatcher {dispatcher}")
+            dispatcher = RpcClient(dispatcher, credentials)
+        self.dispatcher = (
+            dispatcher if isinstance(dispatcher, DispatcherClient) else DispatcherClient(dispatcher)
+        )
+        try:
+            self.spec = DatasetSpec(
+                name=config.name,
+                source=describe_source(source),
+                num_records=source.num_records(),
+                split_size=config.split_size,
+                seed=config.seed,
+                epochs=config.epochs,
+            )
+            self.dispatcher.register(self.spec, _locations(source, self.spec))
+        except BaseException:
+            if self._owns_rpc:
+                self.dispatcher.rpc.close()
+            raise
+        self._batcher = Batcher(config.batch_size, collate_fn or torch_collate, config.name)
+        splits_ahead = -(-config.prefetch * config.batch_size // config.split_size)
+        self._splits: queue.Queue[Any] = queue.Queue(maxsize=splits_ahead)  # read splits
+        self._leases: queue.Queue[Any] = queue.Queue()  # leases from the fetcher
+        self._slot = threading.Semaphore(1)  # at most one lease fetched ahead
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # an ack of ours may end the fetcher's wait
+        self._fetcher: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._delivered: deque[tuple[int, tuple[int, ...]]] = deque()
+        self._auto_acks: list[int] = []  # the simple mode's, sent with the next lease call
+        self._split: ReadSplit | None = None  # being cut into batches
+        self._pushback: Any = None  # an end or failure, once the held-back batch is out
+        self._done = False
+        self._closed = False
+
+    # The training loop's side --------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        """The next batch; in ``auto_ack`` mode, first acks the batches handed out before.
+
+        Blocks until a batch is ready or the data ends.
+
+        Raises:
+            StopIteration: every epoch is complete (or, without ``wait_for_all_acks``,
+                nothing is left to lend).
+            CollateError: a record could not be collated (names split and record).
+            SourceError: a split could not be read.
+            RpcError: the dispatcher could not be reached.
+        """
+        if self._closed:
+            raise DataError(f"data client of {self.spec.name!r} is closed")
+        if self.config.auto_ack:
+            self._mark_delivered_done()
+        if self._done:
+            raise StopIteration
+        self._start()
+        try:
+            batch = self._next_batch()
+        except BaseException:
+            self._done = True
+            raise
+        if batch is None:
+            self._done = True
+            self._flush_auto_acks()
+            raise StopIteration
+        if batch.completes:
+            self._delivered.append((batch.index, batch.completes))
+        return batch
+
+    def start(self) -> DataClient:
+        """Starts reading ahead now (e.g. while the model is built); ``next()`` does too.
+
+        Leases taken from here on count as this worker's; ``close()`` hands back those
+        not acked.
+        """
+        if self._closed:
+            raise DataError(f"data client of {self.spec.name!r} is closed")
+        self._start()
+        return self
+
+    def ack(self, lease_ids: Iterable[int]) -> dict[str, int]:
+        """Acks leases now: call once the update computed from their records is applied.
+
+        Raises:
+            RemoteError: a lease is unknown to the dispatcher; the message names it.
+        """
+        ids = [int(x) for x in lease_ids]
+        if not ids:
+            return {"acked": 0, "duplicates": 0}
+        reply = self.dispatcher.ack(self.spec.name, ids, self.worker)
+        self._acked(ids)
+        self._wake.set()
+        return reply
+
+    def ack_through(self, batch: Batch) -> dict[str, int]:
+        """Acks every lease completed by ``batch`` or by a batch handed out before it.
+
+        Call after the update computed from ``batch`` is applied (after ``step()``).
+        """
+        ids: list[int] = []
+        while self._delivered and self._delivered[0][0] <= batch.index:
+            ids.extend(self._delivered.popleft()[1])
+        return self.ack(ids)
+
+    def status(self) -> dict[str, Any]:
+        """The dispatcher's view of this dataset (epoch, pending, outstanding, per worker)."""
+        return self.dispatcher.status(self.spec.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dispatcher's cursor of every dataset (for the chief's checkpoint)."""
+        return self.dispatcher.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a cursor on the dispatcher; call before any worker starts iterating."""
+        self.dispatcher.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stops reading ahead and hands back the leases this client holds unacked.
+
+        Leases of batches that were handed out but not acked go back too: their records
+        will be delivered again (to any worker), since their update may not be applied.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._reader is not None:
+            while self._reader.is_alive():
+                self._drain()
+                self._reader.join(0.05)
+            self._drain()
+            self._splits.put_nowait(_END)  # a next() blocked on another thread returns
+        if self._fetcher is not None:
+            # At most one dispatcher call is in flight; its deadline bounds this wait.
+            self._fetcher.join(self.dispatcher.rpc.deadline + 1.0)
+        held: list[int] = []
+        try:
+            self._flush_auto_acks()
+            with self._lock:
+                held = sorted(self._held)
+            if held:
+                released = self.dispatcher.release(self.spec.name, self.worker, held)
+                log.info("%s: handed back %d of %d held leases", self.worker, released, len(held))
+        except Exception as exc:  # the dispatcher's deadline brings them back anyway
+            log.warning("%s: could not hand back leases %s: %s", self.worker, held, exc)
+        finally:
+            if self._owns_rpc:
+                self.dispatcher.rpc.close()
+            if self._owned_server is not None:
+                self._owned_server.stop()
+
+    def __enter__(self) -> DataClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Cutting batches (the training loop's thread) -------------------------------------
+
+    def _next_batch(self) -> Batch | None:
+        """The next batch, or None at the end of the data."""
+        batcher = self._batcher
+        while True:
+            split = self._split
+            if split is not None and split.remaining:
+                batch = batcher.cut(split)
+                if batch is not None:
+                    return batch
+                continue
+            item = self._pushback if self._pushback is not None else self._splits.get()
+            self._pushback = None
+            if isinstance(item, ReadSplit):
+                self._split = item
+                if batcher.starts_new_epoch(item):
+                    return batcher.flush()  # batches never mix epochs
+                continue
+            # Nothing more to cut for now: hand out the records held back, or the leases
+            # they belong to could never be acked (and the epoch never complete).
+            held_back = batcher.flush()
+            if item is _WAIT:
+                if held_back is not None:
+                    return held_back
+                continue
+            if held_back is not None:
+                self._pushback = item
+                return held_back
+            if isinstance(item, _Failure):
+                raise item.error
+            return None
+
+    # Acks -----------------------------------------------------------------------------
+
+    def _mark_delivered_done(self) -> None:
+        """The simple mode: the batches handed out so far are applied; their completed
+        leases ride to the dispatcher with the fetcher's next call, so the training loop
+        never waits on the network."""
+        if not self._delivered:
+            return
+        with self._lock:
+            while self._delivered:
+                self._auto_acks.extend(self._delivered.popleft()[1])
+        self._wake.set()
+
+    def _flush_auto_acks(self) -> None:
+        acks = self._take_auto_acks()
+        if acks:
+            self.dispatcher.ack(self.spec.name, acks, self.worker)
+            self._acked(acks)
+
+    def _take_auto_acks(self) -> list[int]:
+        with self._lock:
+            ids, self._auto_acks = self._auto_acks, []
+        return ids
+
+    def _acked(self, ids: list[int]) -> None:
+        with self._lock:
+            self._held.difference_update(ids)
+
+    # The background threads -----------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._reader is None:
+            self._fetcher = threading.Thread(
+                target=self._fetch_loop, name=f"data-{self.spec.name}-lease", daemon=True
+            )
+            self._reader = threading.Thread(
+                target=self._read_loop, name=f"data-{self.spec.name}-read", daemon=True
+            )
+            self._fetcher.start()
+            self._reader.start()
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._splits.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._splits.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fetch_loop(self) -> None:
+        """Keeps one lease ahead of the reading thread, so a split is read while the next
+        lease is on its way: the dispatcher's round trip leaves the critical path."""
+        wait_s = 0.0
+        waiting = False
+        try:
+            while not self._stop.is_set():
+                if not self._slot.acquire(timeout=0.1):
+                    continue
+                acks = self._take_auto_acks()
+                reply = self.dispatcher.lease(self.spec.name, self.worker, self.host, acks)
+                self._acked(acks)
+                status = reply.get("status")
+                if status == "lease":
+                    lease = Lease.from_wire(reply["lease"])
+                    with self._lock:
+                        self._held.add(lease.lease_id)
+                    wait_s, waiting = 0.0, False
+                    self._leases.put(lease)  # the slot is released when it is taken
+                    continue
+                self._slot.release()
+                if status == "end" or not self.config.waits_for_all_acks:
+                    self._leases.put(_END)
+                    return
+                if not waiting:  # say it once: the reader hands out what it holds back
+                    waiting = True
+                    self._leases.put(_WAIT)
+                wait_s = min(MAX_WAIT_S, max(float(reply.get("retry_s", 0.005)), wait_s * 2))
+                self._wake.wait(wait_s)
+                self._wake.clear()
+        except BaseException as exc:
+            log.debug("%s: leasing %r stopped: %s", self.worker, self.spec.name, exc)
+            self._leases.put(_Failure(exc))
+
+    def _read_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._leases.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, Lease):
+                    self._slot.release()
+                    self._put(self._read(item))
+                    continue
+                if not self._put(item) or item is not _WAIT:
+                    return
+        except BaseException as exc:
+            log.debug("%s: reading %r stopped: %s", self.worker, self.spec.name, exc)
+            self._put(_Failure(exc))
+
+    def _read(self, lease: Lease) -> ReadSplit:
+        """A lease's records, shuffled if asked, in memory that tensors can share."""
+        try:
+            columns = self.source.read(lease.start, lease.stop)
+        except DataError:
+            raise
+        except Exception as exc:
+            raise SourceError(
+                f"{self.spec.source}: cannot read records [{lease.start}, {lease.stop}) "
+                f"of lease {lease.lease_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+        lengths = {k: len(v) for k, v in columns.items()}
+        if not columns or set(lengths.values()) != {len(lease)}:
+            raise SourceError(
+                f"{self.spec.source}: read of records [{lease.start}, {lease.stop}) gave "
+                f"columns of lengths {lengths}, expected {len(lease)} each"
+            )
+        if self.config.shuffle_buffer > 1 and len(lease) > 1:
+            split = lease.start // self.spec.split_size
+            rng = split_seed(self.spec.seed, lease.epoch, split)
+            order = shuffle_buffer_order(len(lease), self.config.shuffle_buffer, rng)
+            return ReadSplit(lease, take(columns, order), order)
+        return ReadSplit(lease, writable(columns), None)
+
+
+def _locations(source: Source, spec: DatasetSpec) -> list[list[Any]]:
+    """The source's location hints per split, as runs; empty when it gives none."""
+    if not isinstance(source, LocatedSource) or not getattr(source, "has_locations", True):
+        return []
+    hosts = (
+        source.location(*split_range(i, spec.num_records, spec.split_size))
+        for i in range(spec.num_splits)
+    )
+    return [list(run) for run in location_runs(hosts)]

@@ -1,0 +1,295 @@
+"""The dispatcher: an RPC service that lends splits of registered datasets to workers.
+
+It is hosted wherever a cluster has a long-lived process: by the cluster manager for
+clusters launched with ``clusterflow start``, by the chief's ``Server`` in manual mode.
+It never reads records (workers read their splits themselves), so one dispatcher keeps
+up with many workers: a call costs a dictionary update under a lock, and handlers run
+inline on the RPC loop thread.
+
+Methods (all take and give msgpack bodies):
+
+* ``data.register``: ``{spec, locations}`` -> ``{name, num_splits, epoch}``
+* ``data.lease``: ``{name, worker, host, incarnation, acks?}`` ->
+  ``{status: lease|wait|end, lease, retry_s}``; ``acks`` are acked first (the simple
+  mode's acks ride on the next ask); ``wait`` only comes at the end of the data
+* ``data.ack``: ``{name, leases, worker?}`` -> ``{acked, duplicates}``
+* ``data.release``: ``{name?, worker, leases?}`` -> ``{released}``
+* ``data.status``: ``{name}`` -> counts per epoch and worker
+* ``data.state_dict`` / ``data.load_state_dict``: the cursor, for checkpoints
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from clusterflow.data.api import (
+    DatasetConflictError,
+    DatasetSpec,
+    UnknownDatasetError,
+)
+from clusterflow.data.leases import Grant, GrantStatus, LeaseBook
+from clusterflow.errors import ConfigError
+from clusterflow.rpc import Request
+
+log = logging.getLogger(__name__)
+
+SERVICE = "data"
+"""Methods are served as ``data.<method>``."""
+
+
+class Registrar(Protocol):
+    """Anything that serves RPC methods: an ``RpcServer`` or a ``Server``."""
+
+    def register(
+        self, method: str, handler: Callable[[Request], Any], *, blocking: bool = False
+    ) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatcherConfig:
+    """How long leases live and how workers are paced while they wait."""
+
+    lease_timeout_s: float = 300.0
+    """A worker silent this long loses its leases. Long enough for a slow step and a
+    checkpoint pause; the manager's ``release_worker`` covers deaths much sooner."""
+    retry_s: float = 0.005
+    """How soon a worker told to wait (the end of the data) asks again, at first."""
+
+    def __post_init__(self) -> None:
+        if self.lease_timeout_s <= 0:
+            raise ConfigError(f"lease_timeout_s must be positive, got {self.lease_timeout_s!r}")
+        if self.retry_s <= 0:
+            raise ConfigError(f"retry_s must be positive, got {self.retry_s!r}")
+
+
+class DispatcherService:
+    """Lends the splits of registered datasets as leases; see the module docstring.
+
+    Thread-safe: RPC handlers and the manager's ``release_worker`` may run at once.
+
+    Args:
+        config: lease deadline and retry pacing.
+        clock: seconds, monotonic; injected so tests can move time by hand.
+    """
+
+    def __init__(
+        self,
+        config: DispatcherConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or DispatcherConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._books: dict[str, LeaseBook] = {}
+
+    def register_on(self, server: Registrar) -> DispatcherService:
+        """Serves ``data.*`` on ``server`` (an ``RpcServer`` or a ``Server``)."""
+        handlers: dict[str, Callable[[Request], Any]] = {
+            "register": self._on_register,
+            "lease": self._on_lease,
+            "ack": self._on_ack,
+            "release": self._on_release,
+            "status": self._on_status,
+            "state_dict": self._on_state_dict,
+            "load_state_dict": self._on_load_state_dict,
+        }
+        for method, handler in handlers.items():
+            server.register(f"{SERVICE}.{method}", handler)
+        return self
+
+    # In-process API (the manager, the chief, tests) -------------------------------------
+
+    def register(
+        self, spec: DatasetSpec, locations: list[list[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Defines ``spec.name``, or joins it if an equal spec was registered before.
+
+        Raises:
+            DatasetConflictError: the name is taken by a different definition.
+        """
+        with self._lock:
+            book = self._books.get(spec.name)
+            if book is None:
+                book = LeaseBook(spec, lease_timeout_s=self.config.lease_timeout_s)
+                self._books[spec.name] = book
+                log.info(
+                    "dataset %r registered: %d records from %s in %d splits, seed %d, epochs %s",
+                    spec.name,
+                    spec.num_records,
+                    spec.source,
+                    spec.num_splits,
+                    spec.seed,
+                    spec.epochs,
+                )
+            elif book.spec != spec:
+                raise DatasetConflictError(
+                    f"dataset {spec.name!r} is already registered with another definition "
+                    f"({'; '.join(book.spec.differences(spec))}); "
+                    "every worker must register the same source, split size, seed and epochs"
+                )
+            if locations:
+                book.set_locations(locations)
+            return {"name": spec.name, "num_splits": spec.num_splits, "epoch": book.epoch}
+
+    def lease(
+        self, name: str, worker: str, host: str | None = None, incarnation: str | None = None
+    ) -> Grant:
+        """The next split for ``worker``, or word to wait or stop."""
+        with self._lock:
+            return self._book(name).grant(worker, host, self._clock(), incarnation)
+
+    def ack(self, name: str, lease_ids: list[int], worker: str | None = None) -> dict[str, int]:
+        """Marks leases applied.
+
+        Raises:
+            UnknownDatasetError: nobody registered ``name``.
+            UnknownLeaseError: an id was never issued or was lent again; names each one.
+        """
+        with self._lock:
+            result = self._book(name).ack(lease_ids, self._clock(), worker)
+        return {"acked": result.acked, "duplicates": result.duplicates}
+
+    def release_worker(self, worker: str, name: str | None = None) -> int:
+        """Puts the unacked leases of ``worker`` back in the queue at once.
+
+        The manager calls this when it learns a task died (``worker`` is the task's
+        name as ``CLUSTERFLOW_TASK`` gave it to the job, e.g. ``"worker:1"``); a client
+        calls it on ``close()``. Returns how many leases went back.
+        """
+        with self._lock:
+            books = [self._book(name)] if name is not None else list(self._books.values())
+            return sum(book.release_worker(worker) for book in books)
+
+    def release_leases(self, name: str, worker: str, lease_ids: list[int]) -> int:
+        """Puts back the given leases of ``worker``: one client closing early."""
+        with self._lock:
+            return self._book(name).release_leases(worker, lease_ids)
+
+    def status(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            book = self._book(name)
+            book.expire(self._clock())
+            return book.status()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every dataset's cursor, by name: what a checkpoint stores."""
+        with self._lock:
+            return {"datasets": {name: b.state_dict() for name, b in self._books.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores cursors saved by ``state_dict``; datasets not named are kept.
+
+        Call before workers start leasing: leases lent before the restore are dropped
+        (acks of them are refused), and each restored epoch hands out exactly the splits
+        the cursor had not acked.
+
+        Raises:
+            ConfigError: the state is malformed.
+        """
+        datasets = state.get("datasets") if isinstance(state, Mapping) else None
+        if not isinstance(datasets, Mapping):
+            raise ConfigError("not a data dispatcher state: no 'datasets' mapping")
+        restored = {
+            name: LeaseBook.from_state(cursor, lease_timeout_s=self.config.lease_timeout_s)
+            for name, cursor in datasets.items()
+        }
+        with self._lock:
+            for name, (book, requeued) in restored.items():
+                old = self._books.get(name)
+                if old is not None and old.outstanding():
+                    log.warning(
+                        "dataset %r: restoring a cursor drops %d outstanding leases",
+                        name,
+                        len(old.outstanding()),
+                    )
+                self._books[name] = book
+                log.info(
+                    "dataset %r restored at epoch %d (%d outstanding splits back in the queue)",
+                    name,
+                    book.epoch,
+                    requeued,
+                )
+
+    # RPC handlers -----------------------------------------------------------------------
+
+    def _book(self, name: str | None) -> LeaseBook:
+        book = self._books.get(name) if isinstance(name, str) else None
+        if book is None:
+            known = ", ".join(sorted(self._books)) or "none"
+            raise UnknownDatasetError(f"no dataset {name!r} registered here (registered: {known})")
+        return book
+
+    def _on_register(self, request: Request) -> dict[str, Any]:
+        body = _body(request)
+        spec = DatasetSpec.from_wire(body.get("spec"))
+        locations = body.get("locations") or None
+        return self.register(spec, locations)
+
+    def _on_lease(self, request: Request) -> dict[str, Any]:
+        body = _body(request)
+        name, worker = str(body.get("name")), _worker(body)
+        acks = body.get("acks")
+        if acks:  # acks of the simple mode ride along: one call per split, not two
+            self.ack(name, _lease_ids(acks), worker)
+        incarnation = body.get("incarnation")
+        grant = self.lease(
+            name, worker, body.get("host"), str(incarnation) if incarnation else None
+        )
+        reply: dict[str, Any] = {"status": str(grant.status)}
+        if grant.lease is not None:
+            reply["lease"] = grant.lease.to_wire()
+        elif grant.status == GrantStatus.WAIT:
+            reply["retry_s"] = self.config.retry_s
+        return reply
+
+    def _on_ack(self, request: Request) -> dict[str, int]:
+        body = _body(request)
+        worker = body.get("worker")
+        leases = _lease_ids(body.get("leases"))
+        return self.ack(str(body.get("name")), leases, str(worker) if worker else None)
+
+    def _on_release(self, request: Request) -> dict[str, int]:
+        body = _body(request)
+        name = body.get("name")
+        leases = body.get("leases")
+        if leases is not None:
+            if not isinstance(leases, list):
+                raise ConfigError(f"release needs a list of lease ids, got {leases!r}")
+            return {"released": self.release_leases(str(name), _worker(body), leases)}
+        return {"released": self.release_worker(_worker(body), str(name) if name else None)}
+
+    def _on_status(self, request: Request) -> dict[str, Any]:
+        return self.status(str(_body(request).get("name")))
+
+    def _on_state_dict(self, request: Request) -> dict[str, Any]:
+        return self.state_dict()
+
+    def _on_load_state_dict(self, request: Request) -> None:
+        self.load_state_dict(_body(request))
+
+
+def _body(request: Request) -> Mapping[str, Any]:
+    if not isinstance(request.body, Mapping):
+        raise ConfigError(f"{request.method} needs a mapping body, got {request.body!r}")
+    return request.body
+
+
+def _lease_ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    ):
+        raise ConfigError(f"ack needs a list of integer lease ids, got {value!r}")
+    return value
+
+
+def _worker(body: Mapping[str, Any]) -> str:
+    worker = body.get("worker")
+    if not isinstance(worker, str) or not worker:
+        raise ConfigError(f"a worker name is required, got {worker!r}")
+    return worker

@@ -1,0 +1,454 @@
+"""The data service end to end: a dispatcher on an RpcServer, workers as threads and processes.
+
+Workers read one Parquet file whose ``id`` column numbers the records, so "exactly once"
+is checked by counting ids. For the balance check the workers are processes that take
+their batches on a common clock, so they consume at the same pace even on a loaded
+machine; that is what makes "no worker gets more than one split more" meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import wait_until
+
+from clusterflow.data import (
+    ArrowSource,
+    CollateError,
+    Columns,
+    DataClient,
+    DataConfig,
+    DispatcherConfig,
+    DispatcherService,
+    TensorSource,
+    distributed_dataset,
+    numpy_collate,
+)
+from clusterflow.rpc import Credentials, RemoteError, RpcServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+RECORDS = 1120
+SPLIT = 32
+BATCH = 8
+
+
+@dataclass
+class Dispatcher:
+    service: DispatcherService
+    server: RpcServer
+    credentials: Credentials
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def client(
+        self, source: Any, worker: str, *, collate: Any = numpy_collate, **config: Any
+    ) -> DataClient:
+        options = {"batch_size": BATCH, "split_size": SPLIT, "prefetch": 2, **config}
+        return DataClient(
+            source,
+            DataConfig(**options),
+            dispatcher=self.address,
+            credentials=self.credentials,
+            collate_fn=collate,
+            worker=worker,
+        )
+
+
+def host_dispatcher(config: DispatcherConfig | None = None) -> Dispatcher:
+    credentials = Credentials.generate()
+    server = RpcServer(credentials, name="test-dispatcher")
+    service = DispatcherService(config).register_on(server)
+    server.start()
+    return Dispatcher(service, server, credentials)
+
+
+@pytest.fixture
+def dispatcher() -> Iterator[Dispatcher]:
+    d = host_dispatcher()
+    yield d
+    d.server.stop()
+
+
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "records.parquet"
+    ids = np.arange(RECORDS, dtype=np.int64)
+    table = pa.table({"id": ids, "x": ids.astype(np.float32) * 0.5})
+    pq.write_table(table, path, row_group_size=SPLIT * 2)
+    return path
+
+
+def consume(client: DataClient, pace_s: float = 0.0) -> list[Any]:
+    """Every batch of the client, acked as the simple mode does; closes the client."""
+    batches = []
+    with client:
+        for batch in client:
+            batches.append(batch)
+            if pace_s:
+                time.sleep(pace_s)
+    return batches
+
+
+def ids_of(batches: list[Any]) -> Counter[int]:
+    return Counter(int(i) for b in batches for i in b.data["id"])
+
+
+def run_threads(targets: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(targets)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = targets[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+PACED = """\
+import json, sys, time
+from clusterflow.data import ArrowSource, DataClient, DataConfig, numpy_collate
+from clusterflow.rpc import Credentials
+
+address, path, name, pace = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+client = DataClient(
+    ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1),
+    dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
+    worker=name,
+)
+client.start()  # read ahead before the common start
+print("ready", flush=True)
+start = float(sys.stdin.readline())  # one clock for all: batch k is taken at start + k * pace
+ids, leases = [], set()
+with client:
+    for k, batch in enumerate(client):
+        ids.extend(int(i) for i in batch.data["id"])
+        leases.update(batch.leases)
+        time.sleep(max(0.0, start + (k + 1) * pace - time.time()))
+print(json.dumps({"ids": ids, "splits": len(leases)}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 3, 7])
+def test_every_record_once_and_workers_balanced(
+    dispatcher: Dispatcher, parquet: Path, workers: int
+) -> None:
+    # Equally fast workers, even on a loaded machine: processes (threads of one process
+    # share the GIL unfairly), one split per batch, one batch read ahead, and batches
+    # taken on a common clock (batch k at start + k * pace) rather than after a sleep
+    # that would add each worker's own latencies.
+    pace = "0.1" if workers > 1 else "0"
+    env = {**os.environ, "CLUSTERFLOW_SECRET": dispatcher.credentials.to_hex()}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PACED, dispatcher.address, str(parquet), f"w{i}", pace],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(workers)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(f"{time.time() + 0.5}\n")
+            proc.stdin.flush()
+        results = [json.loads(proc.communicate(timeout=60)[0]) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert all(proc.returncode == 0 for proc in procs)
+    assert Counter(i for r in results for i in r["ids"]) == Counter(range(RECORDS))
+    status = dispatcher.service.status("default")
+    assert status["finished"] and status["outstanding"] == 0
+    splits = [r["splits"] for r in results]
+    assert sum(splits) == RECORDS // SPLIT
+    assert max(splits) - min(splits) <= 1, splits
+
+
+VICTIM = """\
+import os, sys, time
+from clusterflow.data import ArrowSource, DataClient, DataConfig, numpy_collate
+from clusterflow.rpc import Credentials
+
+address, path, out = sys.argv[1:4]
+client = DataClient(
+    ArrowSource(path), DataConfig(batch_size=8, split_size=32, prefetch=4, auto_ack=False),
+    dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
+    worker="victim",
+)
+ids = {}
+acked = 0
+with open(out, "a") as log:
+    for batch in client:
+        ids.setdefault(batch.leases[0], []).extend(int(i) for i in batch.data["id"])
+        if acked == 2:  # holding an unacked split, and more read ahead: wait for the kill
+            log.write("READY\\n")
+            log.flush()
+            time.sleep(600)
+        if batch.completes:
+            client.ack(batch.completes)
+            for lease in batch.completes:
+                log.write(" ".join(map(str, ids.pop(lease))) + "\\n")
+            log.flush()
+            acked += 1
+"""
+
+
+@pytest.mark.parametrize("recovery", ["release_worker", "deadline"])
+def test_worker_killed_mid_epoch_every_record_acked_once(
+    parquet: Path, tmp_path: Path, recovery: str
+) -> None:
+    d = host_dispatcher(DispatcherConfig(lease_timeout_s=1.0))
+    out = tmp_path / "victim.txt"
+    env = {**os.environ, "CLUSTERFLOW_SECRET": d.credentials.to_hex()}
+    victim = subprocess.Popen(
+        [sys.executable, "-c", VICTIM, d.address, str(parquet), str(out)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    acked: Counter[int] = Counter()
+    lock = threading.Lock()
+    try:
+        wait_until(
+            lambda: victim.poll() is not None or (out.exists() and "READY" in out.read_text()),
+            60,
+            "the victim to hold unacked splits",
+        )
+        assert victim.poll() is None, victim.communicate()[1]
+        held = d.service.status("default")["workers"]["victim"]
+        assert held >= 1
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        if recovery == "release_worker":  # what the manager does when a task dies
+            assert d.service.release_worker("victim") == held
+
+        def survivor(name: str) -> None:
+            client = d.client(ArrowSource(str(parquet)), name, auto_ack=False)
+            ids: dict[int, list[int]] = {}
+            with client:
+                for batch in client:
+                    ids.setdefault(batch.leases[0], []).extend(int(i) for i in batch.data["id"])
+                    if batch.completes:
+                        client.ack_through(batch)
+                        with lock:
+                            for lease in batch.completes:
+                                acked.update(ids.pop(lease))
+
+        run_threads([lambda: survivor("s0"), lambda: survivor("s1")])
+        for line in out.read_text().splitlines():
+            if line != "READY":
+                acked.update(int(i) for i in line.split())
+        assert acked == Counter(range(RECORDS))
+        assert d.service.status("default")["finished"]
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.communicate(timeout=10)
+        d.server.stop()
+
+
+def lease_orders(parquet: Path, seed: int) -> list[list[int]]:
+    d = host_dispatcher()
+    try:
+        batches = consume(d.client(ArrowSource(str(parquet)), "w", seed=seed, epochs=2))
+    finally:
+        d.server.stop()
+    orders: list[list[int]] = [[], []]
+    for b in batches:
+        start = int(b.data["id"][0]) // SPLIT
+        if not orders[b.epoch] or orders[b.epoch][-1] != start:
+            orders[b.epoch].append(start)
+    assert all(sorted(o) == list(range(RECORDS // SPLIT)) for o in orders)
+    return orders
+
+
+def test_epochs_reshuffle_and_runs_repeat(parquet: Path) -> None:
+    first = lease_orders(parquet, seed=3)
+    assert first[0] != first[1]
+    assert lease_orders(parquet, seed=3) == first
+    assert lease_orders(parquet, seed=4) != first
+
+
+def test_cursor_restored_in_a_new_dispatcher_delivers_exactly_the_rest(parquet: Path) -> None:
+    old = host_dispatcher()
+    try:
+        client = old.client(ArrowSource(str(parquet)), "w", auto_ack=False, shuffle_buffer=SPLIT)
+        acked: Counter[int] = Counter()
+        taken: Counter[int] = Counter()
+        for batch in client:
+            taken.update(int(i) for i in batch.data["id"])
+            if batch.completes:  # with split % batch == 0, the split is all in `taken`
+                client.ack_through(batch)
+                acked, taken = acked + taken, Counter()
+                if len(acked) >= RECORDS // 3:
+                    break
+        next(client)  # one more batch taken, its split not acked: it must come again
+        state = json.loads(json.dumps(client.state_dict()))  # as a checkpoint stores it
+        client.close()
+    finally:
+        old.server.stop()
+    assert state["datasets"]["default"]["epochs"][0]["outstanding"]
+
+    new = host_dispatcher()
+    try:
+        new.service.load_state_dict(state)
+        rest = consume(new.client(ArrowSource(str(parquet)), "w2", shuffle_buffer=SPLIT))
+    finally:
+        new.server.stop()
+    assert ids_of(rest) == Counter(range(RECORDS)) - acked
+
+
+def test_unknown_lease_and_conflicting_definition_are_clear_errors(
+    dispatcher: Dispatcher, parquet: Path
+) -> None:
+    client = dispatcher.client(ArrowSource(str(parquet)), "w", auto_ack=False)
+    with client:
+        batch = next(client)
+        with pytest.raises(RemoteError, match="lease 4242 was never issued") as info:
+            client.ack([4242])
+        assert info.value.error_type == "UnknownLeaseError"
+        with pytest.raises(RemoteError, match=r"split_size: 32 != 16") as conflict:
+            dispatcher.client(ArrowSource(str(parquet)), "w2", split_size=16)
+        assert conflict.value.error_type == "DatasetConflictError"
+        with pytest.raises(RemoteError, match="no dataset 'other'"):
+            client.dispatcher.ack("other", [1])
+        assert next(client).index == batch.index + 1  # the dispatcher kept serving
+
+
+class NullAt:
+    """A source whose ``v`` column holds a null at one record (a corrupt record)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.uri = f"null-at:{n}"
+        values: list[Any] = list(range(n))
+        values[bad] = None
+        self._inner = TensorSource({"id": np.arange(n), "v": values})
+
+    def num_records(self) -> int:
+        return self._inner.num_records()
+
+    def read(self, start: int, stop: int) -> Columns:
+        return self._inner.read(start, stop)
+
+
+def test_corrupt_record_fails_its_worker_not_the_dispatcher(dispatcher: Dispatcher) -> None:
+    bad = dispatcher.client(NullAt(64, 37), "bad", epochs=1)
+    with bad, pytest.raises(CollateError, match=r"record 37 of split \[32, 64\) of epoch 0"):
+        for _ in bad:
+            pass
+    # The dispatcher lives on: a worker that keeps only the good column finishes the epoch,
+    # including the split the failed worker handed back on close.
+    good = consume(
+        dispatcher.client(NullAt(64, 37), "good", collate=lambda c: numpy_collate({"id": c["id"]}))
+    )
+    assert dispatcher.service.status("default")["finished"]
+    assert set(ids_of(good)) | {0} >= set(range(32, 64))
+
+
+class TwoHosts:
+    """Records 0-255 stored on host ``a``, 256-511 on host ``b``."""
+
+    uri = "two-hosts"
+
+    def num_records(self) -> int:
+        return 512
+
+    def read(self, start: int, stop: int) -> Columns:
+        return {"id": np.arange(start, stop)}
+
+    def location(self, start: int, stop: int) -> str:
+        return "a" if start < 256 else "b"
+
+
+def test_workers_read_local_splits_first(dispatcher: Dispatcher) -> None:
+    options = {"batch_size": 16, "split_size": 16, "prefetch": 2, "auto_ack": False}
+    clients = {
+        host: DataClient(
+            TwoHosts(),
+            DataConfig(**options),
+            dispatcher=dispatcher.address,
+            credentials=dispatcher.credentials,
+            collate_fn=numpy_collate,
+            worker=f"on-{host}",
+            host=host,
+        )
+        for host in ("a", "b")
+    }
+    with clients["a"], clients["b"]:
+        first_a = [int(next(clients["a"]).data["id"][0]) for _ in range(4)]
+        first_b = [int(next(clients["b"]).data["id"][0]) for _ in range(4)]
+    assert all(i < 256 for i in first_a), first_a
+    assert all(i >= 256 for i in first_b), first_b
+
+
+def test_one_process_runs_without_a_cluster(monkeypatch: pytest.MonkeyPatch, parquet: Path) -> None:
+    import torch
+
+    for name in ("CLUSTERFLOW_DISPATCHER", "CLUSTERFLOW_MANAGER", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    with distributed_dataset(
+        f"file://{parquet}", batch_size=100, split_size=SPLIT, shuffle_buffer=64, epochs=2
+    ) as data:
+        batches = list(data)
+    assert isinstance(batches[0].data["x"], torch.Tensor)
+    assert next(len(b) for b in batches if b.epoch == 0) == 100
+    for epoch in (0, 1):
+        assert ids_of([b for b in batches if b.epoch == epoch]) == Counter(range(RECORDS))
+    x = torch.cat([b.data["x"] for b in batches])
+    ids = torch.cat([b.data["id"] for b in batches])
+    assert torch.equal(x, ids.float() * 0.5)  # columns stay aligned through the shuffle
+
+
+def test_chief_hosts_the_dispatcher_on_its_server(parquet: Path) -> None:
+    from clusterflow.server import create_local_server
+
+    server = create_local_server()  # manual mode: the chief's Server
+    try:
+        service = DispatcherService().register_on(server)
+        assert server.credentials is not None
+        client = DataClient(
+            ArrowSource(str(parquet)),
+            DataConfig(batch_size=BATCH * 4, split_size=SPLIT * 4),
+            dispatcher=server.target,
+            credentials=server.credentials,
+            collate_fn=numpy_collate,
+            worker="chief:0",
+        )
+        assert ids_of(consume(client)) == Counter(range(RECORDS))
+        assert service.status("default")["finished"]
+    finally:
+        server.stop()

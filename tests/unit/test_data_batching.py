@@ -1,0 +1,81 @@
+"""Cutting splits into batches, the leases each batch completes, and finding the dispatcher."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from clusterflow.data import CollateError, DataConfig, default_worker_name, resolve_dispatcher
+from clusterflow.data.api import Lease
+from clusterflow.data.batching import Batcher, ReadSplit
+from clusterflow.data.collate import numpy_collate
+from clusterflow.errors import ConfigError
+
+
+def split(lease_id: int, start: int, stop: int, epoch: int = 0) -> ReadSplit:
+    return ReadSplit(Lease(lease_id, epoch, start, stop), {"id": np.arange(start, stop)}, None)
+
+
+def test_batches_carry_over_splits_and_name_the_leases_they_complete() -> None:
+    batcher = Batcher(4, numpy_collate, "d")
+    first, second = split(1, 0, 6), split(2, 10, 16)
+    a = batcher.cut(first)
+    assert a is not None and a.data["id"].tolist() == [0, 1, 2, 3]
+    assert (a.leases, a.completes) == ((1,), ())
+    assert batcher.cut(first) is None and batcher.holding  # 4, 5 carried over
+    b = batcher.cut(second)
+    assert b is not None and b.data["id"].tolist() == [4, 5, 10, 11]
+    assert (b.leases, b.completes, b.index) == ((1, 2), (1,), 1)
+    c = batcher.cut(second)
+    assert c is not None and c.completes == (2,) and len(c) == 4
+
+
+def test_flush_hands_out_a_smaller_batch_and_epochs_never_mix() -> None:
+    batcher = Batcher(4, numpy_collate, "d")
+    assert batcher.cut(split(1, 0, 3)) is None
+    later = split(2, 3, 6, epoch=1)
+    assert batcher.starts_new_epoch(later)
+    held = batcher.flush()
+    assert held is not None and len(held) == 3 and held.completes == (1,)
+    assert batcher.flush() is None
+
+
+def test_collate_error_names_the_source_record_through_a_shuffle() -> None:
+    values = np.empty(8, dtype=object)
+    values[:] = [1, 2, 3, 4, 5, None, 7, 8]
+    order = np.array([7, 6, 5, 4, 3, 2, 1, 0])
+    shuffled = ReadSplit(Lease(9, 2, 100, 108), {"v": values[order]}, order)
+    batcher = Batcher(4, numpy_collate, "d")
+    with pytest.raises(  # the first batch holds records 107, 106, 105, 104
+        CollateError, match=r"record 105 of split \[100, 108\) of epoch 2 \(lease 9\).*null"
+    ):
+        batcher.cut(shuffled)
+
+
+def test_config_validates_itself() -> None:
+    with pytest.raises(ConfigError, match="batch_size"):
+        DataConfig(batch_size=0)
+    assert DataConfig(auto_ack=True).waits_for_all_acks is False
+    assert DataConfig(auto_ack=False).waits_for_all_acks is True
+    assert DataConfig(auto_ack=True, wait_for_all_acks=True).waits_for_all_acks is True
+
+
+def test_dispatcher_and_worker_name_from_the_environment() -> None:
+    tf_config = json.dumps(
+        {
+            "cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222"]},
+            "task": {"type": "worker", "index": 0},
+        }
+    )
+    assert resolve_dispatcher({"TF_CONFIG": tf_config}) == "10.0.0.1:2222"
+    assert resolve_dispatcher({"CLUSTERFLOW_MANAGER": "127.0.0.1:5", "TF_CONFIG": tf_config}) == (
+        "127.0.0.1:5"
+    )
+    env = {"CLUSTERFLOW_DISPATCHER": "h:1", "CLUSTERFLOW_MANAGER": "127.0.0.1:5"}
+    assert resolve_dispatcher(env) == "h:1"
+    assert resolve_dispatcher({}) is None
+    assert default_worker_name({"TF_CONFIG": tf_config}) == "worker:0"
+    assert default_worker_name({"CLUSTERFLOW_TASK": "worker:3"}) == "worker:3"
+    assert default_worker_name({}).endswith(f":{__import__('os').getpid()}")
