@@ -36,9 +36,12 @@ BATCH = 128  # per worker
 
 @dataclass(frozen=True)
 class Plan:
-    rounds: int
+    small_rounds: int
     small_steps: int
+    """Steps per timed window of the small MLP (about 17 ms each here)."""
+    large_rounds: int
     large_steps: int
+    """Steps per timed window of the large MLP (about 400 ms each here)."""
     warmup: int
 
 
@@ -108,9 +111,9 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
 
     figures: dict[str, dict[str, list[float]]] = {}
     strategies: list[Any] = []
-    for size, hidden, steps in (
-        ("small", 512, plan.small_steps),
-        ("large", 4096, plan.large_steps),
+    for size, hidden, steps, rounds in (
+        ("small", 512, plan.small_steps, plan.small_rounds),
+        ("large", 4096, plan.large_steps, plan.large_rounds),
     ):
         sides = {
             # No all-reduce at all: each worker trains alone. The ceiling, to show how much
@@ -131,7 +134,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
             sides["bf16"] = looped(compressed, steps, bf16.run)
         windows: dict[str, list[float]] = {name: [] for name in sides}
         order = list(sides)
-        for _ in range(plan.rounds):
+        for _ in range(rounds):
             # Interleaved, so load changes hit every side alike, and in alternating order,
             # so no side always runs right after another (caches, the other core's work).
             for name in order:
@@ -149,9 +152,9 @@ def main() -> None:
     args = parser("allreduce", __doc__).parse_args()
     # Short windows, many rounds: each round gives one ratio per pair of sides.
     plan = (
-        Plan(rounds=4, small_steps=40, large_steps=3, warmup=2)
+        Plan(small_rounds=8, small_steps=30, large_rounds=4, large_steps=3, warmup=2)
         if args.quick
-        else Plan(rounds=12, small_steps=60, large_steps=4, warmup=4)
+        else Plan(small_rounds=30, small_steps=40, large_rounds=12, large_steps=4, warmup=4)
     )
     import torch.distributed as dist
 
