@@ -348,3 +348,14 @@ def test_a_lease_is_applied_once_and_reported() -> None:
     assert not s.last_push_applied
     stats = connection.store.snapshot_stats()
     assert stats["version"] == 1 and stats["duplicate_leases"] == 1
+
+
+def test_distribute_deals_out_an_iterable_but_passes_a_data_client_whole() -> None:
+    strategies = replicas(3, LocalPS())
+    assert list(strategies[1].distribute(range(10))) == [1, 4, 7]
+    from clusterflow.data import distributed_dataset
+
+    data = distributed_dataset({"id": torch.arange(40)}, batch_size=8, split_size=8)
+    ids = [int(i) for batch in strategies[1].distribute(data) for i in batch.data["id"]]
+    data.close()
+    assert sorted(ids) == list(range(40))  # the dispatcher already gave this worker its share

@@ -235,7 +235,15 @@ class ParameterServerStrategy(Strategy):
     def distribute(
         self, dataset: Iterable[Any], global_batch_size: int | None = None
     ) -> Iterator[Any]:
-        """Every ``num_replicas``-th element, starting at this worker's index."""
+        """This worker's share of ``dataset``.
+
+        A ``clusterflow.data`` client is already this worker's share (the dispatcher
+        lends each split to one worker): it passes through whole. Any other iterable is
+        dealt out: every ``num_replicas``-th element, starting at this worker's index.
+        """
+        if _is_data_client(dataset):
+            yield from dataset
+            return
         count, index = self.config.num_replicas, self.worker_index
         for i, element in enumerate(dataset):
             if i % count == index:
@@ -522,6 +530,12 @@ class ParameterServerStrategy(Strategy):
         else:
             push_all()
             self._staged, self._bg_values = self._bg_values, None
+
+
+def _is_data_client(dataset: object) -> bool:
+    from clusterflow.data.client import DataClient
+
+    return isinstance(dataset, DataClient)
 
 
 def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
