@@ -6,13 +6,12 @@ Serves the variables of the task ``TF_CONFIG`` names until SIGTERM or SIGINT.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-from types import FrameType
 
 from clusterflow.errors import ClusterflowError
 from clusterflow.ps.service import PSService
 from clusterflow.server import server_from_env
+from clusterflow.server.__main__ import serve_until_signalled
 
 
 def main() -> int:
@@ -23,15 +22,9 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     PSService(server)
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        server.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"parameter server {server.task} serving at {server.target}", flush=True)
-    server.join()
-    return 0
+    return serve_until_signalled(
+        server, f"parameter server {server.task} serving at {server.target}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,20 @@ import sys
 from types import FrameType
 
 from clusterflow.errors import ClusterflowError
-from clusterflow.server.server import server_from_env
+from clusterflow.server.server import Server, server_from_env
+
+
+def serve_until_signalled(server: Server, banner: str) -> int:
+    """Serves until SIGTERM or SIGINT, then stops cleanly: every task's entry point."""
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(banner, flush=True)
+    server.join()
+    return 0
 
 
 def main() -> int:
@@ -21,15 +34,7 @@ def main() -> int:
     except ClusterflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        server.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"serving {server.task} at {server.target}", flush=True)
-    server.join()
-    return 0
+    return serve_until_signalled(server, f"serving {server.task} at {server.target}")
 
 
 if __name__ == "__main__":

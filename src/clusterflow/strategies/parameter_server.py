@@ -423,9 +423,25 @@ class ParameterServerStrategy(Strategy):
         self._collect_inflight(wait=True)
 
     def _wait_warmup(self) -> None:
+        """Waits, in rounds shorter than the call deadline, for the chief's warm-up steps.
+
+        Each round is bounded on both sides (the ps gives up waiting before the client
+        does), so a dead ps fails the worker within one deadline, while a long warm-up
+        just takes more rounds.
+        """
         if self._warm:
             return
-        self._ps.call(0, "wait_version", {"version": self.config.warmup_steps, "timeout": 1e9})
+        from clusterflow.ps.api import PSError
+        from clusterflow.rpc import RemoteError
+
+        body = {"version": self.config.warmup_steps, "timeout": self._deadline / 2}
+        while True:
+            try:
+                self._ps.call(0, "wait_version", body)
+                break
+            except (RemoteError, PSError) as exc:
+                if "did not come" not in str(exc):  # not a round that ran out: a real error
+                    raise
         self._warm = True
 
     # Pushing -----------------------------------------------------------------------
