@@ -332,6 +332,32 @@ def test_failing_worker_fails_the_run_and_stops_the_rest(cf: Clusterflow) -> Non
     assert tasks["worker:0"]["status"] == "stopped"
 
 
+REPLICA_FAIL_SCRIPT = """
+import os, signal, sys
+print("replica", os.environ["LOCAL_RANK"], "of", os.environ["LOCAL_WORLD_SIZE"], flush=True)
+if os.environ["LOCAL_RANK"] == "1":
+    sys.exit(4)
+signal.pause()  # as a replica waiting in a collective for the one that failed
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_replica_fails_its_task_and_stops_its_peers(cf: Clusterflow) -> None:
+    script = cf.script("replica_fail.py", REPLICA_FAIL_SCRIPT)
+
+    done = cf.run("start", "--replicas-per-host", "2", "--grace", "5", "--", PY, str(script))
+
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "worker:0" in done.stderr and "code 4" in done.stderr
+    lines = sorted(done.stdout.splitlines())
+    assert lines == ["[worker:0/0] replica 0 of 2", "[worker:0/1] replica 1 of 2"]
+    cluster_id = cf.only_id()
+    log = cf.path(cluster_id) / "logs" / "worker-0.log"
+    assert sorted(log.read_text().splitlines()) == ["[0] replica 0 of 2", "[1] replica 1 of 2"]
+    assert not cf.live(cluster_id)
+    assert not cf.alive(cf.recorded_pids(cf.state(cluster_id)))
+
+
 # 5. The detached lifecycle ---------------------------------------------------------------
 
 

@@ -57,6 +57,10 @@ USAGE_CASES = [
     (["start", "--workers", "abc", "--", PY], "'abc' is not a valid integer"),
     (["start", "--ps", "x", "--", PY], "'x' is not a valid integer"),
     (["start", "--workers", "0", "--", PY], "no task"),
+    (
+        ["start", "--replicas-per-host", "0", "--", PY],
+        "--replicas-per-host must be a positive integer, got 0",
+    ),
     (["start", "--untracked", "foo", "--", PY], "unknown job 'foo'"),
     (["start", "--untracked", "worker", "--", PY], "every job is untracked"),
     (["start", "--grace", "0", "--", PY], "grace_s must be a positive number"),

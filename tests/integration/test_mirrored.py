@@ -252,13 +252,59 @@ def scenario_stop(out: Path) -> dict[str, Any]:
     return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
-SCENARIOS = {"train": scenario_train, "kill": scenario_kill, "stop": scenario_stop}
+def scenario_replicas(out: Path) -> dict[str, Any]:
+    """Under ``--replicas-per-host``: ranks as launched, and training equal to one process."""
+    from clusterflow.strategies import MirroredStrategy, MultiWorkerMirroredStrategy
+
+    one_host = os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"]
+    strategy = MirroredStrategy() if one_host else MultiWorkerMirroredStrategy()
+    result: dict[str, Any] = {
+        "strategy": type(strategy).__name__,
+        "rank": strategy.rank,
+        "replicas": strategy.num_replicas_in_sync,
+        "is_chief": strategy.is_chief,
+        "env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")},
+        "task": json.loads(os.environ["TF_CONFIG"])["task"],
+        "listen_fd": "CLUSTERFLOW_LISTEN_FD" in os.environ,
+    }
+    data = _global_batches(4)
+    with strategy.scope():
+        model = _mlp(seed=strategy.rank)
+    reference = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    diffs = []
+    for (x, y), mine in zip(data, strategy.distribute(data, 8), strict=True):
+        strategy.run(step, mine)
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        diffs.append(_max_diff(model, reference))
+    result["step_diffs"] = diffs
+    result["local_rows"] = len(mine[1])
+    print(f"rank {strategy.rank} trained", flush=True)
+    return result
+
+
+SCENARIOS = {
+    "train": scenario_train,
+    "kill": scenario_kill,
+    "stop": scenario_stop,
+    "replicas": scenario_replicas,
+}
 
 
 def replica_main(scenario: str, out: Path) -> None:
     torch.set_num_threads(1)
     result = SCENARIOS[scenario](out)
-    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]  # worker i is rank i
+    # Worker i is rank i, unless the launcher numbered several replicas per task.
+    rank = os.environ.get("RANK") or json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     (out / f"result-{rank}.json").write_text(json.dumps(result))
 
 
@@ -529,6 +575,51 @@ def test_digits_example_trains_under_clusterflow_start(cf: Clusterflow, tmp_path
     assert float(final[0].split()[-1]) >= 0.95
     plain = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     plain.load_state_dict(torch.load(saved, weights_only=True))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("workers", "replicas"),
+    [("1", 2), ("2", 2)],
+    ids=["mirrored-1x2", "multi-worker-2x2"],
+)
+def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
+    cf: Clusterflow, tmp_path: Path, workers: str, replicas: int
+) -> None:
+    done = cf.run(
+        "start",
+        "--workers",
+        workers,
+        "--replicas-per-host",
+        str(replicas),
+        "--",
+        PY,
+        __file__,
+        "replicas",
+        str(tmp_path),
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    world = int(workers) * replicas
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
+    expected = "MirroredStrategy" if workers == "1" else "MultiWorkerMirroredStrategy"
+    for rank, result in enumerate(results):
+        task, replica = divmod(rank, replicas)
+        assert result["strategy"] == expected
+        assert result["rank"] == rank and result["replicas"] == world
+        assert result["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(replica),
+            "GROUP_RANK": str(task),
+            "LOCAL_WORLD_SIZE": str(replicas),
+        }
+        assert result["task"] == {"type": "worker", "index": task}  # one TF_CONFIG per task
+        assert result["listen_fd"] == (replica == 0)  # one server per task address
+        assert result["is_chief"] == (rank == 0)
+        assert result["local_rows"] == 8 // world
+        assert max(result["step_diffs"]) < TOLERANCE, result["step_diffs"]
+        # Each replica's output is prefixed with its task and replica.
+        assert f"[worker:{task}/{replica}] rank {rank} trained" in done.stdout, done.stdout
 
 
 if __name__ == "__main__":

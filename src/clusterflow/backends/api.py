@@ -13,6 +13,11 @@ from typing import IO, Protocol
 
 from clusterflow.cluster import TaskId
 
+REPLICA_TAG = b"\x1f"
+"""Frames the replica index at the start of a replica's output line (``\x1f1\x1f...``):
+a task running several replicas relays their output through its own, and the manager's
+output router turns the tag into the prefix ``[worker:0/1]``."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskLaunch:

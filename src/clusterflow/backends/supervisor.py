@@ -35,10 +35,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import FrameType
-from typing import NoReturn
+from typing import IO, NoReturn
 
+from clusterflow.backends.api import REPLICA_TAG
 from clusterflow.cluster import TaskId
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
@@ -52,6 +54,7 @@ ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
 ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
 ENV_REGISTER_TIMEOUT = "CLUSTERFLOW_REGISTER_TIMEOUT"
 GRACE_S = 10.0
+_OUTPUT_LOCK = threading.Lock()
 
 
 def say(message: str) -> None:
@@ -101,7 +104,8 @@ class Supervisor:
         self.manager_timeout_s = _seconds(environ, ENV_MANAGER_TIMEOUT, 15.0)
         self.register_timeout_s = _seconds(environ, ENV_REGISTER_TIMEOUT, 180.0)
         self.environ = environ
-        self.child: subprocess.Popen[bytes] | None = None
+        self.children: list[subprocess.Popen[bytes]] = []
+        self._exited = threading.Event()
         self.terminating = False
         self.manager_lost = False
         """The last heartbeat went unanswered (the manager may be dead)."""
@@ -120,31 +124,94 @@ class Supervisor:
             env.update(reply["env"])
             env["CLUSTERFLOW_LISTEN_FD"] = str(reserved.fileno())
             command = list(reply["command"])
+            replicas: list[dict[str, str]] = list(reply.get("replicas") or [])
             if self.terminating:
                 return 143
             try:
-                self.child = subprocess.Popen(command, env=env, pass_fds=(reserved.fileno(),))
+                self._start(command, env, replicas, reserved.fileno())
             except OSError as exc:
+                self.stop_child()
                 error = f"cannot run {command[0]!r}: {exc.strerror or exc}"
                 say(f"{self.task}: {error}")
                 self._report(client, 127, error)
                 return 127
             reserved.close()  # the job holds its own copy now
-            code = self._watch(client, self.child)
+            code = self._watch(client)
             self._report(client, code)
             return code
         finally:
             client.close()
 
-    def _watch(self, client: RpcClient, child: subprocess.Popen[bytes]) -> int:
+    def _start(
+        self, command: list[str], env: dict[str, str], replicas: list[dict[str, str]], fd: int
+    ) -> None:
+        """Starts the job: one process, or one per replica with its own ranks.
+
+        Only replica 0 gets the reserved socket (one server per task address). The
+        replicas' output goes through this process, each line tagged with the replica,
+        so the manager prefixes it ``[worker:0/1]``.
+        """
+        if not replicas:
+            self.children.append(subprocess.Popen(command, env=env, pass_fds=(fd,)))
+            self._watch_exit(self.children[0])
+            return
+        for index, overrides in enumerate(replicas):
+            replica_env = {**env, **overrides}
+            if index:
+                replica_env.pop("CLUSTERFLOW_LISTEN_FD", None)
+            child = subprocess.Popen(
+                command,
+                env=replica_env,
+                pass_fds=(fd,) if index == 0 else (),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            self.children.append(child)
+            self._watch_exit(child)
+            assert child.stdout is not None
+            threading.Thread(
+                target=_relay, args=(index, child.stdout), name=f"replica-{index}", daemon=True
+            ).start()
+
+    def _watch_exit(self, child: subprocess.Popen[bytes]) -> None:
+        """Wakes ``_watch`` the moment ``child`` exits (the others are then stopped)."""
+
+        def wait() -> None:
+            child.wait()
+            self._exited.set()
+
+        threading.Thread(target=wait, name=f"wait-{child.pid}", daemon=True).start()
+
+    @property
+    def child(self) -> subprocess.Popen[bytes] | None:
+        """The job's first process (the only one unless the task runs replicas)."""
+        return self.children[0] if self.children else None
+
+    def _outcome(self) -> int | None:
+        """The task's exit code once decided: the first failure, else 0 when all exited 0."""
+        codes = [c.poll() for c in self.children]
+        failed = [code for code in codes if code is not None and code != 0]
+        if failed:
+            return failed[0]
+        if all(code == 0 for code in codes):
+            return 0
+        return None
+
+    def _watch(self, client: RpcClient) -> int:
         last_ok = time.monotonic()
         while True:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                return child.wait(self.heartbeat_s)
+            self._exited.wait(self.heartbeat_s)
+            self._exited.clear()
+            code = self._outcome()
+            if code is not None:
+                if code != 0 and len(self.children) > 1:
+                    # One replica failed: its peers would hang in their next collective.
+                    self.stop_child()
+                return code
             try:
                 client.call(
                     "manager.heartbeat",
-                    {"task": str(self.task), "pid": child.pid},
+                    {"task": str(self.task), "pid": self.children[0].pid},
                     deadline=max(2.0, self.heartbeat_s * 2),
                 )
                 last_ok = time.monotonic()
@@ -157,7 +224,7 @@ class Supervisor:
                         f"{self.manager_timeout_s:g}s ({exc}); stopping {self.task}"
                     )
                     self.stop_child()
-                    return child.wait()
+                    return self._outcome() or 1
 
     def _report(self, client: RpcClient, code: int, error: str | None = None) -> None:
         if self.manager_lost:
@@ -169,27 +236,45 @@ class Supervisor:
             client.call("manager.exited", body, deadline=2.0)
 
     def stop_child(self) -> None:
-        """SIGTERM to the job, SIGKILL after the grace period."""
-        child = self.child
-        if child is None or child.poll() is not None:
-            return
-        child.terminate()
-        try:
-            child.wait(GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        """SIGTERM to the job's processes, SIGKILL after the grace period."""
+        live = [c for c in self.children if c.poll() is None]
+        for child in live:
+            with contextlib.suppress(ProcessLookupError):
+                child.terminate()
+        deadline = time.monotonic() + GRACE_S
+        for child in live:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.terminating = True
-        if self.child is None:
+        if not self.children:
             # Still in the registration barrier (a blocking call that may last the whole
             # registration timeout): nothing to stop gracefully, so end now, as the signal
             # would have. A command being started this very moment shares our process
             # group, which the manager signals as a whole.
             _exit_like(-signum)
-        if self.child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.child.send_signal(signum)
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signum)
+
+
+def _relay(replica: int, stream: IO[bytes]) -> None:
+    """Copies a replica's output to ours line by line, tagged for the manager's router."""
+    tag = REPLICA_TAG + str(replica).encode() + REPLICA_TAG
+    out = sys.stdout.buffer
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw if raw.endswith(b"\n") else raw + b"\n"
+            with _OUTPUT_LOCK, contextlib.suppress(OSError, ValueError):
+                out.write(tag + line)
+                out.flush()
+    finally:
+        stream.close()
 
 
 def _exit_like(code: int) -> NoReturn:

@@ -75,7 +75,17 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"cluster file {path!r} must hold a mapping, not {type(data).__name__}")
-    known = {"chief", "ps", "workers", "evaluator", "command", "ps_command", "untracked", "env"}
+    known = {
+        "chief",
+        "ps",
+        "workers",
+        "evaluator",
+        "replicas_per_host",
+        "command",
+        "ps_command",
+        "untracked",
+        "env",
+    }
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -97,6 +107,12 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 @click.option("--ps", type=int, default=None, help="Number of parameter-server tasks.")
 @click.option("--workers", type=int, default=None, help="Number of worker tasks [default: 1].")
 @click.option("--evaluator", is_flag=True, default=None, help="Add an evaluator task.")
+@click.option(
+    "--replicas-per-host",
+    type=int,
+    default=None,
+    help="Processes per chief/worker task, one per device [default: 1].",
+)
 @click.option("-c", "--config", "config_file", help="A cluster.yaml with the same settings.")
 @click.option("--ps-cmd", help="Command of ps tasks (default: the built-in server).")
 @click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
@@ -110,6 +126,7 @@ def start(
     ps: int | None,
     workers: int | None,
     evaluator: bool | None,
+    replicas_per_host: int | None,
     config_file: str | None,
     ps_cmd: str | None,
     untracked: str | None,
@@ -140,7 +157,13 @@ def start(
         raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
     if "env" in settings:
         settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
-    overrides = {"chief": chief, "ps": ps, "workers": workers, "evaluator": evaluator}
+    overrides = {
+        "chief": chief,
+        "ps": ps,
+        "workers": workers,
+        "evaluator": evaluator,
+        "replicas_per_host": replicas_per_host,
+    }
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if command:
         settings["command"] = tuple(command)

@@ -13,6 +13,8 @@ from clusterflow.errors import ConfigError
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
+REPLICA_JOBS = frozenset({"chief", "worker"})
+"""Jobs whose tasks train (ranks of the collective); ``--replicas-per-host`` multiplies them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +29,8 @@ class RunConfig:
     """Number of worker tasks."""
     evaluator: bool = False
     """Add an ``evaluator`` task."""
+    replicas_per_host: int = 1
+    """Processes each chief and worker task runs (one per device of its host)."""
     ps_command: tuple[str, ...] | None = None
     """What ps tasks run; None runs clusterflow's built-in server."""
     untracked: frozenset[str] = frozenset({"ps"})
@@ -62,6 +66,9 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"--{name} must be a non-negative integer, got {value!r}")
+        n = self.replicas_per_host
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"--replicas-per-host must be a positive integer, got {n!r}")
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
             raise ConfigError(
@@ -87,6 +94,10 @@ class RunConfig:
         if self.evaluator:
             out.append(TaskId("evaluator", 0))
         return out
+
+    def replicas_of(self, task: TaskId) -> int:
+        """Processes ``task`` runs: ``replicas_per_host`` for chief and workers, else 1."""
+        return self.replicas_per_host if task.job in REPLICA_JOBS else 1
 
     def command_for(self, task: TaskId) -> tuple[str, ...]:
         if task.job == "ps":

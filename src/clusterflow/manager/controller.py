@@ -32,7 +32,7 @@ from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
-from clusterflow.manager.config import RunConfig
+from clusterflow.manager.config import REPLICA_JOBS, RunConfig
 from clusterflow.manager.output import OutputRouter
 from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
 from clusterflow.manager.registry import ClusterDir
@@ -297,13 +297,15 @@ class Controller:
             # A TensorFlow gRPC server may then bind beside the reserved socket.
             "TF_GRPC_REUSE_PORT": "1",
         }
-        ranks = [t for t in self.config.tasks() if t.job in ("chief", "worker")]
+        ranks = [t for t in self.config.tasks() if t.job in REPLICA_JOBS]
         if task in ranks:
             rank, world = ranks.index(task), len(ranks)
             env.update(
                 {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(world),
+                    # One host: every rank of a local cluster is local, unless each task
+                    # stands for a host of its own (--replicas-per-host, replica_env).
                     "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world),
                     "GROUP_RANK": "0",
@@ -318,6 +320,38 @@ class Controller:
                 }
             )
         return env
+
+    def _replica_env(self, task: TaskId) -> list[dict[str, str]]:
+        """Per-process overrides when ``task`` runs several replicas; [] when it runs one.
+
+        The task stands for a host with ``n`` devices, as a torchrun node with
+        ``--nproc-per-node n``: its processes hold the contiguous ranks ``i*n .. i*n+n-1``
+        (``i``: the task's position among chief and workers), ``LOCAL_RANK`` picks the
+        device, and ``GROUP_RANK`` is the task's position. All share the task's TF_CONFIG.
+        """
+        n = self.config.replicas_of(task)
+        if n == 1:
+            return []
+        ranks = [t for t in self.config.tasks() if t.job in REPLICA_JOBS]
+        position, hosts = ranks.index(task), len(ranks)
+        world = hosts * n
+        out = []
+        for replica in range(n):
+            rank = position * n + replica
+            out.append(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(replica),
+                    "LOCAL_WORLD_SIZE": str(n),
+                    "GROUP_RANK": str(position),
+                    "GROUP_WORLD_SIZE": str(hosts),
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "CLUSTERFLOW_REPLICA": str(replica),
+                }
+            )
+        return out
 
     # RPC handlers ------------------------------------------------------------------
 
@@ -347,6 +381,7 @@ class Controller:
                 "spec": self._spec.as_dict(),
                 "spec_version": self._spec_version,
                 "env": self._job_env(task_id, self._spec),
+                "replicas": self._replica_env(task_id),
                 "command": list(self.config.command_for(task_id)),
             }
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from clusterflow.backends.api import REPLICA_TAG
+
 log = logging.getLogger(__name__)
 
 
@@ -59,12 +61,28 @@ class OutputRouter:
             with log_file.open("ab", buffering=0) as own:
                 for raw in iter(stream.readline, b""):
                     line = raw if raw.endswith(b"\n") else raw + b"\n"
-                    own.write(line)
-                    self._write(prefix + line)
+                    replica, line = _untag(line)
+                    if replica is None:
+                        own.write(line)
+                        self._write(prefix + line)
+                    else:
+                        own.write(b"[" + replica + b"] " + line)
+                        self._write(f"[{task}/".encode() + replica + b"] " + line)
         except (OSError, ValueError) as exc:
             log.warning("output of %s lost: %s", task, exc)
         finally:
             stream.close()
+
+
+def _untag(line: bytes) -> tuple[bytes | None, bytes]:
+    """Splits a replica's tag (``REPLICA_TAG`` index ``REPLICA_TAG``) off a line."""
+    if not line.startswith(REPLICA_TAG):
+        return None, line
+    end = line.find(REPLICA_TAG, 1)
+    replica = line[1:end] if end > 1 else b""
+    if not replica.isdigit():
+        return None, line
+    return replica, line[end + 1 :]
 
 
 def _terminal_write(data: bytes, write: Callable[[bytes], object] | None = None) -> None:

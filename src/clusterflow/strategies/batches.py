@@ -8,6 +8,7 @@ which is what makes a two-replica step equal a one-process step on the global ba
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -107,6 +108,23 @@ def distribute_batches(
     if device.type == "cpu":
         return batches
     return (_map_tensors(b, lambda t: t.to(device, non_blocking=True)) for b in batches)
+
+
+def is_data_client(dataset: object) -> bool:
+    """A ``clusterflow.data`` client: already this replica's share, batched and leased."""
+    from clusterflow.data.client import DataClient
+
+    return isinstance(dataset, DataClient)
+
+
+def batch_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensors in containers, or a data-service ``Batch``) moved to ``device``."""
+    from clusterflow.data.batching import Batch
+
+    move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    if isinstance(batch, Batch):
+        return dataclasses.replace(batch, data=_map_tensors(batch.data, move))
+    return _map_tensors(batch, move)
 
 
 def _is_map_style(dataset: object) -> bool:

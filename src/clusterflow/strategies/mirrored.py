@@ -54,7 +54,7 @@ from clusterflow.collective import (
 from clusterflow.collective.group import CollectiveGroup, select_device
 from clusterflow.collective.hooks import register_compression
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
-from clusterflow.strategies.batches import distribute_batches
+from clusterflow.strategies.batches import batch_to_device, distribute_batches, is_data_client
 from clusterflow.strategies.module_scope import (
     ModuleRecorder,
     forward_check,
@@ -344,6 +344,13 @@ class CollectiveAllReduceStrategy(Strategy):
         partial batch is split as evenly as it goes (dropped if ``drop_remainder``, or
         when it has fewer rows than there are replicas).
 
+        A ``clusterflow.data`` client is already this replica's share (the dispatcher
+        lends each split to one replica; its ``batch_size`` is the per-replica batch):
+        its batches pass through whole. Replicas may then run out at different steps,
+        so they agree on every step (a one-integer all-reduce) and all stop when the first
+        runs out: none waits in a gradient all-reduce that its peers never join. Batches
+        left unread are never acked, so their leases go back to the queue.
+
         Call once per epoch; the iterator makes one pass.
 
         Raises:
@@ -351,6 +358,8 @@ class CollectiveAllReduceStrategy(Strategy):
                 ``num_replicas_in_sync`` (the message names both), a map-style dataset
                 comes without it, or a batch is larger than it.
         """
+        if is_data_client(dataset):
+            return self._in_step(iter(dataset))
         return distribute_batches(
             dataset,
             rank=self._group.rank,
@@ -361,6 +370,16 @@ class CollectiveAllReduceStrategy(Strategy):
         )
 
     # Chief-only side effects -------------------------------------------------------------
+
+    def _in_step(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Yields ``batches`` while every replica still has one (see :meth:`distribute`)."""
+        have = torch.zeros(1, dtype=torch.int32)
+        while True:
+            batch = next(batches, None)
+            have.fill_(0 if batch is None else 1)
+            if not self._group.all_reduce_(have, "min").item():
+                return
+            yield batch if self._device.type == "cpu" else batch_to_device(batch, self._device)
 
     def save_model(self, model: nn.Module, path: str | os.PathLike[str]) -> None:
         """Writes ``model``'s state dict to ``path`` on the chief; every replica must call it.

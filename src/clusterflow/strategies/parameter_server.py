@@ -53,6 +53,7 @@ from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
 from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
 from clusterflow.ps.placement import Partitioner, place
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
+from clusterflow.strategies.batches import is_data_client
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
 
@@ -241,7 +242,7 @@ class ParameterServerStrategy(Strategy):
         lends each split to one worker): it passes through whole. Any other iterable is
         dealt out: every ``num_replicas``-th element, starting at this worker's index.
         """
-        if _is_data_client(dataset):
+        if is_data_client(dataset):
             yield from dataset
             return
         count, index = self.config.num_replicas, self.worker_index
@@ -546,12 +547,6 @@ class ParameterServerStrategy(Strategy):
         else:
             push_all()
             self._staged, self._bg_values = self._bg_values, None
-
-
-def _is_data_client(dataset: object) -> bool:
-    from clusterflow.data.client import DataClient
-
-    return isinstance(dataset, DataClient)
 
 
 def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
