@@ -358,6 +358,32 @@ def test_a_failing_replica_fails_its_task_and_stops_its_peers(cf: Clusterflow) -
     assert not cf.alive(cf.recorded_pids(cf.state(cluster_id)))
 
 
+@pytest.mark.timeout(90)
+def test_max_restarts_bounds_recovery_of_a_task_that_always_crashes(cf: Clusterflow) -> None:
+    script = cf.script(
+        "crash.py",
+        'import os, sys\nprint("attempt", os.environ["CLUSTERFLOW_ATTEMPT"])\nsys.exit(5)\n',
+    )
+
+    done = cf.run("start", "--workers", "2", "--max-restarts", "2", "--", PY, str(script))
+
+    assert done.returncode == 5, done.stdout + done.stderr
+    (error,) = done.stderr.splitlines()
+    assert error.startswith("error: ") and "worker:" in error
+    assert "exited with code 5 (after 2 restarts)" in error
+    cluster_id = cf.only_id()
+    state = cf.state(cluster_id)
+    assert state["status"] == "failed" and state["restarts"] == 2
+    events = [json.loads(line) for line in (cf.path(cluster_id) / "events.jsonl").open()]
+    assert [e["restarts"] for e in events if e["event"] == "cluster_restarted"] == [1, 2]
+    # The job ran in each of the 3 incarnations (the first and 2 restarts); a task may
+    # be killed before it printed, when its peer's crash restarted them both.
+    for attempt in range(3):
+        lines = [f"[worker:{i}] attempt {attempt}" for i in (0, 1)]
+        assert any(line in done.stdout.splitlines() for line in lines), done.stdout
+    assert not cf.live(cluster_id)
+
+
 # 5. The detached lifecycle ---------------------------------------------------------------
 
 

@@ -164,3 +164,44 @@ def test_status_values_are_frozen() -> None:
     snapshot = status(task("worker:0"))
     with pytest.raises(AttributeError):
         snapshot.stop_requested = True  # type: ignore[misc]
+
+
+# Recovery (ARCHITECTURE.md section 6) ---------------------------------------------------
+
+
+def test_a_respawnable_worker_that_dies_is_respawned_alone_while_restarts_remain() -> None:
+    dead = TaskStatus(task="worker:1", tracked=True, exit_code=-9, respawnable=True)
+    verdict = decide(status(task("worker:0"), dead, max_restarts=3, restarts=2))
+    assert verdict.decision == Decision.RESPAWN and verdict.failed_task == "worker:1"
+    assert "SIGKILL" in verdict.reason
+
+
+@pytest.mark.parametrize("name", ["worker:0", "ps:0", "chief:0"])
+def test_any_other_death_restarts_the_whole_cluster(name: str) -> None:
+    dead = TaskStatus(task=name, tracked=not name.startswith("ps"), exit_code=1)
+    verdict = decide(status(task("worker:2"), dead, max_restarts=1))
+    assert verdict.decision == Decision.RESTART and verdict.failed_task == name
+
+
+def test_beyond_max_restarts_the_run_fails_naming_the_task_and_the_count() -> None:
+    dead = TaskStatus(task="worker:0", tracked=True, exit_code=3, respawnable=True)
+    verdict = decide(status(dead, max_restarts=2, restarts=2))
+    assert verdict == Verdict(
+        Decision.FAIL, "worker:0", 3, "task worker:0 exited with code 3 (after 2 restarts)"
+    )
+
+
+def test_without_restarts_a_death_fails_as_before() -> None:
+    verdict = decide(status(TaskStatus(task="worker:0", tracked=True, exit_code=3)))
+    assert verdict == Verdict(Decision.FAIL, "worker:0", 3, "task worker:0 exited with code 3")
+
+
+def test_a_task_whose_step_stalls_past_the_timeout_is_dead() -> None:
+    hung = TaskStatus(task="worker:1", tracked=True, exit_code=None, step_age_s=31.0)
+    alive = TaskStatus(task="worker:0", tracked=True, exit_code=None, step_age_s=1.0)
+    assert decide(status(alive, hung, stall_timeout_s=60.0)).decision == Decision.CONTINUE
+    verdict = decide(status(alive, hung, stall_timeout_s=30.0, max_restarts=1))
+    assert verdict.decision == Decision.RESTART and "no step for 31s" in verdict.reason
+    # A task that never reported a step is not judged by steps.
+    quiet = TaskStatus(task="worker:2", tracked=True, exit_code=None)
+    assert decide(status(quiet, stall_timeout_s=0.1)).decision == Decision.CONTINUE

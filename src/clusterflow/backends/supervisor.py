@@ -280,7 +280,8 @@ def _relay(replica: int, stream: IO[bytes]) -> None:
 def _exit_like(code: int) -> NoReturn:
     """Ends this process the way the job ended, so the manager sees the same status."""
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set: no need
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 

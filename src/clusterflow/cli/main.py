@@ -85,6 +85,9 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "ps_command",
         "untracked",
         "env",
+        "max_restarts",
+        "checkpoint_dir",
+        "stall_timeout_s",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -114,6 +117,27 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
     help="Processes per chief/worker task, one per device [default: 1].",
 )
 @click.option("-c", "--config", "config_file", help="A cluster.yaml with the same settings.")
+@click.option(
+    "--max-restarts",
+    type=int,
+    default=None,
+    help="Recoveries (respawn a worker, or restart all from the last checkpoint) [default: 0].",
+)
+@click.option(
+    "--checkpoint-dir",
+    help="Where consistent checkpoints go: a path or fsspec URL [default: the cluster's folder].",
+)
+@click.option(
+    "--stall-timeout",
+    type=float,
+    default=None,
+    help="Seconds a task's reported step may stand still before it counts as hung.",
+)
+@click.option(
+    "--resume",
+    "resume_id",
+    help="Continue a stopped or failed cluster from its last checkpoint (same settings).",
+)
 @click.option("--ps-cmd", help="Command of ps tasks (default: the built-in server).")
 @click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
@@ -128,6 +152,10 @@ def start(
     evaluator: bool | None,
     replicas_per_host: int | None,
     config_file: str | None,
+    max_restarts: int | None,
+    checkpoint_dir: str | None,
+    stall_timeout: float | None,
+    resume_id: str | None,
     ps_cmd: str | None,
     untracked: str | None,
     detach: bool,
@@ -144,7 +172,9 @@ def start(
     from clusterflow.manager.config import RunConfig
     from clusterflow.rpc import Credentials
 
-    settings: dict[str, Any] = _load_cluster_file(config_file) if config_file else {}
+    settings: dict[str, Any] = _resumed_settings(resume_id) if resume_id else {}
+    if config_file:
+        settings.update(_load_cluster_file(config_file))
     if "command" in settings:
         settings["command"] = _as_command(settings["command"], "command")
     if settings.get("ps_command") is not None:
@@ -163,6 +193,9 @@ def start(
         "workers": workers,
         "evaluator": evaluator,
         "replicas_per_host": replicas_per_host,
+        "max_restarts": max_restarts,
+        "checkpoint_dir": checkpoint_dir,
+        "stall_timeout_s": stall_timeout,
     }
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if command:
@@ -182,6 +215,26 @@ def start(
         _start_detached(cluster)
         return
     sys.exit(_run_foreground(cluster, config))
+
+
+def _resumed_settings(cluster_id: str) -> dict[str, Any]:
+    """A finished cluster's settings, writing checkpoints where it wrote them."""
+    from clusterflow.manager import registry
+
+    old = registry.find(cluster_id)
+    if registry.effective_status(old.read_state()) not in registry.TERMINAL:
+        raise ConfigError(f"cluster {old.id} is still running: stop it before resuming it")
+    settings = old.read_config()
+    settings.setdefault("checkpoint_dir", None)
+    if not settings["checkpoint_dir"]:
+        settings["checkpoint_dir"] = str(old.path / "checkpoints")
+    for key in ("command", "ps_command"):
+        if settings.get(key) is not None:
+            settings[key] = tuple(settings[key])
+    if "untracked" in settings:
+        settings["untracked"] = frozenset(settings["untracked"])
+    settings.pop("grace_s", None)
+    return settings
 
 
 def _run_foreground(cluster: Any, config: Any) -> int:
@@ -258,6 +311,28 @@ def _task_summary(state: dict[str, Any]) -> str:
     return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
 
 
+def _figures(state: dict[str, Any]) -> tuple[str, str]:
+    """The cluster's live figures: the furthest step any task reported, and the summed
+    samples/s of the tasks still running."""
+    tasks = [t for t in state.get("tasks") or [] if t.get("exit_code") is None]
+    steps = [t["step"] for t in state.get("tasks") or [] if isinstance(t.get("step"), int)]
+    rates = [t["samples_per_s"] for t in tasks if isinstance(t.get("samples_per_s"), int | float)]
+    return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
+
+
+def _task_figures(task: dict[str, Any]) -> str:
+    parts = []
+    if isinstance(task.get("step"), int):
+        parts.append(f"step {task['step']}")
+    if isinstance(task.get("loss"), int | float):
+        parts.append(f"loss {task['loss']:.4g}")
+    if isinstance(task.get("samples_per_s"), int | float):
+        parts.append(f"{task['samples_per_s']:.0f} samples/s")
+    if task.get("restarts"):
+        parts.append(f"restarts {task['restarts']}")
+    return ("  " + ", ".join(parts)) if parts else ""
+
+
 @cli.command(name="ps", context_settings=CONTEXT)
 @click.option("-a", "--all", "show_all", is_flag=True, help="Include finished clusters.")
 def ps_command(show_all: bool) -> None:
@@ -269,7 +344,7 @@ def ps_command(show_all: bool) -> None:
     from clusterflow.manager import registry
 
     table = Table(box=None, pad_edge=False)
-    for column in ("ID", "STATUS", "TASKS", "UPTIME", "COMMAND"):
+    for column in ("ID", "STATUS", "TASKS", "UPTIME", "STEP", "SAMPLES/S", "COMMAND"):
         # One line per cluster, so scripts can read the table; a terminal too narrow
         # for a command cuts it short (`describe` shows it whole).
         table.add_column(column, no_wrap=True, overflow="ellipsis")
@@ -277,13 +352,14 @@ def ps_command(show_all: bool) -> None:
         try:
             state = cluster.read_state()
         except ClusterflowError as exc:
-            cells = [cluster.id, "unreadable", str(exc), "-", "-"]
+            cells = [cluster.id, "unreadable", str(exc), "-", "-", "-", "-"]
         else:
             status = registry.effective_status(state)
             if not show_all and status in registry.TERMINAL:
                 continue
             command = shlex.join(str(arg) for arg in state.get("command") or [])
-            cells = [cluster.id, status, _task_summary(state), _uptime(state), command]
+            step, rate = _figures(state)
+            cells = [cluster.id, status, _task_summary(state), _uptime(state), step, rate, command]
         table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
     # Off a terminal nothing is cut: the width only bounds the table.
     Console(width=None if sys.stdout.isatty() else 100_000).print(table)
@@ -308,6 +384,10 @@ def describe(cluster_id: str, as_json: bool) -> None:
     if state.get("summary"):
         click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
     click.echo(f"state:    {cluster.path}")
+    if state.get("checkpoint_dir"):
+        click.echo(f"checkpoints: {state['checkpoint_dir']}")
+    if state.get("max_restarts"):
+        click.echo(f"restarts: {state.get('restarts', 0)} of {state['max_restarts']}")
     click.echo(f"spec (v{state.get('spec_version', 0)}): {json.dumps(state.get('spec'))}")
     click.echo("tasks:")
     for t in state.get("tasks") or []:
@@ -315,6 +395,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
         click.echo(
             f"  {t.get('task'):<14} {t.get('status', '?'):<10} {t.get('address') or '-':<22} "
             f"pid {t.get('pid') or '-':<8} exit {'-' if code is None else code}"
+            f"{_task_figures(t)}"
         )
     click.echo("events:")
     for event in cluster.read_events():

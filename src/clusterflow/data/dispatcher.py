@@ -216,6 +216,17 @@ class DispatcherService:
                     requeued,
                 )
 
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Forgets every dataset, then restores ``state`` if given: a whole-cluster restart.
+
+        The restarted workers register their datasets again (an equal definition joins
+        the restored cursor); leases of the old incarnation are gone with their books.
+        """
+        with self._lock:
+            self._books.clear()
+        if state is not None:
+            self.load_state_dict(state)
+
     # RPC handlers -----------------------------------------------------------------------
 
     def _book(self, name: str | None) -> LeaseBook:

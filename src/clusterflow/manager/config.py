@@ -47,6 +47,12 @@ class RunConfig:
     """Interval of supervisor heartbeats."""
     heartbeat_timeout_s: float = 30.0
     """A running task silent for this long is treated as dead."""
+    max_restarts: int = 0
+    """Recoveries (a worker respawned, or every task restarted) before the run fails."""
+    checkpoint_dir: str | None = None
+    """Where consistent checkpoints go (a path or fsspec URL); None: the cluster's folder."""
+    stall_timeout_s: float | None = None
+    """A task whose reported step stops advancing this long is dead (hung); None: never."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -81,6 +87,20 @@ class RunConfig:
                 f"every job is untracked ({', '.join(sorted(self.untracked))}): "
                 "the run would have nothing to wait for"
             )
+        r = self.max_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"--max-restarts must be a non-negative integer, got {r!r}")
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()
+        ):
+            raise ConfigError(
+                f"--checkpoint-dir must be a path or URL, got {self.checkpoint_dir!r}"
+            )
+        stall = self.stall_timeout_s
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, int | float) or not stall > 0
+        ):
+            raise ConfigError(f"--stall-timeout must be a positive number, got {stall!r}")
         for name in ("grace_s", "register_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -23,12 +23,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.checkpoint import CheckpointStorage
+from clusterflow.checkpoint.names import DATA_PART, ENV_CHECKPOINT_DIR, ENV_RESTORE
 from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
@@ -62,6 +64,16 @@ class _Task:
     status: str = "starting"
     error: str | None = None
     """Why the supervisor could not run the command (from ``manager.exited``)."""
+    respawnable: bool = False
+    """Its job declared it can be relaunched alone (``manager.declare``)."""
+    restarts: int = 0
+    """Times this task was relaunched (alone or with every task)."""
+    restore: str | None = None
+    """The checkpoint its job restores from, chosen when it was launched."""
+    figures: dict[str, Any] = field(default_factory=dict)
+    """Live figures its job reported (``task.report``): step, loss, samples/s."""
+    step_changed: float | None = None
+    """When the reported step last advanced (stall detection)."""
 
 
 class Controller:
@@ -97,12 +109,18 @@ class Controller:
         self._started = time.monotonic()
         self._created = time.time()
         self._store: StoreHost | None = None
+        self._restarts = 0
+        self._attempt = 0
+        self.checkpoint_url = config.checkpoint_dir or str(cluster.path / "checkpoints")
         self._rpc = RpcServer(self.credentials, host="127.0.0.1", port=0, name="manager")
         self._rpc.register("manager.register", self._on_register, blocking=True)
         self._rpc.register("manager.heartbeat", self._on_heartbeat)
         self._rpc.register("manager.exited", self._on_exited)
         self._rpc.register("manager.stop", self._on_stop)
         self._rpc.register("manager.status", lambda request: self._state())
+        self._rpc.register("manager.declare", self._on_declare)
+        self._rpc.register("manager.spec", self._on_spec)
+        self._rpc.register("task.report", self._on_report)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
         self.data = DispatcherService().register_on(self._rpc)
@@ -125,14 +143,9 @@ class Controller:
         self._write_state()
         try:
             self._store = StoreHost({**os.environ, ENV_CLUSTER_ID: self.cluster.id})
+            restore = self._choose_checkpoint(restore_data=True)
             for task in self.tasks.values():
-                task.process = self.backend.launch(
-                    TaskLaunch(task=task.id, env=self._task_env(task.id))
-                )
-                if task.process.output is not None:
-                    self.output.follow(
-                        str(task.id), task.process.output, self.cluster.task_log(str(task.id))
-                    )
+                self._launch(task, restore)
             self._write_state()
             verdict = self._loop()
         except BaseException:
@@ -156,6 +169,12 @@ class Controller:
                         self._record_exit(task, code)
                         changed = True
             verdict = decide(self._snapshot())
+            if verdict.decision == Decision.RESPAWN:
+                self._respawn(verdict)
+                continue
+            if verdict.decision == Decision.RESTART:
+                self._restart_all(verdict)
+                continue
             if verdict.decision != Decision.CONTINUE:
                 return verdict
             with self._lock:
@@ -175,6 +194,8 @@ class Controller:
                     exit_code=t.exit_code,
                     heartbeat_age_s=None if t.last_heartbeat is None else now - t.last_heartbeat,
                     error=t.error,
+                    respawnable=t.respawnable,
+                    step_age_s=None if t.step_changed is None else now - t.step_changed,
                 )
                 for t in self.tasks.values()
             )
@@ -185,6 +206,9 @@ class Controller:
                 not registered and now - self._started > self.config.register_timeout_s
             ),
             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+            stall_timeout_s=self.config.stall_timeout_s,
+            restarts=self._restarts,
+            max_restarts=self.config.max_restarts,
         )
 
     def _conclude(self, verdict: Verdict) -> int:
@@ -247,6 +271,112 @@ class Controller:
             if task.exit_code is None and code is not None:
                 self._record_exit(task, code, stopped=True)
 
+    # Recovery ----------------------------------------------------------------------
+
+    def _launch(self, task: _Task, restore: str | None) -> None:
+        """Starts ``task``'s supervisor (again), following its output into its log."""
+        task.restore = restore
+        task.process = self.backend.launch(TaskLaunch(task=task.id, env=self._task_env(task.id)))
+        if task.process.output is not None:
+            self.output.follow(
+                str(task.id), task.process.output, self.cluster.task_log(str(task.id))
+            )
+
+    def _kill(self, tasks: list[_Task]) -> None:
+        """SIGKILL at once: every committed checkpoint is a consistent cut, so nothing is
+        gained by waiting for a task being replaced (and a hung one would not listen)."""
+        for task in tasks:
+            if task.process is not None and task.exit_code is None:
+                task.process.signal(signal.SIGKILL)
+        for task in tasks:
+            if task.process is not None and task.exit_code is None:
+                code = task.process.wait(10.0)
+                self._record_exit(task, -signal.SIGKILL if code is None else code, stopped=True)
+
+    def _reset(self, task: _Task) -> None:
+        with self._lock:
+            task.exit_code = None
+            task.error = None
+            task.last_heartbeat = None
+            task.step_changed = None
+            task.figures = {}
+            task.status = "restarting"
+            task.restarts += 1
+            self._dirty = True
+
+    def _respawn(self, verdict: Verdict) -> None:
+        """Relaunches the dead task alone; it rejoins at the next spec version."""
+        task = self.tasks[TaskId.parse(str(verdict.failed_task))]
+        self._restarts += 1
+        self._kill([task])  # it may be hung rather than gone
+        self.data.release_worker(str(task.id))
+        log.info("%s; respawning it (restart %d)", verdict.reason, self._restarts)
+        self.output.line(f"clusterflow: {verdict.reason}; respawning it")
+        self.cluster.append_event(
+            "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
+        )
+        self._reset(task)
+        self._launch(task, self._choose_checkpoint(restore_data=False))
+        self._write_state()
+
+    def _restart_all(self, verdict: Verdict) -> None:
+        """Stops every task and relaunches them all from the last committed checkpoint."""
+        self._restarts += 1
+        self._attempt += 1
+        live = [t for t in self.tasks.values() if t.exit_code is None]
+        self._kill(live)
+        log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
+        self.output.line(f"clusterflow: {verdict.reason}; restarting every task")
+        with self._lock:
+            # A new barrier: the restarted supervisors register anew (new addresses).
+            self._spec = None
+            self._status = "restarting"
+            for task in self.tasks.values():
+                task.address = None
+        if self._store is not None:
+            # A fresh store: the old one holds the dead incarnation's rendezvous keys.
+            self._store.close()
+            self._store = StoreHost({**os.environ, ENV_CLUSTER_ID: self.cluster.id})
+        restore = self._choose_checkpoint(restore_data=True)
+        self.cluster.append_event(
+            "cluster_restarted",
+            task=verdict.failed_task,
+            reason=verdict.reason,
+            restarts=self._restarts,
+            checkpoint=restore,
+        )
+        self._started = time.monotonic()  # the registration timeout counts afresh
+        for task in self.tasks.values():
+            self._reset(task)
+            self._launch(task, restore)
+        self._write_state()
+
+    def _choose_checkpoint(self, *, restore_data: bool) -> str | None:
+        """The newest intact committed checkpoint (every task restores this one).
+
+        With ``restore_data`` the data service's cursor is reset to the checkpoint's
+        (or to nothing, without one), so the data position and the parameters come from
+        the same cut.
+        """
+        manifest, cursor = None, None
+        try:
+            storage = CheckpointStorage(self.checkpoint_url)
+            manifest = storage.latest(verify=True)
+            if restore_data and manifest is not None and DATA_PART in manifest.parts:
+                cursor = storage.read_json(manifest, DATA_PART)
+        except (ClusterflowError, OSError) as exc:
+            # Restarting without a checkpoint beats not restarting: the run then starts
+            # over, which is also what the tasks would find.
+            log.warning("cannot read checkpoints at %s: %s", self.checkpoint_url, exc)
+            self.output.line(f"clusterflow: cannot read checkpoints: {exc}")
+            manifest, cursor = None, None
+        if restore_data:
+            self.data.reset(cursor)
+        if manifest is None:
+            return None
+        log.info("tasks restore checkpoint %s (step %d)", manifest.directory, manifest.step)
+        return str(manifest.step)
+
     def _finish(self, status: str, code: int, summary: str) -> None:
         self._status = status
         self.cluster.append_event(status, exit_code=code, summary=summary)
@@ -288,15 +418,20 @@ class Controller:
 
     def _job_env(self, task: TaskId, spec: ClusterSpec) -> dict[str, str]:
         """What the job command sees: TF_CONFIG, torchrun's variables, CLUSTERFLOW_*."""
+        restore = self.tasks[task].restore
         env = {
             "TF_CONFIG": TFConfig(spec, task).to_json(),
             "CLUSTERFLOW_JOB": task.job,
             "CLUSTERFLOW_TASK_INDEX": str(task.index),
             "CLUSTERFLOW_SPEC_VERSION": str(self._spec_version),
             "CLUSTERFLOW_STATE_DIR": str(self.cluster.path),
+            ENV_CHECKPOINT_DIR: self.checkpoint_url,
+            "CLUSTERFLOW_ATTEMPT": str(self._attempt),
             # A TensorFlow gRPC server may then bind beside the reserved socket.
             "TF_GRPC_REUSE_PORT": "1",
         }
+        if restore is not None:
+            env[ENV_RESTORE] = restore
         ranks = [t for t in self.config.tasks() if t.job in REPLICA_JOBS]
         if task in ranks:
             rank, world = ranks.index(task), len(ranks)
@@ -315,8 +450,8 @@ class Controller:
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(self._store.port if self._store else 0),
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RESTART_COUNT": "0",
-                    "TORCHELASTIC_MAX_RESTARTS": "0",
+                    "TORCHELASTIC_RESTART_COUNT": str(self.tasks[task].restarts),
+                    "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
                 }
             )
         return env
@@ -361,17 +496,23 @@ class Controller:
             task_id = TaskId.parse(str(body.get("task")))
         except ClusterflowError as exc:
             raise RegistrationError(f"bad registration {body!r}: {exc}") from exc
-        deadline = self._started + self.config.register_timeout_s
         with self._lock:
+            deadline = self._started + self.config.register_timeout_s
             task = self.tasks.get(task_id)
             if task is None:
                 raise RegistrationError(f"task {task_id} is not part of cluster {self.cluster.id}")
+            pid = body.get("pid")
+            if task.process is not None and isinstance(pid, int) and pid != task.process.pid:
+                raise RegistrationError(f"{task_id}: pid {pid} is not its current supervisor")
+            address = str(body.get("address"))
             if self._spec is None:
-                task.address = str(body.get("address"))
+                task.address = address
                 task.status = "registered"
                 self._dirty = True
                 if all(t.address for t in self.tasks.values()):
                     self._assemble_spec()
+            elif task.status == "restarting":
+                self._rejoin(task, address)
             while self._spec is None and not (self._stop_requested or self._closing):
                 if not self._lock.wait(max(0.0, deadline - time.monotonic())):
                     raise RegistrationError("not every task registered in time")
@@ -384,6 +525,30 @@ class Controller:
                 "replicas": self._replica_env(task_id),
                 "command": list(self.config.command_for(task_id)),
             }
+
+    def _rejoin(self, task: _Task, address: str) -> None:
+        """A respawned task registers while the others run: called with the lock held.
+
+        Its new address makes a new spec version, which the others learn from
+        ``manager.spec`` (their heartbeats carry the version number).
+        """
+        task.status = "running"
+        task.last_heartbeat = time.monotonic()
+        self._dirty = True
+        if address == task.address:
+            return
+        task.address = address
+        assert self._spec is not None
+        jobs: dict[str, dict[int, str]] = {
+            job: {i: self._spec.task_address(job, i) for i in self._spec.task_indices(job)}
+            for job in self._spec.jobs
+        }
+        jobs[task.id.job][task.id.index] = address
+        self._spec = ClusterSpec(jobs)
+        self._spec_version += 1
+        self.cluster.append_event(
+            "spec_updated", version=self._spec_version, task=str(task.id), address=address
+        )
 
     def _assemble_spec(self) -> None:
         """Called with the lock held, once every task has registered."""
@@ -413,7 +578,46 @@ class Controller:
             task = self.tasks.get(TaskId.parse(str(body.get("task"))))
             if task is not None:
                 task.last_heartbeat = time.monotonic()
-        return {"stop": self._stop_requested}
+        return {"stop": self._stop_requested, "spec_version": self._spec_version}
+
+    def _on_declare(self, request: Request) -> dict[str, Any]:
+        """A job says how it recovers: ``{"task", "respawnable": bool}``."""
+        body = request.body or {}
+        task = self._task_of(body)
+        with self._lock:
+            task.respawnable = bool(body.get("respawnable"))
+            self._dirty = True
+        return {"max_restarts": self.config.max_restarts}
+
+    def _on_spec(self, request: Request) -> dict[str, Any]:
+        with self._lock:
+            spec = self._spec.as_dict() if self._spec else None
+            return {"spec": spec, "spec_version": self._spec_version}
+
+    def _on_report(self, request: Request) -> None:
+        """Live figures from a job: ``{"task", "step", "loss", "samples_per_s"}``."""
+        body = request.body or {}
+        task = self._task_of(body)
+        figures = {
+            k: body[k]
+            for k in ("step", "loss", "samples_per_s")
+            if isinstance(body.get(k), int | float) and not isinstance(body.get(k), bool)
+        }
+        with self._lock:
+            step = figures.get("step")
+            if step is not None and step != task.figures.get("step"):
+                task.step_changed = time.monotonic()
+            task.figures.update(figures)
+            self._dirty = True
+
+    def _task_of(self, body: dict[str, Any]) -> _Task:
+        try:
+            task = self.tasks.get(TaskId.parse(str(body.get("task"))))
+        except ClusterflowError as exc:
+            raise RegistrationError(f"bad task in {body!r}: {exc}") from exc
+        if task is None:
+            raise RegistrationError(f"task {body.get('task')!r} is not part of this cluster")
+        return task
 
     def _on_exited(self, request: Request) -> None:
         body = request.body or {}
@@ -448,6 +652,8 @@ class Controller:
                     "address": t.address,
                     "pid": t.process.pid if t.process else None,
                     "exit_code": t.exit_code,
+                    "restarts": t.restarts,
+                    **t.figures,
                 }
                 for t in self.tasks.values()
             ]
@@ -464,6 +670,9 @@ class Controller:
             },
             "spec": self._spec.as_dict() if self._spec else None,
             "spec_version": self._spec_version,
+            "restarts": self._restarts,
+            "max_restarts": self.config.max_restarts,
+            "checkpoint_dir": self.checkpoint_url,
             "tasks": tasks,
         }
         state.update(extra)

@@ -1,7 +1,14 @@
 """What the manager does next, as a pure function of a snapshot of the cluster.
 
 Kept free of processes and I/O so every rule is unit-tested on plain values (the
-controller/policy split of Ray Train v2). The fault-tolerance issue adds restarts here.
+controller/policy split of Ray Train v2).
+
+Failure rules (ARCHITECTURE.md section 6). A task is dead when it exits non-zero, misses
+heartbeats past the timeout, or reports steps and then stops advancing past the stall
+timeout. While restarts remain (``max_restarts``), a dead task that declared itself
+respawnable (a worker of a parameter-server strategy: nobody else holds its state) is
+respawned alone; any other death (all-reduce workers, ps, chief) restarts every task
+from the last committed checkpoint. Beyond the bound, the run fails naming the task.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ class Decision(StrEnum):
     """A task failed: stop the others and exit non-zero naming it."""
     STOP = "stop"
     """The user asked to stop (Ctrl-C, ``clusterflow stop``)."""
+    RESPAWN = "respawn"
+    """Relaunch the failed task alone; the others keep running."""
+    RESTART = "restart"
+    """Stop every task and relaunch them all from the last committed checkpoint."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +44,10 @@ class TaskStatus:
     """Seconds since the last heartbeat from its supervisor; None before its command ran."""
     error: str | None = None
     """Why the task's command could not run, as its supervisor reported it."""
+    respawnable: bool = False
+    """The job declared that this task alone can be relaunched (its peers keep going)."""
+    step_age_s: float | None = None
+    """Seconds since the task's reported step last advanced; None if it never reported."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +57,11 @@ class ClusterStatus:
     registration_overdue: bool = False
     """Not every task registered within the registration timeout."""
     heartbeat_timeout_s: float = 30.0
+    stall_timeout_s: float | None = None
+    """A task whose step stops advancing for this long is dead; None: never."""
+    restarts: int = 0
+    """Recoveries (respawns and whole restarts) made so far."""
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,24 +77,39 @@ def decide(status: ClusterStatus) -> Verdict:
     if status.stop_requested:
         return Verdict(Decision.STOP, exit_code=130, reason="stop requested")
     for task in status.tasks:
-        if task.exit_code is not None and task.exit_code != 0:
-            reason = f"task {task.task} {describe_exit(task.exit_code)}"
-            if task.error:
-                reason += f": {task.error}"
-            return Verdict(Decision.FAIL, task.task, exit_code_of(task.exit_code), reason)
-        if task.exit_code is None and (task.heartbeat_age_s or 0.0) > status.heartbeat_timeout_s:
-            return Verdict(
-                Decision.FAIL,
-                task.task,
-                1,
-                f"task {task.task} missed heartbeats for {task.heartbeat_age_s:.0f}s",
-            )
+        death = _death(task, status)
+        if death is None:
+            continue
+        reason, code = death
+        if status.restarts < status.max_restarts:
+            decision = Decision.RESPAWN if task.respawnable else Decision.RESTART
+            return Verdict(decision, task.task, code, reason)
+        if status.max_restarts:
+            reason += f" (after {status.restarts} restart{'s' if status.restarts != 1 else ''})"
+        return Verdict(Decision.FAIL, task.task, code, reason)
     if status.registration_overdue:
         return Verdict(Decision.FAIL, exit_code=1, reason="not every task registered in time")
     tracked = [t for t in status.tasks if t.tracked]
     if tracked and all(t.exit_code == 0 for t in tracked):
         return Verdict(Decision.SUCCEED)
     return Verdict(Decision.CONTINUE)
+
+
+def _death(task: TaskStatus, status: ClusterStatus) -> tuple[str, int] | None:
+    """Why ``task`` counts as dead, with the exit code to report; None while it lives."""
+    if task.exit_code is not None and task.exit_code != 0:
+        reason = f"task {task.task} {describe_exit(task.exit_code)}"
+        if task.error:
+            reason += f": {task.error}"
+        return reason, exit_code_of(task.exit_code)
+    if task.exit_code is not None:
+        return None
+    if (task.heartbeat_age_s or 0.0) > status.heartbeat_timeout_s:
+        return f"task {task.task} missed heartbeats for {task.heartbeat_age_s:.0f}s", 1
+    stall = status.stall_timeout_s
+    if stall is not None and task.step_age_s is not None and task.step_age_s > stall:
+        return f"task {task.task} made no step for {task.step_age_s:.0f}s (hung)", 1
+    return None
 
 
 def exit_code_of(code: int) -> int:

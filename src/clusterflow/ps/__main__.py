@@ -1,6 +1,9 @@
 """``python -m clusterflow.ps``: the built-in task of ``ps`` jobs (``clusterflow start --ps N``).
 
-Serves the variables of the task ``TF_CONFIG`` names until SIGTERM or SIGINT.
+Serves the variables of the task ``TF_CONFIG`` names until SIGTERM or SIGINT. Under a
+restarted cluster (``CLUSTERFLOW_RESTORE``: the step of the checkpoint the manager chose)
+it first loads its own shard from that checkpoint, before it answers anyone: a worker's
+first pull then sees the restored values, never fresh ones.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import logging
 import sys
 
 from clusterflow.errors import ClusterflowError
+from clusterflow.ps.restore import restore_shard
 from clusterflow.ps.service import PSService
 from clusterflow.server import server_from_env
 from clusterflow.server.__main__ import serve_until_signalled
@@ -21,7 +25,13 @@ def main() -> int:
     except ClusterflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    PSService(server)
+    service = PSService(server)
+    try:
+        restore_shard(service.store, server.cluster_spec.num_tasks("ps"))
+    except ClusterflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
     return serve_until_signalled(
         server, f"parameter server {server.task} serving at {server.target}"
     )

@@ -42,6 +42,12 @@ class PSConnection(Protocol):
     def close(self) -> None: ...
 
 
+CONTROL_METHODS = frozenset({"quiesce", "resume", "state", "load_state", "stats"})
+"""Calls that go over a connection of their own: a sync worker's prefetch holds its data
+connection in a pull that waits for the next step, and the step may need the chief's
+checkpoint (quiesce, state, resume) to finish first."""
+
+
 class RemotePS:
     def __init__(
         self, spec: ClusterSpec, credentials: Credentials, *, deadline: float = 120.0
@@ -51,6 +57,10 @@ class RemotePS:
 
             raise ConfigError(f"the cluster has no ps job: {spec.as_dict()}")
         self._clients = [
+            RpcClient(spec.task_address("ps", i), credentials, deadline=deadline)
+            for i in spec.task_indices("ps")
+        ]
+        self._control = [
             RpcClient(spec.task_address("ps", i), credentials, deadline=deadline)
             for i in spec.task_indices("ps")
         ]
@@ -67,7 +77,8 @@ class RemotePS:
     def call(
         self, index: int, method: str, body: Any = None, tensors: Tensors | None = None
     ) -> tuple[Any, Tensors]:
-        reply = self._clients[index].call(f"ps.{method}", body, tensors)
+        clients = self._control if method in CONTROL_METHODS else self._clients
+        reply = clients[index].call(f"ps.{method}", body, tensors)
         return reply.body, dict(reply.tensors)
 
     def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
@@ -76,7 +87,7 @@ class RemotePS:
         return list(self._pool.map(fn, indices))
 
     def close(self) -> None:
-        for client in self._clients:
+        for client in [*self._clients, *self._control]:
             client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)

@@ -317,6 +317,11 @@ class CollectiveAllReduceStrategy(Strategy):
             tensor = tensor / self.num_replicas_in_sync
         return tensor.to(value.device)
 
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrites ``tensor`` with replica ``src``'s on every replica (a decision the
+        chief takes for all, such as when to checkpoint)."""
+        return self._group.broadcast_(tensor, src)
+
     def barrier(self) -> None:
         """Waits until every replica reaches this call.
 

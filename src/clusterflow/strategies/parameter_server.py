@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,7 @@ from clusterflow.ps.api import (
 from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
 from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
 from clusterflow.ps.placement import Partitioner, place
+from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
 from clusterflow.strategies.batches import is_data_client
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
@@ -155,6 +156,13 @@ class ParameterServerStrategy(Strategy):
         self._left = False
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+        if task is not None and task.job == "worker" and _connection is None:
+            # A worker holds nothing the others need: the manager may relaunch it alone
+            # (its leases go back to the queue; each ps applies a lease at most once).
+            link = ManagerLink.from_env()
+            if link is not None:
+                link.declare(respawnable=True)
+                link.close()
 
     # Strategy API ------------------------------------------------------------------
 
@@ -265,7 +273,57 @@ class ParameterServerStrategy(Strategy):
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Per ps task: version, pushes, applied, dropped_stale, dropped_late, ..."""
-        return self._ps.map(lambda i: self._ps.call(i, "stats")[0], range(self._ps.num_ps))
+        return [self._ps.call(i, "stats")[0] for i in range(self._ps.num_ps)]
+
+    def placed(self, module: torch.nn.Module) -> bool:
+        """Whether every parameter of ``module`` lives on the ps tasks (made in ``scope()``)."""
+        params = list(module.parameters())
+        return bool(params) and all(id(p) in self._by_tensor for p in params)
+
+    # Checkpoints (the consistent cut; see clusterflow.strategies.checkpointer) ---------
+
+    @property
+    def num_ps(self) -> int:
+        return self._ps.num_ps
+
+    def quiesce(self, timeout: float = 60.0) -> list[int]:
+        """Holds every ps task's updates (pushes wait, none in flight); their versions.
+
+        ps 0 first: it decides sync steps and fans each out to the other shards, and its
+        quiesce waits for that fan-out, so once it holds no shard can still move. The
+        calls go one by one on the control connections, never through the pool: in sync
+        mode the pool's threads may be waiting in a prefetch for a step that cannot
+        finish until this checkpoint lets the held pushes through.
+        """
+        self.flush()
+        return [
+            int(self._ps.call(i, "quiesce", {"timeout": timeout})[0]["version"])
+            for i in range(self._ps.num_ps)
+        ]
+
+    def resume(self) -> None:
+        """Lets held updates through again (after :meth:`quiesce`)."""
+        for index in range(self._ps.num_ps):
+            self._ps.call(index, "resume")
+
+    def ps_states(self) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        """Every ps task's full state (variables, slots, version, applied leases)."""
+        return [self._ps.call(i, "state") for i in range(self._ps.num_ps)]
+
+    def load_ps_states(self, states: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
+        """Replaces every ps task's state; then this worker pulls the loaded values."""
+        if len(states) != self._ps.num_ps:
+            raise StrategyError(
+                f"a state of {len(states)} ps task(s) cannot load into {self._ps.num_ps}"
+            )
+        self._ps.map(
+            lambda i: self._ps.call(i, "load_state", dict(states[i][0]), dict(states[i][1])),
+            range(self._ps.num_ps),
+        )
+        self._versions = [int(meta["version"]) for meta, _ in states]
+        self._next = None
+        self._staged = self._pull(self._versions)
+        self._load_values()
 
     def pull_values(self) -> None:
         """Copies the newest values from the ps into the local model (before evaluating).

@@ -1,0 +1,459 @@
+"""Consistent checkpoints of a training job, whatever its strategy (ARCHITECTURE.md s. 6).
+
+A checkpoint is a cut: the state of every process that holds training state at one
+moment, written by each process into one checkpoint folder and committed by the chief's
+manifest, listing every part with its checksum, last. Per strategy:
+
+* **Parameter servers** (sync or async): the chief quiesces every ps task (no push in
+  flight; new ones wait), takes each shard's state (variables, optimizer slots, version
+  and the leases it applied), the data service's cursor and its own state, commits, and
+  lets the pushes through. The checkpoint's step is ps 0's version: in sync mode the
+  global step, which every worker resumes from. Other workers write nothing: a ps worker
+  holds no state of the model, and its data position is the dispatcher's leases; a
+  respawned worker continues from the ps values and fresh leases. (Writing their RNG at
+  a common step would need a barrier that async training does not have.)
+* **All-reduce** (mirrored strategies) and single processes: every replica writes its own
+  part (RNG states, step, extra state) at the same step, the chief writes the replicated
+  model with its optimizer (and the data cursor), then the replicas meet at a barrier and
+  the chief commits.
+
+Restoring reads the checkpoint the manager chose for this incarnation
+(``CLUSTERFLOW_RESTORE``), else the newest intact one. The ps tasks restore their own
+shards as they start (``python -m clusterflow.ps``), and the manager restores the data
+cursor, so every process of a restarted cluster starts from the same cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from clusterflow.checkpoint import CheckpointError, CheckpointStorage, Manifest, PartInfo
+from clusterflow.checkpoint.names import (
+    DATA_PART,
+    ENV_CHECKPOINT_DIR,
+    ENV_RESTORE,
+    MODEL_PART,
+    ps_part,
+    worker_part,
+)
+from clusterflow.errors import ConfigError
+from clusterflow.strategies.api import Strategy
+from clusterflow.strategies.mirrored import CollectiveAllReduceStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
+from clusterflow.strategies.variables import recording
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIRECTORY = "checkpoints"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], /) -> Any: ...
+
+
+class Checkpointer:
+    """Saves and restores consistent checkpoints of one training job.
+
+    Call :meth:`restore` once before training, and :meth:`maybe_save` after every step
+    on every task (the schedule decides; under all-reduce every replica must call it,
+    as they meet at a barrier).
+
+    Args:
+        strategy: the job's strategy; None for a single process.
+        model: the model (required unless the strategy holds it on parameter servers).
+        optimizer: its optimizer, saved with it (under parameter servers the slots live
+            on the ps tasks and are saved there).
+        directory: a path or fsspec URL; default ``$CLUSTERFLOW_CHECKPOINT_DIR`` (set
+            by ``clusterflow start``), else ``./checkpoints``.
+        every_steps: save when the step is a multiple of this.
+        every_secs: save when this long passed since the last save.
+        keep: committed checkpoints kept (older ones are deleted).
+        state: more objects with ``state_dict``/``load_state_dict``, by name (an lr
+            scheduler, a step counter of yours); saved with this task's part.
+        data: a ``clusterflow.data`` client whose dispatcher cursor joins the cut.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy | None = None,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        directory: str | None = None,
+        every_steps: int | None = None,
+        every_secs: float | None = None,
+        keep: int = 3,
+        state: Mapping[str, Stateful] | None = None,
+        data: Any = None,
+    ) -> None:
+        if every_steps is not None and (
+            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
+        ):
+            raise ConfigError(f"every_steps must be a positive integer, got {every_steps!r}")
+        if every_secs is not None and (
+            isinstance(every_secs, bool)
+            or not isinstance(every_secs, int | float)
+            or not every_secs > 0
+        ):
+            raise ConfigError(f"every_secs must be a positive number, got {every_secs!r}")
+        self.strategy = strategy
+        self.parameter_servers = isinstance(strategy, ParameterServerStrategy)
+        if model is None and not self.parameter_servers:
+            raise ConfigError("Checkpointer needs the model (only parameter servers hold it)")
+        self.model = model
+        self.optimizer = optimizer
+        self.directory = directory or os.environ.get(ENV_CHECKPOINT_DIR) or DEFAULT_DIRECTORY
+        self.storage = CheckpointStorage(self.directory, keep=keep)
+        self.every_steps = every_steps
+        self.every_secs = every_secs
+        self.extra = dict(state or {})
+        self.data = data
+        self.is_chief = strategy.is_chief if strategy is not None else True
+        self.rank, self.replicas = self._rank_and_replicas(strategy)
+        self.last_saved_step: int | None = None
+        self._last_save_time = time.monotonic()
+
+    # Restore -----------------------------------------------------------------------
+
+    def restore(self, *, latest: bool = False) -> int:
+        """Loads the checkpoint to resume from; returns its step (0 if there is none).
+
+        Args:
+            latest: the newest intact checkpoint even when the manager named one for
+                this incarnation (an evaluator follows the newest, not the restart's).
+
+        Raises:
+            CheckpointError: the checkpoint the manager named is missing or damaged, or
+                it was written by another kind of strategy.
+        """
+        manifest = self.storage.latest() if latest else self._to_restore()
+        if manifest is None:
+            return 0
+        kind = manifest.meta.get("kind")
+        if kind != self._kind:
+            raise CheckpointError(
+                f"checkpoint at step {manifest.step} in {self.directory} was written by a "
+                f"{kind!r} job; this job is {self._kind!r}"
+            )
+        if self.parameter_servers:
+            self._restore_ps(manifest)
+        else:
+            self._restore_model(manifest)
+        own = worker_part(self.rank)
+        if own in manifest.parts:
+            meta, tensors = self.storage.read_tensors(manifest, own)
+            _set_rng(meta, tensors)
+            for name, obj in self.extra.items():
+                if name in meta.get("extra", {}):
+                    obj.load_state_dict(meta["extra"][name])
+        step = manifest.step
+        self.last_saved_step = step
+        log.info("restored checkpoint at step %d from %s", step, self.directory)
+        return step
+
+    def _to_restore(self) -> Manifest | None:
+        named = os.environ.get(ENV_RESTORE)
+        if named:
+            for manifest in reversed(self.storage.committed()):
+                if str(manifest.step) == named:
+                    return manifest
+            raise CheckpointError(
+                f"{ENV_RESTORE}={named}: no committed checkpoint at that step in {self.directory}"
+            )
+        return self.storage.latest()
+
+    def _restore_model(self, manifest: Manifest) -> None:
+        assert self.model is not None
+        meta, tensors = self.storage.read_tensors(manifest, MODEL_PART)
+        module = _unwrapped(self.model)
+        model_state = {k[6:]: t for k, t in tensors.items() if k.startswith("model/")}
+        module.load_state_dict(model_state)
+        if self.optimizer is not None and meta.get("optimizer") is not None:
+            self.optimizer.load_state_dict(_optimizer_state(meta["optimizer"], tensors))
+
+    def _restore_ps(self, manifest: Manifest) -> None:
+        """The ps tasks restored their shards as they started; a ps in this process
+        (CentralStorageStrategy) or a cluster without the manager loads them here."""
+        strategy = self.strategy
+        assert isinstance(strategy, ParameterServerStrategy)
+        num_ps = int(manifest.meta.get("num_ps", 0))
+        if num_ps != strategy.num_ps:
+            raise CheckpointError(
+                f"checkpoint at step {manifest.step} holds {num_ps} ps shard(s); "
+                f"this cluster has {strategy.num_ps}"
+            )
+        versions = [int(s.get("version", 0)) for s in strategy.ps_stats()]
+        if os.environ.get(ENV_RESTORE) and any(versions):
+            strategy.pull_values()  # restored by the ps tasks themselves
+            return
+        if not self.is_chief:
+            strategy.pull_values()
+            return
+        states = []
+        for index in range(num_ps):
+            meta, tensors = self.storage.read_tensors(manifest, ps_part(index))
+            states.append((meta, tensors))
+        strategy.load_ps_states(states)
+
+    # Save --------------------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> bool:
+        """Saves if the schedule says so at ``step``; whether it saved."""
+        if not self._due(step):
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
+        """Takes a consistent checkpoint now (every replica, under all-reduce)."""
+        started = time.monotonic()
+        committed: int | None
+        if self.parameter_servers:
+            if not self.is_chief:
+                return
+            committed = self._save_ps(step)
+        else:
+            committed = self._save_replicated(step)
+        self._last_save_time = time.monotonic()
+        if committed is not None:
+            self.last_saved_step = committed
+            log.info(
+                "checkpoint at step %d committed in %.2fs to %s",
+                committed,
+                self._last_save_time - started,
+                self.directory,
+            )
+
+    def _due(self, step: int) -> bool:
+        if step == self.last_saved_step:
+            return False
+        due = self.every_steps is not None and step % self.every_steps == 0
+        if self.every_secs is not None and not due:
+            due = time.monotonic() - self._last_save_time >= self.every_secs
+            if self.replicas > 1 and isinstance(self.strategy, CollectiveAllReduceStrategy):
+                # Replicas' clocks differ: the chief's decides, for all to save together.
+                flag = torch.tensor([1 if due else 0], dtype=torch.int32)
+                due = bool(self.strategy.broadcast_(flag).item())
+        return due
+
+    def _save_ps(self, step: int) -> int:
+        strategy = self.strategy
+        assert isinstance(strategy, ParameterServerStrategy)
+        versions = strategy.quiesce()
+        try:
+            states = strategy.ps_states()
+            writer = self.storage.writer(versions[0])
+            parts = [
+                writer.write_tensors(ps_part(i), tensors, meta)
+                for i, (meta, tensors) in enumerate(states)
+            ]
+            parts += self._write_shared(writer)
+            parts.append(self._write_own(writer, step))
+            writer.commit(
+                parts,
+                {
+                    "kind": self._kind,
+                    "mode": strategy.config.mode,
+                    "num_ps": strategy.num_ps,
+                    "versions": versions,
+                    "local_step": step,
+                },
+            )
+        finally:
+            strategy.resume()
+        return versions[0]
+
+    def _save_replicated(self, step: int) -> int | None:
+        writer = self.storage.writer(step)
+        own = self._write_own(writer, step)
+        parts = [own]
+        if self.is_chief:
+            parts.append(self._write_model(writer))
+            parts += self._write_shared(writer)
+        strategy = self.strategy
+        if self.replicas > 1 and isinstance(strategy, CollectiveAllReduceStrategy):
+            strategy.barrier()  # every replica's part is written
+        if not self.is_chief:
+            return None
+        others = [worker_part(r) for r in range(self.replicas) if r != self.rank]
+        parts += writer.collect(others)
+        writer.commit(parts, {"kind": self._kind, "replicas": self.replicas})
+        return step
+
+    def _write_model(self, writer: Any) -> PartInfo:
+        assert self.model is not None
+        tensors = {f"model/{k}": v for k, v in _unwrapped(self.model).state_dict().items()}
+        meta: dict[str, Any] = {"optimizer": None}
+        if self.optimizer is not None:
+            opt_meta, opt_tensors = _split_optimizer(self.optimizer.state_dict())
+            meta["optimizer"] = opt_meta
+            tensors.update(opt_tensors)
+        return writer.write_tensors(MODEL_PART, tensors, meta)  # type: ignore[no-any-return]
+
+    def _write_shared(self, writer: Any) -> list[PartInfo]:
+        if self.data is None:
+            return []
+        cursor = self.data.dispatcher.state_dict()
+        return [writer.write_json(DATA_PART, cursor)]
+
+    def _write_own(self, writer: Any, step: int) -> PartInfo:
+        meta, tensors = _get_rng()
+        meta["step"] = step
+        meta["extra"] = {name: _jsonable(obj.state_dict()) for name, obj in self.extra.items()}
+        return writer.write_tensors(worker_part(self.rank), tensors, meta)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Nothing is held between saves; kept for the hooks' symmetric life cycle."""
+
+    # Strategy facts ----------------------------------------------------------------
+
+    @property
+    def _kind(self) -> str:
+        return "parameter_server" if self.parameter_servers else "replicated"
+
+    @staticmethod
+    def _rank_and_replicas(strategy: Strategy | None) -> tuple[int, int]:
+        if isinstance(strategy, ParameterServerStrategy):
+            return strategy.worker_index, 1
+        if isinstance(strategy, CollectiveAllReduceStrategy):
+            return strategy.rank, strategy.num_replicas_in_sync
+        return 0, 1
+
+
+def load_module(
+    directory: str, build: Callable[[], nn.Module], *, step: int | None = None
+) -> tuple[nn.Module, int] | None:
+    """A plain single-device module from a checkpoint of any strategy, with its step.
+
+    ``build`` makes the model as the training job made it (the same code): under
+    parameter servers the variables are stored by creation order, so the module is built
+    under the same recording and each tensor goes back to where it was created; shards
+    of a partitioned variable are joined along dimension 0. For an evaluator, or to
+    export a trained model. Returns None when there is no (such) checkpoint.
+    """
+    storage = CheckpointStorage(directory)
+    if step is None:
+        manifest = storage.latest()
+    else:
+        manifest = next((m for m in storage.committed() if m.step == step), None)
+    if manifest is None:
+        return None
+    if manifest.meta.get("kind") != "parameter_server":
+        model = build()
+        _, tensors = storage.read_tensors(manifest, MODEL_PART)
+        model.load_state_dict({k[6:]: t for k, t in tensors.items() if k.startswith("model/")})
+        return model, manifest.step
+    with recording() as recorder:
+        model = build()
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for index in range(int(manifest.meta.get("num_ps", 0))):
+        _, tensors = storage.read_tensors(manifest, ps_part(index))
+        for key, tensor in tensors.items():
+            if not key.startswith("var/"):
+                continue
+            name, _, part = key[4:].partition("/part_")
+            pieces.setdefault(name, []).append((int(part or 0), tensor))
+    with torch.no_grad():
+        for item in recorder.items:
+            found = pieces.get(item.name)
+            if found is None:
+                raise CheckpointError(
+                    f"checkpoint at step {manifest.step} has no variable {item.name!r}: "
+                    "build() must make the model the training job made"
+                )
+            value = torch.cat([t for _, t in sorted(found, key=lambda p: p[0])])
+            if value.shape != item.tensor.shape:
+                raise CheckpointError(
+                    f"variable {item.name!r} is {tuple(value.shape)} in the checkpoint, "
+                    f"{tuple(item.tensor.shape)} in the model build() made"
+                )
+            item.tensor.copy_(value)
+    return model, manifest.step
+
+
+# State in safetensors: tensors by name, everything else as JSON -------------------------
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (its state_dict keys lack ``module.``)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _split_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An optimizer's state_dict as JSON (groups, scalar slots) plus its tensor slots."""
+    tensors: dict[str, torch.Tensor] = {}
+    slots: dict[str, dict[str, Any]] = {}
+    for param, values in state["state"].items():
+        slots[str(param)] = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"opt/{param}/{key}"] = value
+            else:
+                slots[str(param)][key] = value
+    return {"param_groups": _jsonable(state["param_groups"]), "slots": slots}, tensors
+
+
+def _optimizer_state(
+    meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in meta["slots"].items()}
+    for name, tensor in tensors.items():
+        if name.startswith("opt/"):
+            _, param, key = name.split("/", 2)
+            state.setdefault(int(param), {})[key] = tensor
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _get_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    np_state: Any = np.random.get_state()
+    meta: dict[str, Any] = {
+        "python_rng": _jsonable(random.getstate()),
+        "numpy_rng": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    tensors = {
+        "rng/torch": torch.get_rng_state(),
+        "rng/numpy": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).copy()),
+    }
+    return meta, tensors
+
+
+def _set_rng(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    if "rng/torch" in tensors:
+        torch.set_rng_state(tensors["rng/torch"])
+    if "rng/numpy" in tensors and meta.get("numpy_rng"):
+        name, pos, has_gauss, gauss = meta["numpy_rng"]
+        keys = tensors["rng/numpy"].numpy().astype(np.uint32)
+        np.random.set_state((name, keys, int(pos), int(has_gauss), float(gauss)))
+    if meta.get("python_rng"):
+        version, internal, gauss = meta["python_rng"]
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples to lists and tensors/NumPy scalars to numbers, so JSON round-trips it."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(
+                f"a state_dict holds a tensor of shape {tuple(value.shape)} outside the model; "
+                "only scalars can go into a checkpoint's metadata"
+            )
+        return value.item()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

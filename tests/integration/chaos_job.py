@@ -1,0 +1,193 @@
+"""The jobs of the chaos suite: ``python chaos_job.py SCENARIO OUT`` under ``clusterflow start``.
+
+Each scenario trains deterministically (every batch is a function of the step and the
+replica), checkpoints with ``Checkpointer`` and resumes from whatever the manager
+restores, so a run with any number of SIGKILLs must end where an uninterrupted one ends.
+Each step appends a line to ``OUT/steps.log`` (O_APPEND: whole lines from any process):
+the test kills only after the run made progress since its last kill. The chief writes
+the final parameters to ``OUT/final.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TOTAL_STEPS = 300
+CHECKPOINT_EVERY = 10
+ROWS = 8  # per replica and step
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + replica)
+    return torch.randn(ROWS, 6, generator=gen), torch.randint(0, 3, (ROWS,), generator=gen)
+
+
+def reference(replicas: int) -> list[float]:
+    """One process, uninterrupted, on the global batch of every step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(TOTAL_STEPS):
+        parts = [batch(step, r) for r in range(replicas)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat(model)
+
+
+def flat(model: nn.Module) -> list[float]:
+    return [float(v) for p in model.parameters() for v in p.detach().flatten()]
+
+
+def compute() -> None:
+    """A fixed amount of work, as a real step's forward and backward would take."""
+    a = torch.ones(128, 128)
+    for _ in range(30):
+        a = torch.tanh(a @ a / 128)
+
+
+def progress(out: Path, what: str) -> None:
+    fd = os.open(out / "steps.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{os.environ.get('CLUSTERFLOW_TASK')} {what}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def sync_ps(out: Path) -> None:
+    from clusterflow.strategies.checkpointer import Checkpointer
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
+
+    strategy = ParameterServerStrategy(mode="sync")
+    with strategy.scope():
+        model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = Checkpointer(strategy, model=model, every_steps=CHECKPOINT_EVERY)
+    ckpt.restore()
+    # Sync steps are global: every replica computes step v on the values of version v.
+    step = strategy.global_step()
+    replica = strategy.worker_index
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    while step < TOTAL_STEPS:
+        compute()
+        strategy.run(train, batch(step, replica))
+        step += 1
+        progress(out, f"step {step}")
+        ckpt.maybe_save(step)
+    strategy.pull_values()
+    if strategy.is_chief:
+        (out / "final.json").write_text(json.dumps(flat(model)))
+    strategy.close()
+
+
+def allreduce(out: Path) -> None:
+    from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
+    from clusterflow.strategies.checkpointer import Checkpointer
+
+    strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=30))
+    with strategy.scope():
+        model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = Checkpointer(strategy, model=model, optimizer=opt, every_steps=CHECKPOINT_EVERY)
+    step = ckpt.restore()
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    while step < TOTAL_STEPS:
+        compute()
+        strategy.run(train, batch(step, strategy.rank))
+        step += 1
+        progress(out, f"step {step}")
+        ckpt.maybe_save(step)
+    if strategy.is_chief:
+        (out / "final.json").write_text(json.dumps(flat(model)))
+    strategy.shutdown()
+
+
+class Counts(nn.Module):
+    """One counter per record (a step adds 1 to the records of its batch), and one
+    counter of applied steps per ps shard (both halves of ``applied`` get 1 per step)."""
+
+    def __init__(self, records: int) -> None:
+        super().__init__()
+        self.counts = nn.Parameter(torch.zeros(records))
+        self.applied = nn.Parameter(torch.zeros(2))
+
+
+def async_ps(out: Path, path: str, records: int, epochs: int) -> None:
+    from clusterflow.data import distributed_dataset
+    from clusterflow.ps.placement import FixedShardsPartitioner
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
+
+    strategy = ParameterServerStrategy(mode="async", variable_partitioner=FixedShardsPartitioner(2))
+    with strategy.scope():
+        model = Counts(records)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = distributed_dataset(
+        path, batch_size=10, split_size=10, seed=5, epochs=epochs, wait_for_all_acks=True
+    )
+
+    def add_one(ids: torch.Tensor) -> None:
+        opt.zero_grad()
+        # SGD at lr 1: counts[ids] += 1 and applied += 1
+        (-model.counts[ids].sum() - model.applied.sum()).backward()
+        opt.step()
+
+    for item in strategy.distribute(data):
+        ids = item.data["id"]
+        # One split per batch: its records name it, stable when it is lent again.
+        key = f"{item.epoch}:{int(ids.min())}"
+        compute()
+        strategy.run(add_one, (ids,), lease=key)
+        progress(out, f"lease {key}")
+    data.close()
+    if strategy.is_chief:
+        strategy.pull_values()
+        stats = strategy.ps_stats()
+        (out / "final.json").write_text(
+            json.dumps(
+                {
+                    "counts": model.counts.detach().tolist(),
+                    "applied": model.applied.detach().tolist(),
+                    "ps_stats": stats,
+                }
+            )
+        )
+    strategy.close()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    if scenario == "sync_ps":
+        sync_ps(out)
+    elif scenario == "allreduce":
+        allreduce(out)
+    elif scenario == "async_ps":
+        async_ps(out, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    main()

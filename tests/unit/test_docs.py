@@ -1,0 +1,437 @@
+"""The documentation cannot drift from the code silently.
+
+* Every relative link between ``docs/*.md`` and ``README.md`` resolves: the file, and
+  the heading when the link names one.
+* Every ``clusterflow <command>`` written as a command line on any page, with its
+  options, exists in the CLI; every option ``docs/cli.md`` names in a command's section
+  is one of that command's; and every command and option of the CLI is documented in
+  ``docs/cli.md``. The CLI is read from click's command objects, not from a subprocess.
+* The Python snippets of ``docs/concepts.md`` that need no cluster run as shown; every
+  Python snippet on every page at least compiles.
+
+Work in progress is tolerated only where it is listed below and marked on the page, so
+a listed option that lands (or a page that appears) makes a test fail until the list
+and the page are brought up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import pytest
+
+from clusterflow.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+CLI_PAGE = DOCS / "cli.md"
+CONCEPTS_PAGE = DOCS / "concepts.md"
+
+PENDING_START_OPTIONS: tuple[str, ...] = ()
+"""Options of ``clusterflow start`` being added now. docs/cli.md may name them only
+between its ``pending-options`` markers; once one exists in the CLI, document it with
+the others and drop it from this list (a test says so)."""
+
+PENDING_PAGES: tuple[str, ...] = ()
+"""Pages being written now: links to them are tolerated while they do not exist."""
+
+PENDING_BEGIN = "<!-- pending-options: start -->"
+PENDING_END = "<!-- /pending-options -->"
+NEEDS_CLUSTER = "# Run under `clusterflow start"
+"""The first line of a snippet that runs only inside a cluster; it is compiled only."""
+
+CLUSTER_VARIABLES = frozenset(
+    {
+        "TF_CONFIG",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+"""Set by a surrounding cluster; they would make the snippets tasks of that cluster."""
+
+SHELL_LANGUAGES = frozenset({"", "sh", "bash", "shell", "console", "text"})
+GLOBAL_OPTIONS = frozenset({"-h", "--help", "-V", "--version"})
+
+_FENCE = re.compile(r"^\s*```(\S*)\s*$")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_SPAN = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
+_COMMAND = re.compile(r"(?:^|(?<=[\s/(]))clusterflow[ \t]+([A-Za-z][\w-]*)")
+_OPTION_TOKEN = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
+_OPTION_SPAN = re.compile(r"(--?[A-Za-z][\w-]*)(?:[ =].*)?")
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_CUTS = (" -- ", " #", "|", "&&", ";", ">")
+
+
+# Reading pages --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Block:
+    """A fenced code block."""
+
+    language: str
+    text: str
+    line: int
+    """Line number of its first line of code (1-based)."""
+
+
+@dataclass(slots=True)
+class Prose:
+    """A line outside code blocks, with the headings it sits under."""
+
+    text: str
+    line: int
+    section: str
+    """The text of the nearest level-2 heading above it ('' before the first)."""
+    pending: bool
+    """Whether it lies between the pending-options markers."""
+
+
+@dataclass(slots=True)
+class Page:
+    path: Path
+    blocks: list[Block] = field(default_factory=list)
+    prose: list[Prose] = field(default_factory=list)
+    headings: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+def read_page(path: Path) -> Page:
+    page = Page(path)
+    fence: str | None = None
+    code: list[str] = []
+    start = 0
+    section = ""
+    pending = False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        match = _FENCE.match(line)
+        if fence is not None:
+            if match and not match.group(1):
+                page.blocks.append(Block(fence, "\n".join(code), start))
+                fence, code = None, []
+            else:
+                code.append(line)
+            continue
+        if match:
+            fence, start = match.group(1).lower(), number + 1
+            continue
+        if line.strip() == PENDING_BEGIN:
+            pending = True
+        elif line.strip() == PENDING_END:
+            pending = False
+        heading = _HEADING.match(line)
+        if heading:
+            page.headings.append(heading.group(2))
+            if len(heading.group(1)) == 2:
+                section = heading.group(2)
+        page.prose.append(Prose(line, number, section, pending))
+    assert fence is None, f"{page.name}: a code block opened on line {start - 1} never closes"
+    return page
+
+
+def doc_pages() -> list[Page]:
+    return [read_page(p) for p in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Page) -> set[str]:
+    found: set[str] = set()
+    for heading in page.headings:
+        base = slug(heading)
+        name, n = base, 0
+        while name in found:
+            n += 1
+            name = f"{base}-{n}"
+        found.add(name)
+    return found
+
+
+# Reading the CLI ------------------------------------------------------------------------
+
+
+def commands() -> dict[str, click.Command]:
+    assert isinstance(cli, click.Group)
+    return dict(cli.commands)
+
+
+def options_of(command: click.Command) -> set[str]:
+    """Every spelling of every option of ``command`` (``-c`` and ``--config``), and help."""
+    names = set(GLOBAL_OPTIONS - {"-V", "--version"})
+    for param in command.params:
+        if isinstance(param, click.Option):
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    return names
+
+
+def group_options() -> set[str]:
+    return options_of(cli)
+
+
+# Command lines ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CommandLine:
+    page: str
+    line: int
+    command: str
+    options: tuple[str, ...]
+    pending: bool
+
+
+def command_lines(page: Page) -> Iterator[CommandLine]:
+    """``clusterflow <command> [options]`` wherever a page writes one as code.
+
+    Code is a shell-like block, an inline code span, or a code span inside a Python
+    block's comment. What follows `` -- `` is the job's command, not ours, and quoted
+    strings are values, so neither is read for options.
+    """
+    texts: list[tuple[str, int, bool]] = []
+    for prose in page.prose:
+        texts += [(span, prose.line, prose.pending) for span in _SPAN.findall(prose.text)]
+    for block in page.blocks:
+        for offset, code in enumerate(block.text.splitlines()):
+            if block.language in SHELL_LANGUAGES:
+                texts.append((code, block.line + offset, False))
+            elif block.language == "python":
+                texts += [(s, block.line + offset, False) for s in _SPAN.findall(code)]
+    for text, line, pending in texts:
+        matches = list(_COMMAND.finditer(text))
+        for i, match in enumerate(matches):
+            name = match.group(1)
+            if name.isupper():  # a placeholder: `clusterflow COMMAND -h`
+                continue
+            end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+            rest = _QUOTED.sub("", text[match.end() : end])
+            for cut in _CUTS:
+                rest = rest.split(cut)[0]
+            yield CommandLine(page.name, line, name, tuple(_OPTION_TOKEN.findall(rest)), pending)
+
+
+def option_spans(page: Page) -> Iterator[tuple[Prose, str]]:
+    """Options a page names in prose, as a code span of their own: `--grace SECONDS`."""
+    for prose in page.prose:
+        for span in _SPAN.findall(prose.text):
+            match = _OPTION_SPAN.fullmatch(span)
+            if match:
+                yield prose, match.group(1)
+
+
+def section_command(section: str) -> str | None:
+    """``start`` for the section headed ``clusterflow start`` of docs/cli.md."""
+    match = re.fullmatch(r"`?clusterflow ([a-z][\w-]*)`?", section)
+    return match.group(1) if match else None
+
+
+def pending_span(page: Page) -> list[Prose]:
+    return [p for p in page.prose if p.pending]
+
+
+# Tests: links ---------------------------------------------------------------------------
+
+
+def test_every_relative_link_resolves() -> None:
+    pages = {page.path: page for page in doc_pages()}
+    problems = []
+    for page in pages.values():
+        targets = []
+        for prose in page.prose:
+            text = _SPAN.sub("", prose.text)  # a link inside a code span is code
+            targets += [(t, prose.line) for t in _LINK.findall(text)]
+            reference = _REFERENCE.match(text)
+            if reference:
+                targets.append((reference.group(1), prose.line))
+        for target, line in targets:
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path_part, _, anchor = target.partition("#")
+            path = (page.path.parent / path_part).resolve() if path_part else page.path
+            where = f"{page.name}:{line}: link to {target!r}"
+            if not path.exists():
+                relative = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                if str(relative) not in PENDING_PAGES:
+                    problems.append(f"{where}: no such file")
+                continue
+            if anchor and path.suffix == ".md":
+                target_page = pages.get(path) or read_page(path)
+                if anchor not in anchors(target_page):
+                    problems.append(f"{where}: no heading #{anchor} in {target_page.name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_pending_pages_are_still_pending() -> None:
+    landed = [name for name in PENDING_PAGES if (ROOT / name).exists()]
+    assert not landed, (
+        f"{', '.join(landed)} exists now: remove it from PENDING_PAGES in {Path(__file__).name}"
+    )
+
+
+# Tests: the CLI -------------------------------------------------------------------------
+
+
+def test_every_command_line_on_every_page_exists_in_the_cli() -> None:
+    known = commands()
+    problems = []
+    for page in doc_pages():
+        for line in command_lines(page):
+            where = f"{line.page}:{line.line}: clusterflow {line.command}"
+            command = known.get(line.command)
+            if command is None:
+                problems.append(f"{where}: no such command (commands: {', '.join(known)})")
+                continue
+            allowed = options_of(command)
+            if line.pending and line.command == "start":
+                allowed |= set(PENDING_START_OPTIONS)
+            problems += [f"{where}: no option {o}" for o in line.options if o not in allowed]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_option_cli_md_names_belongs_to_its_command() -> None:
+    page = read_page(CLI_PAGE)
+    known = commands()
+    anywhere = group_options().union(*(options_of(c) for c in known.values()))
+    problems = []
+    for prose, option in option_spans(page):
+        name = section_command(prose.section)
+        where = f"{page.name}:{prose.line}: {option}"
+        if name is None:
+            if option not in anywhere:
+                problems.append(f"{where}: no command has this option")
+            continue
+        command = known.get(name)
+        if command is None:
+            problems.append(f"{where}: section of unknown command {name!r}")
+            continue
+        allowed = options_of(command)
+        if prose.pending and name == "start":
+            allowed |= set(PENDING_START_OPTIONS)
+        if option not in allowed:
+            problems.append(f"{where}: not an option of clusterflow {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_command_and_option_of_the_cli_is_documented() -> None:
+    page = read_page(CLI_PAGE)
+    sections = {section_command(p.section) for p in page.prose} - {None}
+    named: dict[str | None, set[str]] = {}
+    for prose, option in option_spans(page):
+        named.setdefault(section_command(prose.section), set()).add(option)
+    problems = []
+    for name, command in commands().items():
+        if name not in sections:
+            problems.append(f"clusterflow {name}: no section headed `clusterflow {name}`")
+            continue
+        missing = sorted(options_of(command) - GLOBAL_OPTIONS - named.get(name, set()))
+        problems += [f"clusterflow {name}: option {o} is not described" for o in missing]
+    missing = sorted(group_options() - named.get(None, set()))
+    problems += [f"global option {o} is not described" for o in missing]
+    assert not problems, "\n".join(problems)
+
+
+def test_pending_section_lists_exactly_the_pending_options() -> None:
+    page = read_page(CLI_PAGE)
+    lines = pending_span(page)
+    if not PENDING_START_OPTIONS:
+        assert not lines, f"{page.name} still has a pending-options section; remove it"
+        return
+    assert lines, f"{page.name} has no {PENDING_BEGIN} section for {PENDING_START_OPTIONS}"
+    assert {section_command(p.section) for p in lines} == {"start"}, (
+        "the pending-options section must sit in the section of `clusterflow start`"
+    )
+    named = {
+        match.group(1)
+        for p in lines
+        for s in _SPAN.findall(p.text)
+        if (match := _OPTION_SPAN.fullmatch(s))
+    }
+    assert named == set(PENDING_START_OPTIONS)
+
+
+def test_pending_options_have_not_landed() -> None:
+    landed = sorted(set(PENDING_START_OPTIONS) & options_of(commands()["start"]))
+    assert not landed, (
+        f"clusterflow start has {', '.join(landed)} now: describe it in the options table of "
+        f"docs/cli.md and remove it from the pending-options section and from "
+        f"PENDING_START_OPTIONS in {Path(__file__).name}"
+    )
+
+
+# Tests: snippets ------------------------------------------------------------------------
+
+
+def python_blocks(page: Page) -> list[Block]:
+    return [b for b in page.blocks if b.language == "python"]
+
+
+def test_every_python_snippet_compiles() -> None:
+    problems = []
+    for page in doc_pages():
+        for block in python_blocks(page):
+            try:
+                compile(block.text, f"{page.name}:{block.line}", "exec")
+            except SyntaxError as exc:
+                problems.append(f"{page.name}:{block.line + (exc.lineno or 1) - 1}: {exc.msg}")
+    assert not problems, "\n".join(problems)
+
+
+_RUNNER = """
+import json, sys, traceback
+failed = []
+for where, code in json.loads(sys.stdin.read()):
+    try:
+        exec(compile(code, where, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        failed.append(where + "\\n" + traceback.format_exc())
+if failed:
+    sys.exit("\\n".join(failed))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_concepts_snippets_run_in_one_process() -> None:
+    """What concepts.md says runs alone does: one interpreter, each snippet afresh."""
+    page = read_page(CONCEPTS_PAGE)
+    snippets = [
+        (f"{page.name}:{b.line}", b.text)
+        for b in python_blocks(page)
+        if not b.text.lstrip().startswith(NEEDS_CLUSTER)
+    ]
+    assert snippets, f"{page.name} has no snippet that runs alone"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in CLUSTER_VARIABLES and not k.startswith("CLUSTERFLOW_")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=json.dumps(snippets),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
