@@ -384,6 +384,53 @@ def test_max_restarts_bounds_recovery_of_a_task_that_always_crashes(cf: Clusterf
     assert not cf.live(cluster_id)
 
 
+RESUME_SCRIPT = """
+import os, sys, torch
+from clusterflow.strategies.checkpointer import Checkpointer
+
+ckpt = Checkpointer(model=torch.nn.Linear(2, 1), every_steps=5)
+step = ckpt.restore()
+print("restored", step, flush=True)
+while step < 20:
+    step += 1
+    ckpt.maybe_save(step)
+    if step == 12 and not os.path.exists(sys.argv[1]):
+        open(sys.argv[1], "w").close()
+        sys.exit(3)  # the first run dies after its checkpoint at step 10
+print("done", step, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_resume_continues_a_failed_run_from_its_last_checkpoint(cf: Clusterflow) -> None:
+    script = cf.script("resume.py", RESUME_SCRIPT)
+    marker = cf.workdir / "failed-once"
+
+    first = cf.run("start", "--", PY, str(script), str(marker))
+
+    assert first.returncode == 3, first.stdout + first.stderr
+    assert "[worker:0] restored 0" in first.stdout.splitlines()
+    old = cf.only_id()
+    assert cf.state(old)["checkpoint_dir"] == str(cf.path(old) / "checkpoints")
+
+    second = cf.run("start", "--resume", old)
+
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = second.stdout.splitlines()
+    assert "[worker:0] restored 10" in lines  # the first run's checkpoint, not a fresh start
+    assert "[worker:0] done 20" in lines
+    new = next(i for i in cf.ids() if i != old)
+    assert cf.state(new)["checkpoint_dir"] == cf.state(old)["checkpoint_dir"]
+    assert cf.state(new)["command"] == cf.state(old)["command"]
+
+
+@pytest.mark.timeout(30)
+def test_resume_refuses_an_unknown_cluster(cf: Clusterflow) -> None:
+    done = cf.run("start", "--resume", "nosuchcluster")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "nosuchcluster" in done.stderr
+
+
 # 5. The detached lifecycle ---------------------------------------------------------------
 
 

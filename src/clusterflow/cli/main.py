@@ -228,12 +228,7 @@ def _resumed_settings(cluster_id: str) -> dict[str, Any]:
     settings.setdefault("checkpoint_dir", None)
     if not settings["checkpoint_dir"]:
         settings["checkpoint_dir"] = str(old.path / "checkpoints")
-    for key in ("command", "ps_command"):
-        if settings.get(key) is not None:
-            settings[key] = tuple(settings[key])
-    if "untracked" in settings:
-        settings["untracked"] = frozenset(settings["untracked"])
-    settings.pop("grace_s", None)
+    settings.pop("grace_s", None)  # --grace always has a value: the option decides
     return settings
 
 
