@@ -106,7 +106,10 @@ def run_with_chaos(
     detail = f"seed {seed}, kills {kills}, state {state.get('summary')}\n{cf.output(cluster_id)}"
     assert len(kills) == KILLS, f"the run ended after {len(kills)} kills; {detail}"
     assert state["status"] == "succeeded", detail
-    assert state["restarts"] >= KILLS, detail
+    # A kill that hit a standby's zygote still warming up (before its job started) is no
+    # task death: that supervisor starts the job cold instead, and says so.
+    cold = cf.output(cluster_id).count("a task given to it starts cold")
+    assert state["restarts"] + cold >= KILLS, detail
     return cluster_id, kills
 
 
@@ -134,6 +137,7 @@ def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
     # hold) is respawned alone; a ps restarts everyone from the last checkpoint.
     if {"worker:0", "worker:1"} & set(kills):
         assert "task_respawned" in kinds
+        assert "standby_took_over" in kinds  # a warm standby, not a cold start
     if {"ps:0", "ps:1"} & set(kills):
         assert "cluster_restarted" in kinds
 

@@ -22,6 +22,14 @@ also reads this supervisor's output through a pipe, so once it died every write 
 stdout or stderr fails (EPIPE); the supervisor's own messages tolerate that, or a dead
 manager would make the supervisor crash and leave its command running.
 
+**Standby** (``CLUSTERFLOW_STANDBY=1``): a supervisor started before anything failed. It
+reserves a port, starts a zygote (``zygote.py``: a Python process with torch already
+imported) and waits at the manager (``manager.standby``) until a task dies that may be
+respawned alone. Then it becomes that task's supervisor: it registers as the task, and
+the zygote runs the job's command in-process, skipping the interpreter's start and
+torch's import, most of a replacement's start-up. A command the zygote cannot run
+in-process is started as usual.
+
 SIGTERM or SIGINT before the command started (while the registration barrier holds)
 ends the supervisor at once with that signal; afterwards it is forwarded to the command.
 """
@@ -29,6 +37,7 @@ ends the supervisor at once with that signal; afterwards it is forwarded to the 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -41,6 +50,7 @@ from types import FrameType
 from typing import IO, NoReturn
 
 from clusterflow.backends.api import REPLICA_TAG
+from clusterflow.backends.zygote import ENV_READY_FD, runnable
 from clusterflow.cluster import TaskId
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
@@ -53,6 +63,9 @@ ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
 ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
 ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
 ENV_REGISTER_TIMEOUT = "CLUSTERFLOW_REGISTER_TIMEOUT"
+ENV_STANDBY = "CLUSTERFLOW_STANDBY"
+STANDBY_ROUND_S = 20.0
+"""A standby's wait at the manager is answered at least this often (a bounded call)."""
 GRACE_S = 10.0
 _OUTPUT_LOCK = threading.Lock()
 
@@ -105,6 +118,8 @@ class Supervisor:
         self.register_timeout_s = _seconds(environ, ENV_REGISTER_TIMEOUT, 180.0)
         self.environ = environ
         self.children: list[subprocess.Popen[bytes]] = []
+        self.standby = environ.get(ENV_STANDBY) == "1"
+        self.zygote: subprocess.Popen[bytes] | None = None
         self._exited = threading.Event()
         self.terminating = False
         self.manager_lost = False
@@ -115,12 +130,16 @@ class Supervisor:
         address = f"{self.host}:{reserved.getsockname()[1]}"
         client = RpcClient(self.manager, self.credentials, deadline=10.0)
         try:
+            if self.standby and not self._take_over(client, reserved.fileno()):
+                return 0
             reply = client.call(
                 "manager.register",
                 {"task": str(self.task), "address": address, "pid": os.getpid()},
                 deadline=self.register_timeout_s,
             ).body
             env = dict(self.environ)
+            env.pop(ENV_STANDBY, None)
+            env[ENV_TASK] = str(self.task)
             env.update(reply["env"])
             env["CLUSTERFLOW_LISTEN_FD"] = str(reserved.fileno())
             command = list(reply["command"])
@@ -151,6 +170,17 @@ class Supervisor:
         replicas' output goes through this process, each line tagged with the replica,
         so the manager prefixes it ``[worker:0/1]``.
         """
+        zygote, self.zygote = self.zygote, None
+        if zygote is not None:
+            if not replicas and zygote.poll() is None and runnable(command):
+                request = {"argv": command, "env": env, "cwd": os.getcwd()}
+                assert zygote.stdin is not None
+                zygote.stdin.write(json.dumps(request).encode() + b"\n")
+                zygote.stdin.close()
+                self.children.append(zygote)
+                self._watch_exit(zygote)
+                return
+            _dismiss(zygote)
         if not replicas:
             self.children.append(subprocess.Popen(command, env=env, pass_fds=(fd,)))
             self._watch_exit(self.children[0])
@@ -172,6 +202,42 @@ class Supervisor:
             threading.Thread(
                 target=_relay, args=(index, child.stdout), name=f"replica-{index}", daemon=True
             ).start()
+
+    def _take_over(self, client: RpcClient, fd: int) -> bool:
+        """Standby: warms a zygote, then waits to be given a task; False: not needed."""
+        read_end, write_end = os.pipe()
+        env = {k: v for k, v in self.environ.items() if k != ENV_STANDBY}
+        env[ENV_READY_FD] = str(write_end)
+        self.zygote = subprocess.Popen(
+            [sys.executable, "-m", "clusterflow.backends.zygote"],
+            env=env,
+            stdin=subprocess.PIPE,
+            pass_fds=(fd, write_end),
+        )
+        os.close(write_end)
+        # Report for duty once warm (or dead: EOF), so the manager can say it is ready.
+        with os.fdopen(read_end, "rb") as ready:
+            warm = ready.read(1) == b"1"
+        if not warm:
+            # Killed, or it failed to import torch: the task it may be given starts cold.
+            say("standby: the zygote died while warming up; a task given to it starts cold")
+            self.zygote.wait()
+            self.zygote = None
+        while not self.terminating:
+            reply = client.call(
+                "manager.standby",
+                {"pid": os.getpid(), "wait_s": STANDBY_ROUND_S},
+                deadline=STANDBY_ROUND_S + 10.0,
+            ).body
+            if reply.get("exit"):
+                break
+            if reply.get("task"):
+                self.task = TaskId.parse(str(reply["task"]))
+                return True
+        if self.zygote is not None:
+            _dismiss(self.zygote)
+            self.zygote = None
+        return False
 
     def _watch_exit(self, child: subprocess.Popen[bytes]) -> None:
         """Wakes ``_watch`` the moment ``child`` exits (the others are then stopped)."""
@@ -261,6 +327,18 @@ class Supervisor:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signum)
+
+
+def _dismiss(zygote: subprocess.Popen[bytes]) -> None:
+    """Ends an unused zygote: EOF on its stdin makes it exit 0."""
+    with contextlib.suppress(OSError, ValueError):
+        if zygote.stdin is not None:
+            zygote.stdin.close()
+    try:
+        zygote.wait(GRACE_S)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait()
 
 
 def _relay(replica: int, stream: IO[bytes]) -> None:

@@ -29,13 +29,14 @@ from typing import Any
 import psutil
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.backends.supervisor import ENV_STANDBY
 from clusterflow.checkpoint import CheckpointStorage
 from clusterflow.checkpoint.names import DATA_PART, ENV_CHECKPOINT_DIR, ENV_RESTORE
 from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
 from clusterflow.manager.config import REPLICA_JOBS, RunConfig
-from clusterflow.manager.output import OutputRouter
+from clusterflow.manager.output import Label, OutputRouter
 from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.stopper import ENV_CLUSTER_ID, cluster_processes, kill_processes
@@ -76,6 +77,18 @@ class _Task:
     """When the reported step last advanced (stall detection)."""
 
 
+@dataclass(slots=True)
+class _Standby:
+    """A warm supervisor waiting to replace a respawnable task (see backends/supervisor)."""
+
+    process: TaskProcess
+    label: Label | None
+    waiting: bool = False
+    """Its ``manager.standby`` call is held here: it can take a task at once."""
+    task: str | None = None
+    """The task it was given; None while it waits."""
+
+
 class Controller:
     """Runs one cluster from launch to exit.
 
@@ -111,14 +124,26 @@ class Controller:
         self._store: StoreHost | None = None
         self._restarts = 0
         self._attempt = 0
+        self._standby: _Standby | None = None
+        self._handed: dict[int, str] = {}
+        """Standby supervisors (by pid) given a task before they asked for one."""
         self.checkpoint_url = config.checkpoint_dir or str(cluster.path / "checkpoints")
-        self._rpc = RpcServer(self.credentials, host="127.0.0.1", port=0, name="manager")
+        # Registrations wait at the barrier and a standby waits for a task, each holding
+        # a handler thread: room for every task (threads start only when needed).
+        self._rpc = RpcServer(
+            self.credentials,
+            host="127.0.0.1",
+            port=0,
+            name="manager",
+            workers=len(self.tasks) * max(1, config.replicas_per_host) + 16,
+        )
         self._rpc.register("manager.register", self._on_register, blocking=True)
         self._rpc.register("manager.heartbeat", self._on_heartbeat)
         self._rpc.register("manager.exited", self._on_exited)
         self._rpc.register("manager.stop", self._on_stop)
         self._rpc.register("manager.status", lambda request: self._state())
         self._rpc.register("manager.declare", self._on_declare)
+        self._rpc.register("manager.standby", self._on_standby, blocking=True)
         self._rpc.register("manager.spec", self._on_spec)
         self._rpc.register("task.report", self._on_report)
         # The data service lives here for clusters started by `clusterflow start`: every
@@ -177,6 +202,7 @@ class Controller:
                 continue
             if verdict.decision != Decision.CONTINUE:
                 return verdict
+            self._keep_standby()
             with self._lock:
                 changed, self._dirty = changed or self._dirty, False
             if changed or time.monotonic() - last_write > 2.0:
@@ -231,6 +257,10 @@ class Controller:
             self._closing = True
             self._lock.notify_all()
         self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
+        standby, self._standby = self._standby, None
+        if standby is not None:  # idle: nothing to lose
+            standby.process.signal(signal.SIGKILL)
+            standby.process.wait(5.0)
         if self._store is not None:
             self._store.close()
         self._sweep()
@@ -276,11 +306,82 @@ class Controller:
     def _launch(self, task: _Task, restore: str | None) -> None:
         """Starts ``task``'s supervisor (again), following its output into its log."""
         task.restore = restore
+        if self._hand_to_standby(task):
+            return
         task.process = self.backend.launch(TaskLaunch(task=task.id, env=self._task_env(task.id)))
         if task.process.output is not None:
             self.output.follow(
                 str(task.id), task.process.output, self.cluster.task_log(str(task.id))
             )
+
+    def _keep_standby(self) -> None:
+        """Keeps one warm standby supervisor while a respawn may still be needed.
+
+        Only once a job declared a task respawnable (so runs that restart everything
+        pay nothing) and only while restarts remain. It is started while training runs:
+        its torch import then costs the running tasks CPU once, instead of costing the
+        replacement its start-up at every respawn.
+        """
+        standby = self._standby
+        if standby is not None:
+            if standby.process.poll() is None:
+                return
+            self._standby = None  # it died (killed by a user?): make another
+        if self._spec is None or self._restarts >= self.config.max_restarts:
+            return
+        first = next((t for t in self.tasks.values() if t.respawnable), None)
+        if first is None:
+            return
+        env = {**self._task_env(first.id), ENV_STANDBY: "1"}
+        process = self.backend.launch(TaskLaunch(task=first.id, env=env))
+        label = None
+        if process.output is not None:
+            label = self.output.follow("standby", process.output, self.cluster.task_log("standby"))
+        self._standby = _Standby(process, label)
+        log.info("standby supervisor started (pid %d)", process.pid)
+
+    def _hand_to_standby(self, task: _Task) -> bool:
+        """Gives ``task`` to the waiting standby, if there is one; whether it took it."""
+        with self._lock:
+            standby = self._standby
+            if standby is None or standby.process.poll() is not None or not task.respawnable:
+                return False
+            # Even a standby still warming up beats a cold start: it has a head start.
+            standby.task = str(task.id)
+            standby.waiting = False
+            self._standby = None
+            self._handed[standby.process.pid] = standby.task
+            task.process = standby.process
+            self._lock.notify_all()
+        if standby.label is not None:
+            standby.label.rename(str(task.id), self.cluster.task_log(str(task.id)))
+        self.cluster.append_event("standby_took_over", task=str(task.id), pid=standby.process.pid)
+        return True
+
+    def _on_standby(self, request: Request) -> dict[str, Any]:
+        """A standby waits here (bounded rounds) until a task is handed to it."""
+        body = request.body or {}
+        wait_s = float(body.get("wait_s") or 20.0)
+        deadline = time.monotonic() + min(max(wait_s, 0.1), 60.0)
+        with self._lock:
+            handed = self._handed.pop(body.get("pid"), None)  # type: ignore[arg-type]
+            if handed is not None:
+                return {"task": handed}  # given a task while it was still warming up
+            standby = self._standby
+            if standby is None or standby.process.pid != body.get("pid"):
+                return {"exit": True}  # not (or no longer) the standby this manager keeps
+            if not standby.waiting:
+                standby.waiting = True
+                self._dirty = True
+            while standby.task is None and not (self._closing or self._stop_requested):
+                if not self._lock.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            if standby.task is not None:
+                self._handed.pop(standby.process.pid, None)
+                return {"task": standby.task}
+            if self._closing or self._stop_requested:
+                return {"exit": True}
+            return {"task": None}
 
     def _kill(self, tasks: list[_Task]) -> None:
         """SIGKILL at once: every committed checkpoint is a consistent cut, so nothing is
@@ -672,6 +773,11 @@ class Controller:
             "spec_version": self._spec_version,
             "restarts": self._restarts,
             "max_restarts": self.config.max_restarts,
+            "standby": (
+                {"pid": self._standby.process.pid, "ready": self._standby.waiting}
+                if self._standby is not None
+                else None
+            ),
             "checkpoint_dir": self.checkpoint_url,
             "tasks": tasks,
         }

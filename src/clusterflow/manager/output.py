@@ -27,13 +27,19 @@ class OutputRouter:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
-    def follow(self, task: str, stream: IO[bytes], log_file: Path) -> None:
-        """Starts reading ``stream`` (the task's merged stdout and stderr) until EOF."""
+    def follow(self, task: str, stream: IO[bytes], log_file: Path) -> Label:
+        """Starts reading ``stream`` (the task's merged stdout and stderr) until EOF.
+
+        Returns its label: a standby supervisor's output is renamed to the task it
+        takes over (``Label.rename``) before its job prints anything.
+        """
+        label = Label(task, log_file)
         thread = threading.Thread(
-            target=self._pump, args=(task, stream, log_file), name=f"output-{task}", daemon=True
+            target=self._pump, args=(label, stream), name=f"output-{task}", daemon=True
         )
         thread.start()
         self._threads.append(thread)
+        return label
 
     def line(self, text: str) -> None:
         """A line of the manager's own (a summary, an event) into the combined stream."""
@@ -55,23 +61,47 @@ class OutputRouter:
             if self._echo:
                 _terminal_write(data)
 
-    def _pump(self, task: str, stream: IO[bytes], log_file: Path) -> None:
-        prefix = f"[{task}] ".encode()
+    def _pump(self, label: Label, stream: IO[bytes]) -> None:
         try:
-            with log_file.open("ab", buffering=0) as own:
-                for raw in iter(stream.readline, b""):
-                    line = raw if raw.endswith(b"\n") else raw + b"\n"
-                    replica, line = _untag(line)
-                    if replica is None:
-                        own.write(line)
-                        self._write(prefix + line)
-                    else:
-                        own.write(b"[" + replica + b"] " + line)
-                        self._write(f"[{task}/".encode() + replica + b"] " + line)
+            for raw in iter(stream.readline, b""):
+                line = raw if raw.endswith(b"\n") else raw + b"\n"
+                replica, line = _untag(line)
+                if replica is None:
+                    task = label.write(line)
+                    self._write(f"[{task}] ".encode() + line)
+                else:
+                    task = label.write(b"[" + replica + b"] " + line)
+                    self._write(f"[{task}/".encode() + replica + b"] " + line)
         except (OSError, ValueError) as exc:
-            log.warning("output of %s lost: %s", task, exc)
+            log.warning("output of %s lost: %s", label.task, exc)
         finally:
+            label.close()
             stream.close()
+
+
+class Label:
+    """Which task a stream of output belongs to, and its log file; renamable."""
+
+    def __init__(self, task: str, log_file: Path) -> None:
+        self._lock = threading.Lock()
+        self.task = task
+        self._file: IO[bytes] = log_file.open("ab", buffering=0)
+
+    def rename(self, task: str, log_file: Path) -> None:
+        with self._lock:
+            old, self._file = self._file, log_file.open("ab", buffering=0)
+            self.task = task
+        old.close()
+
+    def write(self, data: bytes) -> str:
+        """Appends ``data`` to the current task's log; returns the task's name."""
+        with self._lock:
+            self._file.write(data)
+            return self.task
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
 
 
 def _untag(line: bytes) -> tuple[bytes | None, bytes]:

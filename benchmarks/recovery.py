@@ -1,0 +1,224 @@
+"""Recovery time and checkpoint cost (issue: fault tolerance).
+
+* ``worker_respawn_s``: an asynchronous parameter-server cluster (1 ps, 2 workers). The
+  job process of ``worker:1`` is SIGKILLed; the figure is the time from the kill to the
+  first update the respawned worker has applied (its first line in ``steps.log``, which
+  ``_recovery_job.py`` writes after each applied push). Median over the trials. Each
+  trial starts from a steady state: training runs and the manager's standby supervisor
+  (a warm Python with torch imported, ``backends/zygote.py``) is ready.
+* ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers, checkpointing every 10
+  steps. The job of ``worker:0`` is SIGKILLed; the manager stops every task and restarts
+  them all from the last committed checkpoint; the figure is the time from the kill to
+  the first step of the new incarnation (a line with the next attempt number).
+* ``checkpoint_vs_torch_save``: one process, a 64 MiB MLP. A consistent checkpoint
+  (``Checkpointer.save``: the model part, the task's own part, the manifest, all fsynced)
+  against ``torch.save`` of the same state dict to a file in the same folder, in
+  alternating trials; the ratio of medians (below 1: the checkpoint is faster).
+  ``checkpoint_vs_torch_save_fsync`` compares with ``torch.save`` followed by ``fsync``,
+  the same durability as the checkpoint's.
+
+Goals: respawn at most 3 s, full restart at most 10 s, checkpoint at most 1.5x.
+
+    python -m benchmarks.recovery [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from benchmarks._common import parser, result
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "benchmarks" / "_recovery_job.py"
+CLI = [sys.executable, "-m", "clusterflow.cli.main"]
+TIMEOUT_S = 120.0
+
+
+def _wait(predicate: Callable[[], object], what: str, timeout: float = TIMEOUT_S) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"benchmark failed: no {what} within {timeout:g}s")
+        time.sleep(0.01)
+
+
+class Cluster:
+    """A detached cluster in a private CLUSTERFLOW_HOME, stopped on exit."""
+
+    def __init__(self, home: Path, out: Path, args: list[str], mode: str) -> None:
+        self.home, self.out = home, out
+        self.env = {**os.environ, "CLUSTERFLOW_HOME": str(home)}
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "src"), self.env.get("PYTHONPATH", "")]
+        )
+        done = subprocess.run(
+            [*CLI, "start", "--detach", "--max-restarts", "50", *args, "--"]
+            + [sys.executable, str(JOB), mode, str(out)],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            check=False,
+        )
+        if done.returncode:
+            raise SystemExit(f"benchmark failed: clusterflow start: {done.stderr.strip()}")
+        self.id = done.stdout.strip()
+
+    def state(self) -> dict[str, object]:
+        path = self.home / "clusters" / self.id / "state.json"
+        data: dict[str, object] = json.loads(path.read_text())
+        return data
+
+    def lines(self) -> list[list[str]]:
+        path = self.out / "steps.log"
+        if not path.exists():
+            return []
+        return [line.split() for line in path.read_text().splitlines() if line.count(" ") == 3]
+
+    def job_pid(self, task: str) -> int | None:
+        for entry in self.state().get("tasks") or []:  # type: ignore[attr-defined]
+            if entry.get("task") == task and entry.get("exit_code") is None:
+                try:
+                    children = psutil.Process(entry["pid"]).children()
+                except psutil.Error:
+                    return None
+                return children[0].pid if children else None
+        return None
+
+    def stop(self) -> None:
+        subprocess.run([*CLI, "stop", self.id], capture_output=True, env=self.env, check=False)
+
+
+def worker_respawns(trials: int, workdir: Path) -> list[float]:
+    out = workdir / "async"
+    out.mkdir()
+    cluster = Cluster(workdir / "home-async", out, ["--ps", "1", "--workers", "2"], "async")
+    times = []
+    try:
+        for _ in range(trials):
+            # Steady state: training, and the manager's standby supervisor warm (a cluster
+            # that has run a while has one; a second death within its warm-up costs more).
+            _wait(
+                lambda: len(cluster.lines()) > 40
+                and cluster.job_pid("worker:1")
+                and (cluster.state().get("standby") or {}).get("ready"),  # type: ignore[attr-defined]
+                "steps and a warm standby",
+            )
+            pid = cluster.job_pid("worker:1")
+            assert pid is not None
+            seen = {line[1] for line in cluster.lines() if line[0] == "worker:1"}
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+
+            def first_new() -> float | None:
+                news = [
+                    float(line[3])
+                    for line in cluster.lines()
+                    if line[0] == "worker:1" and line[1] not in seen
+                ]
+                return min(news) if news else None
+
+            times.append(float(_wait(first_new, "update from the respawned worker")) - killed)  # type: ignore[arg-type]
+            # The next trial starts from a steady state again.
+            _wait(lambda n=len(cluster.lines()): len(cluster.lines()) > n + 40, "steps")
+    finally:
+        cluster.stop()
+    return times
+
+
+def full_restarts(trials: int, workdir: Path) -> list[float]:
+    out = workdir / "allreduce"
+    out.mkdir()
+    cluster = Cluster(workdir / "home-allreduce", out, ["--workers", "2"], "allreduce")
+    times = []
+    try:
+        for attempt in range(trials):
+            _wait(
+                lambda a=attempt: sum(1 for line in cluster.lines() if line[2] == str(a)) > 40
+                and cluster.job_pid("worker:0"),
+                "steps",
+            )
+            pid = cluster.job_pid("worker:0")
+            assert pid is not None
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+
+            def first_of_next(a: int = attempt) -> float | None:
+                news = [float(line[3]) for line in cluster.lines() if line[2] == str(a + 1)]
+                return min(news) if news else None
+
+            times.append(float(_wait(first_of_next, "step after the restart")) - killed)  # type: ignore[arg-type]
+    finally:
+        cluster.stop()
+    return times
+
+
+def checkpoint_cost(trials: int, workdir: Path) -> tuple[float, float, float, float]:
+    import torch
+    from torch import nn
+
+    from clusterflow.strategies.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    # 4096*4096 + 4096 + 4096*4 + 4 floats: 64.1 MiB of parameters.
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    directory = workdir / "checkpoints"
+    ckpt = Checkpointer(model=model, directory=str(directory), keep=2)
+    ours, plain, synced = [], [], []
+    for step in range(1, trials + 1):
+        start = time.perf_counter()
+        ckpt.save(step)
+        ours.append(time.perf_counter() - start)
+        path = directory / f"torch-{step % 2}.pt"
+        start = time.perf_counter()
+        torch.save(model.state_dict(), path)
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.save(model.state_dict(), path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        synced.append(time.perf_counter() - start)
+    return statistics.median(ours), statistics.median(plain), statistics.median(synced), nbytes
+
+
+def main() -> None:
+    args = parser("recovery", __doc__).parse_args()
+    trials = 3 if args.quick else 7
+    with tempfile.TemporaryDirectory(prefix="cf-recovery-") as tmp:
+        workdir = Path(tmp)
+        ours, plain, synced, nbytes = checkpoint_cost(8 if args.quick else 20, workdir)
+        print(
+            f"checkpoint of {nbytes / 2**20:.1f} MiB: {ours * 1e3:.0f} ms; torch.save "
+            f"{plain * 1e3:.0f} ms, with fsync {synced * 1e3:.0f} ms",
+            flush=True,
+        )
+        respawn = worker_respawns(trials, workdir)
+        print("worker respawn (s): " + " ".join(f"{t:.2f}" for t in respawn), flush=True)
+        restart = full_restarts(trials, workdir)
+        print("full restart (s):   " + " ".join(f"{t:.2f}" for t in restart), flush=True)
+    result(
+        "recovery",
+        worker_respawn_s=statistics.median(respawn),
+        full_restart_s=statistics.median(restart),
+        checkpoint_vs_torch_save=ours / plain,
+        checkpoint_vs_torch_save_fsync=ours / synced,
+    )
+
+
+if __name__ == "__main__":
+    main()
