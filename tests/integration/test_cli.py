@@ -431,6 +431,16 @@ def test_resume_refuses_an_unknown_cluster(cf: Clusterflow) -> None:
     assert done.stderr.startswith("error: ") and "nosuchcluster" in done.stderr
 
 
+@pytest.mark.timeout(60)
+def test_curve_authentication_chosen_by_env_holds_for_manager_and_tasks(cf: Clusterflow) -> None:
+    script = cf.script("hello.py", "print('hello over curve')\n")
+
+    done = cf.run("start", "--ps", "1", "--", PY, str(script), env={"CLUSTERFLOW_AUTH": "curve"})
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[worker:0] hello over curve" in done.stdout.splitlines()
+
+
 # 5. The detached lifecycle ---------------------------------------------------------------
 
 

@@ -105,7 +105,12 @@ class Controller:
         self.cluster = cluster
         self.config = config
         self.backend = backend
-        self.credentials = Credentials.from_file(cluster.secret_file)
+        # The tasks' way, so CLUSTERFLOW_AUTH (plain or curve) means the same to both.
+        credentials = Credentials.from_env(
+            {**os.environ, **config.env, "CLUSTERFLOW_SECRET_FILE": str(cluster.secret_file)}
+        )
+        assert credentials is not None
+        self.credentials = credentials
         self.output = OutputRouter(cluster.output_file, echo=echo)
         self.tasks = {t: _Task(t, config.is_tracked(t)) for t in config.tasks()}
         self._lock = threading.Condition()
