@@ -103,4 +103,6 @@ def test_mirrored_replicas_take_their_own_leases_and_stop_together(
     ids = [[int(v) for v in run[1].split()] for run in runs]
     assert steps[0] == steps[1] > 0  # the same number of all-reduce steps: nobody hung
     assert not set(ids[0]) & set(ids[1])  # each replica trained on its own records
-    assert len(ids[0]) + len(ids[1]) == 20 * steps[0] <= records
+    # Every step took one batch (at most 10 records: the 5-record split makes a short
+    # one) on each replica; the records of the batches left unread were never acked.
+    assert steps[0] * 2 * 10 - 5 <= len(ids[0]) + len(ids[1]) <= min(records, 20 * steps[0])

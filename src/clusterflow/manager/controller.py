@@ -130,6 +130,8 @@ class Controller:
         self._restarts = 0
         self._attempt = 0
         self._standby: _Standby | None = None
+        self._verified_step: int | None = None
+        """The newest checkpoint whose parts were all read and matched their checksums."""
         self._handed: dict[int, str] = {}
         """Standby supervisors (by pid) given a task before they asked for one."""
         self.checkpoint_url = config.checkpoint_dir or str(cluster.path / "checkpoints")
@@ -467,7 +469,11 @@ class Controller:
         manifest, cursor = None, None
         try:
             storage = CheckpointStorage(self.checkpoint_url)
-            manifest = storage.latest(verify=True)
+            # Verifying reads every byte: do it once per checkpoint, not per respawn.
+            manifest = storage.latest(verify=False)
+            if manifest is not None and manifest.step != self._verified_step:
+                manifest = storage.latest(verify=True)
+                self._verified_step = None if manifest is None else manifest.step
             if restore_data and manifest is not None and DATA_PART in manifest.parts:
                 cursor = storage.read_json(manifest, DATA_PART)
         except (ClusterflowError, OSError) as exc:
