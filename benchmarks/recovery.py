@@ -65,9 +65,9 @@ class Cluster:
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "src"), self.env.get("PYTHONPATH", "")]
         )
+        job = [sys.executable, str(JOB), mode, str(out)]
         done = subprocess.run(
-            [*CLI, "start", "--detach", "--max-restarts", "50", *args, "--"]
-            + [sys.executable, str(JOB), mode, str(out)],
+            [*CLI, "start", "--detach", "--max-restarts", "50", *args, "--", *job],
             capture_output=True,
             text=True,
             env=self.env,
@@ -112,9 +112,11 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
             # Steady state: training, and the manager's standby supervisor warm (a cluster
             # that has run a while has one; a second death within its warm-up costs more).
             _wait(
-                lambda: len(cluster.lines()) > 40
-                and cluster.job_pid("worker:1")
-                and (cluster.state().get("standby") or {}).get("ready"),  # type: ignore[attr-defined]
+                lambda: (
+                    len(cluster.lines()) > 40
+                    and cluster.job_pid("worker:1")
+                    and (cluster.state().get("standby") or {}).get("ready")
+                ),  # type: ignore[attr-defined]
                 "steps and a warm standby",
             )
             pid = cluster.job_pid("worker:1")
@@ -123,7 +125,7 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
 
-            def first_new() -> float | None:
+            def first_new(seen: set[str] = seen) -> float | None:
                 news = [
                     float(line[3])
                     for line in cluster.lines()
@@ -133,7 +135,8 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
 
             times.append(float(_wait(first_new, "update from the respawned worker")) - killed)  # type: ignore[arg-type]
             # The next trial starts from a steady state again.
-            _wait(lambda n=len(cluster.lines()): len(cluster.lines()) > n + 40, "steps")
+            count = len(cluster.lines())
+            _wait(lambda n=count: len(cluster.lines()) > n + 40, "steps")
     finally:
         cluster.stop()
     return times
@@ -147,8 +150,10 @@ def full_restarts(trials: int, workdir: Path) -> list[float]:
     try:
         for attempt in range(trials):
             _wait(
-                lambda a=attempt: sum(1 for line in cluster.lines() if line[2] == str(a)) > 40
-                and cluster.job_pid("worker:0"),
+                lambda a=attempt: (
+                    sum(1 for line in cluster.lines() if line[2] == str(a)) > 40
+                    and cluster.job_pid("worker:0")
+                ),
                 "steps",
             )
             pid = cluster.job_pid("worker:0")

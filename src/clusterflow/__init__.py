@@ -37,6 +37,18 @@ if TYPE_CHECKING:
         ParameterServerStrategy,
     )
     from clusterflow.strategies.variables import Variable, device
+    from clusterflow.train import (
+        Checkpoint,
+        Evaluate,
+        History,
+        Hook,
+        Progress,
+        StopAtStep,
+        Summary,
+        TrainingSession,
+        fit,
+        run_evaluator,
+    )
 
 _LAZY = {
     "ClusterSpec": "clusterflow.cluster",
@@ -57,30 +69,50 @@ _LAZY = {
     "CentralStorageStrategy": "clusterflow.strategies.parameter_server",
     "Variable": "clusterflow.strategies.variables",
     "device": "clusterflow.strategies.variables",
+    "fit": "clusterflow.train",
+    "TrainingSession": "clusterflow.train",
+    "History": "clusterflow.train",
+    "Hook": "clusterflow.train",
+    "StopAtStep": "clusterflow.train",
+    "Checkpoint": "clusterflow.train",
+    "Summary": "clusterflow.train",
+    "Progress": "clusterflow.train",
+    "Evaluate": "clusterflow.train",
+    "run_evaluator": "clusterflow.train",
 }
 
 __all__ = [
     "CentralStorageStrategy",
+    "Checkpoint",
     "ClusterCoordinator",
     "ClusterSpec",
     "ClusterflowError",
     "ConfigError",
     "DeviceSpec",
+    "Evaluate",
+    "History",
+    "Hook",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "Progress",
     "ReduceOp",
     "RemoteValue",
     "Server",
     "SimpleClusterResolver",
+    "StopAtStep",
     "Strategy",
+    "Summary",
     "TFConfig",
     "TFConfigClusterResolver",
     "TaskId",
+    "TrainingSession",
     "Variable",
     "__version__",
     "create_local_server",
     "device",
+    "fit",
+    "run_evaluator",
 ]
 
 

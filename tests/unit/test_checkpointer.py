@@ -226,3 +226,37 @@ def test_load_module_rebuilds_a_plain_model_from_either_kind_of_checkpoint(tmp_p
     again = load_module(str(tmp_path / "plain"), make_model)
     assert again is not None and again[1] == 2 and torch.equal(flat(again[0]), flat(plain))
     assert load_module(str(tmp_path / "none"), make_model) is None
+
+
+def test_load_into_fills_a_plain_model_from_a_parameter_server_checkpoint(tmp_path: Path) -> None:
+    from clusterflow.ps.placement import FixedShardsPartitioner
+    from clusterflow.strategies.checkpointer import load_into
+
+    strategy = ParameterServerStrategy(
+        SimpleClusterResolver({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "worker", 0),
+        _connection=LocalPS(),
+        variable_partitioner=FixedShardsPartitioner(2),
+    )
+    with strategy.scope():
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    strategy.run(step_fn, batch(0))
+    Checkpointer(strategy, directory=str(tmp_path)).save(1)
+    strategy.pull_values()
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+    )
+    assert load_into(plain, str(tmp_path)) == 1
+    assert torch.equal(flat(plain), flat(model))
+    other = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Linear(16, 3))
+    with pytest.raises(CheckpointError, match="build it as the training job did"):
+        load_into(other, str(tmp_path))
+    assert load_into(make_model(), str(tmp_path / "none")) == 0

@@ -356,23 +356,15 @@ def load_module(
         return model, manifest.step
     with recording() as recorder:
         model = build()
-    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for index in range(int(manifest.meta.get("num_ps", 0))):
-        _, tensors = storage.read_tensors(manifest, ps_part(index))
-        for key, tensor in tensors.items():
-            if not key.startswith("var/"):
-                continue
-            name, _, part = key[4:].partition("/part_")
-            pieces.setdefault(name, []).append((int(part or 0), tensor))
+    values = _ps_variables(storage, manifest)
     with torch.no_grad():
         for item in recorder.items:
-            found = pieces.get(item.name)
-            if found is None:
+            value = values.get(item.name)
+            if value is None:
                 raise CheckpointError(
                     f"checkpoint at step {manifest.step} has no variable {item.name!r}: "
                     "build() must make the model the training job made"
                 )
-            value = torch.cat([t for _, t in sorted(found, key=lambda p: p[0])])
             if value.shape != item.tensor.shape:
                 raise CheckpointError(
                     f"variable {item.name!r} is {tuple(value.shape)} in the checkpoint, "
@@ -380,6 +372,68 @@ def load_module(
                 )
             item.tensor.copy_(value)
     return model, manifest.step
+
+
+def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> int:
+    """Loads the newest (or ``step``'s) checkpoint of any strategy into a plain ``model``.
+
+    ``model`` is built as the training job built it. Parameter-server variables are
+    stored by creation order; they are matched to ``model``'s parameters and buffers in
+    registration order (modules in ``model.modules()`` order), checking each one's
+    module type, name and shape. A model whose order differs gets a clear error: use
+    :func:`load_module` with the function that built it. Returns the step (0: none).
+    """
+    storage = CheckpointStorage(directory)
+    if step is None:
+        manifest = storage.latest()
+    else:
+        manifest = next((m for m in storage.committed() if m.step == step), None)
+    if manifest is None:
+        return 0
+    if manifest.meta.get("kind") != "parameter_server":
+        _, tensors = storage.read_tensors(manifest, MODEL_PART)
+        model.load_state_dict({k[6:]: t for k, t in tensors.items() if k.startswith("model/")})
+        return manifest.step
+    values = _ps_variables(storage, manifest)
+    mine = [
+        (f"{type(module).__name__}.{name}", tensor)
+        for module in model.modules()
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]
+        if tensor is not None and name not in module._non_persistent_buffers_set
+    ]
+    stored = sorted(values)  # "v0000.Linear.weight", ...: creation order
+    if len(stored) != len(mine):
+        raise CheckpointError(
+            f"checkpoint at step {manifest.step} holds {len(stored)} variables; the model "
+            f"has {len(mine)} parameters and buffers: build it as the training job did"
+        )
+    with torch.no_grad():
+        for name, (label, tensor) in zip(stored, mine, strict=True):
+            value = values[name]
+            if name.split(".", 1)[1] != label or value.shape != tensor.shape:
+                raise CheckpointError(
+                    f"variable {name!r} {tuple(value.shape)} does not match the model's "
+                    f"{label} {tuple(tensor.shape)}: pass the builder to load_module instead"
+                )
+            tensor.copy_(value)
+    return manifest.step
+
+
+def _ps_variables(storage: CheckpointStorage, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Every variable of a parameter-server checkpoint, its shards joined on dim 0."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for index in range(int(manifest.meta.get("num_ps", 0))):
+        _, tensors = storage.read_tensors(manifest, ps_part(index))
+        for key, tensor in tensors.items():
+            if key.startswith("var/"):
+                name, _, part = key[4:].partition("/part_")
+                pieces.setdefault(name, []).append((int(part or 0), tensor))
+    return {
+        name: found[0][1]
+        if len(found) == 1  # whole (possibly 0-dim, as a batch counter)
+        else torch.cat([t for _, t in sorted(found, key=lambda p: p[0])])
+        for name, found in pieces.items()
+    }
 
 
 # State in safetensors: tensors by name, everything else as JSON -------------------------

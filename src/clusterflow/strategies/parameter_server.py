@@ -277,8 +277,11 @@ class ParameterServerStrategy(Strategy):
 
     def placed(self, module: torch.nn.Module) -> bool:
         """Whether every parameter of ``module`` lives on the ps tasks (made in ``scope()``)."""
-        params = list(module.parameters())
-        return bool(params) and all(id(p) in self._by_tensor for p in params)
+        return any(True for _ in module.parameters()) and not self.unplaced(module)
+
+    def unplaced(self, module: torch.nn.Module) -> list[str]:
+        """Names of ``module``'s parameters that were made outside ``scope()``."""
+        return [name for name, p in module.named_parameters() if id(p) not in self._by_tensor]
 
     # Checkpoints (the consistent cut; see clusterflow.strategies.checkpointer) ---------
 

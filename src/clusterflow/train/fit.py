@@ -1,0 +1,407 @@
+"""``fit``: Keras's ``model.fit`` for a PyTorch model, under any strategy or none.
+
+The contract, as with ``tf.distribute``: build the strategy, create the model (and
+its optimizer) inside ``strategy.scope()``, then call ``fit`` on every task::
+
+    strategy = clusterflow.MultiWorkerMirroredStrategy()   # or none at all
+    with strategy.scope():
+        model = Net()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    history = clusterflow.fit(model, nn.CrossEntropyLoss(), optimizer, (x, y),
+                              strategy=strategy, epochs=5, global_batch_size=256,
+                              metrics=["accuracy"])
+
+The same call trains in one process (``strategy=None``) and on every replica of a
+cluster. With the same global batches and seed, a synchronous run on ``n`` replicas
+(all-reduce, or a sync parameter server) takes the same steps as one process: each
+replica computes on its contiguous slice of every global batch and the update averages
+the slices (``feed.py`` says how uneven final batches stay exact).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from clusterflow.strategies.api import Strategy
+from clusterflow.train.api import Hook, TrainConfigError
+from clusterflow.train.evaluate import Evaluate, is_evaluator
+from clusterflow.train.feed import Feed, Feeder, is_data_client
+from clusterflow.train.history import History
+from clusterflow.train.metrics import Metric, Totals, reduce_sums, resolve_metrics
+from clusterflow.train.replicas import Replicas, all_agree, replicas_of, sync_model
+from clusterflow.train.session import TrainingSession
+
+__all__ = ["fit"]
+
+_log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(outputs, targets)``: the batch's mean loss, a one-element tensor."""
+
+
+def fit(
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    *,
+    strategy: Strategy | None = None,
+    epochs: int = 1,
+    steps_per_epoch: int | None = None,
+    global_batch_size: int | None = None,
+    validation_data: Any = None,
+    metrics: Sequence[str | Metric] = (),
+    hooks: Iterable[Hook] = (),
+    seed: int | None = None,
+    shuffle: bool = True,
+) -> History:
+    """Trains ``model`` on ``data`` for ``epochs`` epochs; returns the per-epoch figures.
+
+    Call on every task with the same arguments. Blocks until training ends: all epochs
+    done, the data ran out, or a hook (``StopAtStep``) asked to stop. A ``Checkpoint``
+    hook makes the run resumable: a restarted ``fit`` continues from the saved step,
+    on the same global batches it would have reached.
+
+    Args:
+        model: created inside ``strategy.scope()`` when a strategy is given.
+        loss_fn: ``loss_fn(outputs, targets)`` -> the batch's *mean* loss.
+        optimizer: the model's optimizer (``optimizer.step()`` is applied by the strategy).
+        data: ``(inputs, targets)`` tensors, a map-style ``Dataset`` of such pairs, an
+            iterable of ``(inputs, targets)`` global batches, or a data-service client
+            whose ``collate_fn`` gives ``(inputs, targets)``. See ``feed.py``.
+        strategy: the distribution strategy; None trains in this process alone.
+        epochs: passes over the data. With a data-service client: train until its
+            batches reach epoch ``epochs``.
+        steps_per_epoch: steps an epoch takes at most; needed for a one-pass iterator
+            trained for more than one epoch.
+        global_batch_size: rows per step over all replicas (default 32 for tensors and
+            datasets; for iterables, their batches' size). A multiple of the replicas.
+        validation_data: evaluated after every epoch, in the same forms as ``data``
+            (not a client). Every replica evaluates it whole, with no collective, so a
+            replica that is done early never holds the others.
+        metrics: names (``"accuracy"``, ``"mse"``, ``"mae"``) or functions
+            ``(outputs, targets) -> batch mean``.
+        hooks: ``StopAtStep``, ``Checkpoint``, ``Summary``, ``Progress``, ``Evaluate``, ...
+        seed: seeds the per-epoch shuffle of tensors and datasets; every replica must
+            draw the same order, so None means 0, never a per-process random seed.
+        shuffle: reshuffle tensors and datasets every epoch.
+
+    Returns:
+        the ``History``: ``history.history["loss"]`` per epoch, averaged over every
+        replica's samples (``strategy.reduce``), and ``val_*`` figures. Parameter-server
+        workers share no collective, so each one's History holds its own replica's
+        figures. On an evaluator task (with an ``Evaluate`` hook) it trains nothing and
+        returns each evaluated checkpoint.
+
+    Raises:
+        TrainConfigError: an argument of the wrong kind or value (the message names it),
+            or a model created outside ``strategy.scope()``.
+        StrategyError, PeerLost: from the strategy, when a replica fails.
+    """
+    _check_args(model, loss_fn, optimizer, strategy, epochs, steps_per_epoch, seed)
+    named = resolve_metrics(metrics)
+    hooks = list(hooks)
+    evaluators = [h for h in hooks if isinstance(h, Evaluate)]
+    if evaluators and is_evaluator():
+        return _evaluate_only(model, evaluators)
+    device = _device_of(model)
+    feeder = Feeder(
+        data,
+        replicas_of(strategy),
+        global_batch_size=global_batch_size,
+        shuffle=shuffle,
+        seed=seed or 0,
+        steps_per_epoch=steps_per_epoch,
+        device=device,
+    )
+    if feeder.one_pass and epochs > 1 and steps_per_epoch is None:
+        raise TrainConfigError(
+            "data is a one-pass iterator: give steps_per_epoch, or pass a re-iterable "
+            "(a list, a DataLoader, a Dataset) to train more than one epoch"
+        )
+    validation = _validation_feeder(validation_data, global_batch_size, device)
+    steps = feeder.steps_in_epoch()
+    loop = _Loop(model, loss_fn, optimizer, strategy, named, validation)
+    session = TrainingSession(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        hooks=hooks,
+        data=data if feeder.client else None,
+        max_steps=None if steps is None or feeder.client else epochs * steps,
+        # Replicas fed by the data service end unevenly: sync ps steps must stop
+        # waiting for a replica whose data ran out. Otherwise all end on the same step.
+        leave_at_end=feeder.client,
+    )
+    with session:
+        if feeder.client:
+            loop.run_client(session, feeder, epochs, steps_per_epoch)
+        else:
+            loop.run(session, feeder, epochs, steps)
+    loop.history.step = session.step
+    return loop.history
+
+
+class _Loop:
+    """The epochs of one ``fit`` call; holds what every step needs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy | None,
+        metrics: dict[str, Metric],
+        validation: Feeder | None,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.metrics = metrics
+        self.validation = validation
+        self.history = History()
+        self._client_validation: dict[int, dict[str, float]] = {}
+
+    # Synchronized data: every replica takes the same steps ----------------------------
+
+    def run(self, session: TrainingSession, feeder: Feeder, epochs: int, steps: int | None) -> None:
+        start = feeder.replicas.own_steps(session.step)
+        if steps == 0:
+            _log.warning("fit(): the data holds no batch; nothing to train")
+            return
+        first, done = divmod(start, steps) if steps else (0, start)
+        # A one-pass stream restarts from its beginning in a new process: every step
+        # already taken is skipped, not only this epoch's.
+        skip = start if feeder.one_pass else done
+        for epoch in range(first, epochs):
+            if session.should_stop():
+                break
+            totals = Totals(self.metrics)
+            ran = False
+            for feed in feeder.epoch(epoch, skip=skip, done=done):
+                ran = True
+                self._step(session, totals, feed)
+                if session.should_stop():
+                    break
+            skip = done = 0
+            if not ran:  # the same on every replica: they walk the same global batches
+                if epoch == first and start == 0:
+                    _log.warning("fit(): the data holds no batch; nothing to train")
+                else:
+                    _log.warning("fit(): the data ran out before epoch %d", epoch)
+                break
+            logs = totals.logs(reduce_sums(self.strategy, totals.local()))
+            logs.update(self._validate())
+            self.history.append(epoch, logs)
+            session.epoch_done(epoch, logs)
+
+    # The data service: replicas end epochs (and the run) at their own pace ------------
+
+    def run_client(
+        self,
+        session: TrainingSession,
+        feeder: Feeder,
+        epochs: int,
+        steps_per_epoch: int | None,
+    ) -> None:
+        """Trains on a data-service client's batches.
+
+        Epochs follow the client's (``batch.epoch``), or every ``steps_per_epoch``
+        steps. Each replica reads its own batches, so one may run out first; under
+        all-reduce the replicas agree before every step whether all of them have one
+        (as ``strategy.distribute`` does with a client), and all stop together, so no
+        replica waits in a collective its peers never join. The epochs' figures are
+        summed across replicas once, at the end. Batches read but not trained on are
+        never acked: their records go back to the data service.
+        """
+        client = feeder.data
+        acks_each_step = not getattr(getattr(client, "config", None), "auto_ack", True)
+        lockstep = feeder.replicas.collective and feeder.replicas.count > 1
+        sums: dict[int, torch.Tensor] = {}
+        epoch, totals = -1, Totals(self.metrics)
+        counted = session.step  # steps toward steps_per_epoch epochs
+        last: Any = None
+        batches = feeder.client_batches()
+        while not session.should_stop():
+            item = next(batches, None)
+            number = epochs
+            if item is not None:
+                number = item[1].epoch if steps_per_epoch is None else counted // steps_per_epoch
+            go = number < epochs
+            if lockstep:
+                go = all_agree(self.strategy, go, feeder.replicas.count)
+            if not go or item is None:
+                break
+            batch, feed = item
+            if number != epoch:
+                if epoch >= 0:
+                    sums[epoch] = self._end_client_epoch(session, epoch, totals)
+                epoch, totals = number, Totals(self.metrics)
+            self._step(session, totals, feed)
+            counted += 1
+            last = batch
+            if acks_each_step:
+                client.ack_through(batch)
+        if epoch >= 0:
+            sums[epoch] = self._end_client_epoch(session, epoch, totals)
+        if last is not None and not acks_each_step:
+            client.ack_through(last)  # its update is applied; the next() that acks never came
+        self._client_history(sums, epochs)
+
+    def _end_client_epoch(
+        self, session: TrainingSession, epoch: int, totals: Totals
+    ) -> torch.Tensor:
+        local = totals.local()
+        logs = totals.logs(local)
+        validation = self._validate()
+        self._client_validation[epoch] = validation
+        session.epoch_done(epoch, {**logs, **validation})
+        return local
+
+    def _client_history(self, sums: dict[int, torch.Tensor], epochs: int) -> None:
+        """One reduce of every epoch's sums, of the same shape on every replica."""
+        width = 2 + len(self.metrics)
+        table = torch.zeros(epochs, width, dtype=torch.float64)
+        for epoch, local in sums.items():
+            if 0 <= epoch < epochs:
+                table[epoch] = local
+        summed = reduce_sums(self.strategy, table)
+        template = Totals(self.metrics)
+        for epoch in range(epochs):
+            logs = template.logs(summed[epoch])
+            if logs:
+                logs.update(self._client_validation.get(epoch, {}))
+                self.history.append(epoch, logs)
+
+    # One step, one validation ---------------------------------------------------------
+
+    def _step(self, session: TrainingSession, totals: Totals, feed: Feed) -> None:
+        args = (feed.inputs, feed.targets, feed.loss_scale)
+        if self.strategy is not None:
+            loss, outputs = self.strategy.run(self._train_step, args)
+        else:
+            loss, outputs = self._train_step(*args)
+        values = totals.add(loss, outputs, feed.targets, feed.rows)
+        session.step_done(loss=loss, samples=feed.rows, metrics=values)
+
+    def _train_step(self, inputs: Any, targets: Any, scale: float) -> tuple[torch.Tensor, Any]:
+        self.optimizer.zero_grad(set_to_none=True)
+        outputs = self.model(inputs)
+        loss = _mean_loss(self.loss_fn(outputs, targets))
+        # The scale is 1 except on a final partial batch split unevenly (feed.py).
+        torch.autograd.backward(loss * scale if scale != 1.0 else loss)
+        self.optimizer.step()
+        return loss.detach(), _detach(outputs)
+
+    @torch.no_grad()
+    def _validate(self) -> dict[str, float]:
+        if self.validation is None:
+            return {}
+        sync_model(self.strategy)  # a ps replica's model lags the ps by its last update
+        totals = Totals(self.metrics)
+        training = self.model.training
+        self.model.eval()
+        try:
+            for feed in self.validation.epoch(0):
+                outputs = self.model(feed.inputs)
+                loss = _mean_loss(self.loss_fn(outputs, feed.targets))
+                totals.add(loss, outputs, feed.targets, feed.rows)
+        finally:
+            self.model.train(training)
+        return totals.logs(totals.local(), prefix="val_")
+
+
+def _evaluate_only(model: nn.Module, evaluators: list[Evaluate]) -> History:
+    history = History()
+    for hook in evaluators:
+        for evaluation in hook.run(model):
+            history.append(evaluation.step, evaluation.metrics)
+            history.step = evaluation.step
+    return history
+
+
+def _validation_feeder(
+    data: Any, global_batch_size: int | None, device: torch.device
+) -> Feeder | None:
+    if data is None:
+        return None
+    if is_data_client(data):
+        raise TrainConfigError(
+            "validation_data cannot be a data-service client: every replica evaluates the "
+            "whole validation set; pass tensors, a Dataset or batches"
+        )
+    return Feeder(
+        data,
+        Replicas(rank=0, count=1, averaged=True, collective=False),
+        global_batch_size=global_batch_size,
+        shuffle=False,
+        seed=0,
+        steps_per_epoch=None,
+        device=device,
+        what="validation_data",
+    )
+
+
+def _mean_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TrainConfigError(
+            f"loss_fn must return the batch's mean loss as a one-element tensor, got {shape}"
+        )
+    return loss.reshape(())
+
+
+def _detach(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, tuple | list):
+        return type(outputs)(_detach(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return {k: _detach(v) for k, v in outputs.items()}
+    return outputs
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _check_args(
+    model: object,
+    loss_fn: object,
+    optimizer: object,
+    strategy: object,
+    epochs: object,
+    steps_per_epoch: object,
+    seed: object,
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise TrainConfigError(
+            f"fit() takes a torch.nn.Module as model, got {type(model).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TrainConfigError(
+            f"loss_fn must be callable (outputs, targets) -> loss, got {loss_fn!r}"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TrainConfigError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TrainConfigError(
+            f"strategy must be a clusterflow Strategy or None, got {type(strategy).__name__}"
+        )
+    for name, value, least in (("epochs", epochs, 1), ("steps_per_epoch", steps_per_epoch, 1)):
+        if value is None and name != "epochs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise TrainConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TrainConfigError(f"seed must be an integer or None, got {seed!r}")

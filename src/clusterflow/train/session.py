@@ -1,0 +1,294 @@
+"""``TrainingSession``: a custom training loop with restore, hooks and a clean exit.
+
+TensorFlow's ``MonitoredTrainingSession`` for a PyTorch loop. Entering restores the
+newest checkpoint (through a ``Checkpoint`` hook) and begins the hooks; each
+``step_done`` (or ``run_step``) counts a step and drives the hooks, which save on
+schedule, write summaries and request a stop; leaving ends the hooks and lets the
+strategy go, also when the loop raised::
+
+    with strategy.scope():
+        model = Net()
+        optimizer = torch.optim.Adam(model.parameters())
+    hooks = [StopAtStep(1000), Checkpoint("ckpt", every_steps=100), Summary("logs")]
+    with TrainingSession(strategy=strategy, model=model, optimizer=optimizer,
+                         hooks=hooks) as session:
+        while not session.should_stop():       # session.step: restored, then counted
+            x, y = next(batches)
+            session.run_step(train_step, x, y)  # strategy.run, then the hooks
+
+Every task runs the same loop and calls the same hooks in the same order: checkpoints
+are cut across tasks, so a hook that acts on the chief alone decides that itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from clusterflow.cluster import TFConfig
+from clusterflow.strategies.api import Strategy
+from clusterflow.strategies.batches import batch_size_of
+from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
+from clusterflow.train.evaluate import Evaluate, Evaluation, is_evaluator
+from clusterflow.train.meter import Throughput
+from clusterflow.train.replicas import check_placed, finish
+from clusterflow.train.report import report
+from clusterflow.train.stop import StopAtStep
+
+__all__ = ["TrainingSession"]
+
+_log = logging.getLogger(__name__)
+
+
+class TrainingSession:
+    """A training run's context: restores, counts steps, drives hooks, closes cleanly.
+
+    Args:
+        strategy: the distribution strategy (None: a plain single process).
+        model: the model (created in ``strategy.scope()``); checkpointed by
+            ``Checkpoint`` and evaluated by ``Evaluate``.
+        optimizer: its optimizer; checkpointed with it.
+        hooks: called in order (restoring hooks begin first).
+        data: a data-service client, whose cursor goes into checkpoints.
+        state: more objects with ``state_dict``/``load_state_dict`` to checkpoint
+            (an lr scheduler, a step counter of your own).
+        max_steps: the run's length when known: shown by ``Progress``. ``StopAtStep``
+            hooks set it too.
+        leave_at_end: a parameter-server replica leaves the sync steps on exit (its
+            data ran out, so the others must stop waiting for it). ``fit`` turns it off
+            when every replica runs the same steps anyway.
+        report_figures: send step, loss and samples/s to the cluster manager.
+
+    Raises:
+        TrainConfigError: a hook is not a ``Hook``, or (on entering) the model was not
+            created in ``strategy.scope()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Strategy | None = None,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        hooks: Iterable[Hook] = (),
+        data: Any = None,
+        state: Mapping[str, Any] | None = None,
+        max_steps: int | None = None,
+        leave_at_end: bool = True,
+        report_figures: bool = True,
+    ) -> None:
+        self.strategy = strategy
+        self.model = model
+        self.optimizer = optimizer
+        self.data = data
+        self.state: dict[str, Any] = dict(state or {})
+        self.hooks = list(hooks)
+        for hook in self.hooks:
+            if not isinstance(hook, Hook):
+                raise TrainConfigError(
+                    f"hooks must be clusterflow.train.Hook instances, got {type(hook).__name__}"
+                )
+        stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStep)]
+        limits = [s for s in (max_steps, *stops) if s is not None]
+        self.max_steps: int | None = min(limits) if limits else None
+        self.evaluations: list[Evaluation] = []
+        """On an evaluator task: what the ``Evaluate`` hooks evaluated."""
+        self._leave = leave_at_end
+        self._report = report_figures
+        self._step = 0
+        self._initial_step = 0
+        self._stop = False
+        self._state = "new"
+        self._begun: list[Hook] = []
+        self._meter = Throughput()
+
+    # Who and where -------------------------------------------------------------------
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task writes what only one task writes (summaries, progress)."""
+        if self.strategy is not None:
+            return self.strategy.is_chief
+        config = TFConfig.from_env(os.environ)
+        if config is None or config.task is None:
+            return True
+        return config.cluster.is_chief(config.task)
+
+    @property
+    def step(self) -> int:
+        """Steps done: the restored step, plus one per ``step_done``."""
+        return self._step
+
+    @property
+    def initial_step(self) -> int:
+        """The step the run started (or resumed) from."""
+        return self._initial_step
+
+    def restored(self, step: int) -> None:
+        """Sets the step the run resumes from; for restoring hooks, in ``begin``."""
+        if self._state != "entering":
+            raise TrainError("restored() is for hooks restoring a checkpoint in begin()")
+        if step > self._step:
+            self._step = self._initial_step = int(step)
+
+    # The loop's side -----------------------------------------------------------------
+
+    def should_stop(self) -> bool:
+        """Whether the loop should end: a hook (``StopAtStep``) or the loop asked."""
+        return self._stop
+
+    def request_stop(self) -> None:
+        """Asks the loop to end after the current step; ``should_stop()`` turns True."""
+        self._stop = True
+
+    def run_step(
+        self, fn: Callable[..., Any], *args: Any, samples: int | None = None, **kwargs: Any
+    ) -> Any:
+        """Runs one step ``fn(*args, **kwargs)`` (through ``strategy.run``), then ``step_done``.
+
+        The step's loss, for the hooks, is ``fn``'s result when that is a number or a
+        one-element tensor (or the first element of a tuple, or ``result["loss"]``).
+        ``samples`` defaults to the leading size of the first tensor argument.
+
+        Returns:
+            what ``fn`` returned.
+        """
+        self._require_open("run_step")
+        if self.strategy is not None:
+            result = self.strategy.run(fn, args, kwargs)
+        else:
+            result = fn(*args, **kwargs)
+        if samples is None and args:
+            try:
+                samples = batch_size_of(args[0])
+            except Exception:
+                samples = None
+        self.step_done(loss=_loss_of(result), samples=samples)
+        return result
+
+    def step_done(
+        self,
+        *,
+        loss: Any = None,
+        samples: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Counts a finished step and drives the hooks (save on schedule, stop, summaries).
+
+        Call once per step on every task, after the update (``optimizer.step()``).
+
+        Args:
+            loss: the step's loss: a float or tensor (read only if a hook wants it).
+            samples: samples this replica trained on (for samples/s).
+            metrics: per-step metrics, name -> float or tensor (written by ``Summary``).
+        """
+        self._require_open("step_done")
+        self._step += 1
+        rate = self._meter.add(samples) if samples is not None else None
+        info = StepInfo(self._step, samples, rate, loss, dict(metrics or {}))
+        for hook in self._begun:
+            hook.after_step(self, info)
+        if self._report:
+            report(step=self._step, loss=loss, samples_per_s=rate)
+
+    def epoch_done(self, epoch: int, logs: Mapping[str, float]) -> None:
+        """Tells the hooks an epoch ended, with its figures (``fit`` calls it)."""
+        self._require_open("epoch_done")
+        for hook in self._begun:
+            hook.after_epoch(self, epoch, logs)
+
+    # Entering and leaving ------------------------------------------------------------
+
+    def __enter__(self) -> TrainingSession:
+        if self._state != "new":
+            raise TrainError("a TrainingSession is entered once; make a new one per run")
+        self._state = "entering"
+        evaluators = [h for h in self.hooks if isinstance(h, Evaluate)]
+        if evaluators and is_evaluator():
+            return self._evaluate(evaluators)
+        try:
+            if self.model is not None:
+                check_placed(self.strategy, self.model, "TrainingSession")
+            ordered = [h for h in self.hooks if h.restores] + [
+                h for h in self.hooks if not h.restores
+            ]
+            for hook in ordered:
+                hook.begin(self)
+                self._begun.append(hook)
+        except BaseException as exc:
+            self._close(exc)
+            raise
+        self._state = "open"
+        if self._initial_step:
+            _log.info("resuming from step %d", self._initial_step)
+        self._meter.restart()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state == "evaluated":
+            self._state = "closed"
+            return
+        self._close(exc)
+
+    def _close(self, error: BaseException | None) -> None:
+        """Ends the begun hooks (in order), then lets the strategy go.
+
+        With ``error`` set, failures here are logged rather than raised, so the loop's
+        own error is the one that propagates. Without, the first failure is raised once
+        every hook has ended.
+        """
+        self._state = "closing"
+        failure: BaseException | None = None
+        for hook in self._begun:
+            try:
+                hook.end(self, error)
+            except Exception as exc:
+                if error is not None:
+                    _log.warning("%s.end() failed after an error: %s", type(hook).__name__, exc)
+                elif failure is None:
+                    failure = exc
+        try:
+            finish(self.strategy, error=error or failure, leave=self._leave)
+        except Exception as exc:
+            if failure is None:
+                failure = exc
+        self._state = "closed"
+        if failure is not None and error is None:
+            raise failure
+
+    def _evaluate(self, evaluators: list[Evaluate]) -> TrainingSession:
+        """On the evaluator task: evaluates checkpoints until the run ends; trains nothing."""
+        if self.model is None:
+            raise TrainConfigError("on the evaluator task, an Evaluate hook needs the model")
+        for hook in evaluators:
+            self.evaluations.extend(hook.run(self.model))
+        self._stop = True
+        self._state = "evaluated"
+        return self
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            raise TrainError(f"{what}() is called inside `with TrainingSession(...)` only")
+
+
+def _loss_of(result: Any) -> Any:
+    if isinstance(result, Mapping):
+        result = result.get("loss")
+    elif isinstance(result, tuple | list) and result:
+        result = result[0]
+    if isinstance(result, torch.Tensor):
+        return result.detach() if result.numel() == 1 else None
+    if isinstance(result, int | float) and not isinstance(result, bool):
+        return result
+    return None

@@ -1,0 +1,40 @@
+"""``StopAtStep``: end the run at a global step, also across a restart."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from clusterflow.train.api import Hook, StepInfo, TrainConfigError
+
+if TYPE_CHECKING:
+    from clusterflow.train.session import TrainingSession
+
+__all__ = ["StopAtStep"]
+
+
+class StopAtStep(Hook):
+    """Requests a stop once the step reaches ``last_step`` (counted from the run's start).
+
+    The bound is on the global step, not on the steps of this process: a run restored
+    at step 700 with ``StopAtStep(1000)`` takes 300 more steps, and one restored at or
+    past it takes none, as TensorFlow's ``StopAtStepHook(last_step=...)``. Every replica
+    counts the same steps, so all stop together.
+
+    Raises:
+        TrainConfigError: ``last_step`` is not a non-negative integer.
+    """
+
+    def __init__(self, last_step: int) -> None:
+        if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < 0:
+            raise TrainConfigError(
+                f"StopAtStep(last_step) takes an integer >= 0, got {last_step!r}"
+            )
+        self.last_step = last_step
+
+    def begin(self, session: TrainingSession) -> None:
+        if session.step >= self.last_step:
+            session.request_stop()
+
+    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+        if info.step >= self.last_step:
+            session.request_stop()

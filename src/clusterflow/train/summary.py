@@ -1,0 +1,93 @@
+"""The ``Summary`` hook: TensorBoard event files, written by the chief alone.
+
+Every replica computes the same figures (or its own share of them), so one writer is
+enough, and several would interleave events into files TensorBoard reads as one run.
+On the other tasks the hook creates nothing: no writer, no folder, no file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from clusterflow.train.api import Hook, StepInfo, TrainConfigError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from clusterflow.train.session import TrainingSession
+
+__all__ = ["Summary"]
+
+
+class Summary(Hook):
+    """Writes scalars to TensorBoard event files in ``log_dir``, on the chief only.
+
+    Every ``every_steps`` steps: ``loss``, ``samples_per_s`` (the chief's own), ``lr``
+    (the optimizer's first parameter group) and each per-step metric. After each epoch of
+    ``fit``: ``epoch/<name>`` for its loss, metrics and validation figures, at the global
+    step the epoch ended on. Read them with TensorBoard (``tensorboard --logdir``) or
+    ``EventAccumulator``.
+
+    Args:
+        log_dir: the run's TensorBoard directory (a path; created on the chief).
+        every_steps: the step interval of the per-step scalars.
+
+    Raises:
+        TrainConfigError: ``every_steps`` is not a positive integer.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], *, every_steps: int = 10) -> None:
+        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
+            raise TrainConfigError(f"every_steps must be an integer >= 1, got {every_steps!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.every_steps = every_steps
+        self._writer: SummaryWriter | None = None
+
+    def begin(self, session: TrainingSession) -> None:
+        if not session.is_chief:
+            return
+        # Imported here: tensorboard is paid for by the chief, and only when summaries are on.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(self.log_dir)
+
+    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+        writer = self._writer
+        if writer is None or info.step % self.every_steps:
+            return
+        step = info.step
+        if info.raw_loss is not None:
+            writer.add_scalar("loss", info.loss, step)
+        if info.samples_per_s is not None:
+            writer.add_scalar("samples_per_s", info.samples_per_s, step)
+        lr = _learning_rate(session)
+        if lr is not None:
+            writer.add_scalar("lr", lr, step)
+        for name, value in info.metrics().items():
+            writer.add_scalar(name, value, step)
+
+    def after_epoch(self, session: TrainingSession, epoch: int, logs: Mapping[str, float]) -> None:
+        writer = self._writer
+        if writer is None:
+            return
+        for name, value in logs.items():
+            writer.add_scalar(f"epoch/{name}", value, session.step)
+        writer.flush()
+
+    def end(self, session: TrainingSession, error: BaseException | None) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+
+def _learning_rate(session: TrainingSession) -> float | None:
+    optimizer = session.optimizer
+    if optimizer is None or not optimizer.param_groups:
+        return None
+    lr = optimizer.param_groups[0].get("lr")
+    try:
+        return None if lr is None else float(lr)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,382 @@
+"""The hooks: Summary (read back with TensorBoard's reader), Progress, Checkpoint, Evaluate.
+
+``Checkpoint`` and ``run_evaluator`` are driven here with a stand-in ``Checkpointer``
+(its API is the contract); the real one is exercised by the restart tests in
+tests/integration/test_session_in_cluster.py.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_train_session import FakeStrategy
+from torch import nn
+
+from clusterflow.train import (
+    Checkpoint,
+    Evaluate,
+    Progress,
+    StopAtStep,
+    Summary,
+    TrainConfigError,
+    TrainingSession,
+    fit,
+    is_evaluator,
+    run_evaluator,
+)
+from clusterflow.train import checkpoint as checkpoint_module
+from clusterflow.train import evaluate as evaluate_module
+from clusterflow.train.checkpoint import read_final, write_final
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _bare_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "TF_CONFIG",
+        "CLUSTERFLOW_MANAGER",
+        "CLUSTERFLOW_RESTORE",
+        "CLUSTERFLOW_CLUSTER_ID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(64, 4, generator=gen), torch.randint(0, 3, (64,), generator=gen)
+
+
+def _fit(hooks: list[Any], strategy: Any = None, epochs: int = 2) -> Any:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return fit(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        _data(),
+        strategy=strategy,
+        epochs=epochs,
+        global_batch_size=16,
+        metrics=["accuracy"],
+        validation_data=_data(),
+        hooks=hooks,
+    )
+
+
+# Summary ---------------------------------------------------------------------------------
+
+
+def test_summary_event_files_hold_the_scalars(tmp_path: Path) -> None:
+    history = _fit([Summary(tmp_path / "logs", every_steps=2)])
+    events = EventAccumulator(str(tmp_path / "logs"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "samples_per_s", "lr", "accuracy"} <= tags
+    assert {"epoch/loss", "epoch/accuracy", "epoch/val_loss", "epoch/val_accuracy"} <= tags
+    assert [e.step for e in events.Scalars("loss")] == [2, 4, 6, 8]
+    assert all(e.value == pytest.approx(0.1) for e in events.Scalars("lr"))
+    epoch_loss = events.Scalars("epoch/loss")
+    assert [e.step for e in epoch_loss] == [4, 8]
+    assert [e.value for e in epoch_loss] == pytest.approx(history.history["loss"], rel=1e-6)
+
+
+def test_summary_on_another_task_creates_nothing(tmp_path: Path) -> None:
+    _fit([Summary(tmp_path / "logs")], strategy=FakeStrategy(chief=False))
+    assert not (tmp_path / "logs").exists()
+
+
+# Progress --------------------------------------------------------------------------------
+
+
+def test_progress_writes_plain_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    _fit([Progress(every_steps=2, stream=out)])
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 2/8 loss ") and "samples/s" in lines[0]
+    assert any(line.startswith("epoch 0 loss ") and "val_accuracy" in line for line in lines)
+    assert lines[-1].startswith("epoch 1 ")
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_nothing_off_the_chief() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    _fit([Progress(every_steps=2, stream=out)])
+    assert "step 8/8" in out.getvalue() and "samples/s" in out.getvalue()
+    quiet = io.StringIO()
+    _fit([Progress(stream=quiet)], strategy=FakeStrategy(chief=False))
+    assert quiet.getvalue() == ""
+
+
+def test_hook_settings_are_checked() -> None:
+    for make in (
+        lambda: Summary("x", every_steps=0),
+        lambda: Progress(every_steps=0),
+        lambda: Checkpoint(every_steps=0),
+        lambda: Checkpoint(every_secs=0),
+        lambda: Checkpoint(keep=0),
+        lambda: Evaluate("not a function"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TrainConfigError):
+            make()
+
+
+# Checkpoint ------------------------------------------------------------------------------
+
+
+class FakeCheckpointer:
+    """Records calls; restores ``restore_step``; saves when ``step % every == 0``."""
+
+    made: list[FakeCheckpointer] = []
+
+    def __init__(self, strategy: Any, **kwargs: Any) -> None:
+        self.strategy, self.kwargs = strategy, kwargs
+        self.saved: list[int] = []
+        self.closed = False
+        self.restore_step = 0
+        self.last_saved_step: int | None = None
+        FakeCheckpointer.made.append(self)
+
+    def restore(self) -> int:
+        return self.restore_step
+
+    def maybe_save(self, step: int) -> bool:
+        every = self.kwargs["every_steps"]
+        if every and step % every == 0:
+            self.save(step)
+            return True
+        return False
+
+    def save(self, step: int) -> None:
+        self.saved.append(step)
+        self.last_saved_step = step
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_checkpointer(monkeypatch: pytest.MonkeyPatch) -> type[FakeCheckpointer]:
+    FakeCheckpointer.made = []
+    monkeypatch.setattr(
+        checkpoint_module,
+        "open_checkpointer",
+        FakeCheckpointer,
+    )
+    return FakeCheckpointer
+
+
+def test_checkpoint_saves_on_schedule_and_at_the_end_then_marks_final(
+    tmp_path: Path, fake_checkpointer: type[FakeCheckpointer]
+) -> None:
+    directory = tmp_path / "ckpt"
+    write_final(str(directory), 3)  # an earlier run's marker: cleared on entering
+    history = _fit([Checkpoint(directory, every_steps=3, keep=2), StopAtStep(7)])
+    (made,) = fake_checkpointer.made
+    assert made.kwargs["directory"] == str(directory) and made.kwargs["keep"] == 2
+    assert made.saved == [3, 6, 7] and made.closed
+    assert history.step == 7
+    assert read_final(str(directory)) == 7
+
+
+def test_the_final_marker_of_another_cluster_is_not_this_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLUSTERFLOW_CLUSTER_ID", "earlier")
+    write_final(str(tmp_path), 36)
+    assert read_final(str(tmp_path)) == 36
+    monkeypatch.setenv("CLUSTERFLOW_CLUSTER_ID", "later")
+    assert read_final(str(tmp_path)) is None  # the continued run is not finished
+    monkeypatch.delenv("CLUSTERFLOW_CLUSTER_ID")
+    assert read_final(str(tmp_path)) == 36  # outside a cluster, any marker counts
+    (tmp_path / "FINAL.json").write_text('{"st')
+    assert read_final(str(tmp_path)) is None
+
+
+def test_checkpoint_saves_nothing_after_an_error(
+    tmp_path: Path, fake_checkpointer: type[FakeCheckpointer]
+) -> None:
+    hook = Checkpoint(tmp_path / "ckpt", every_steps=10)
+    with pytest.raises(RuntimeError), TrainingSession(hooks=[hook]) as session:
+        session.step_done()
+        raise RuntimeError("lost a peer")
+    (made,) = fake_checkpointer.made
+    assert made.saved == [] and made.closed
+    assert read_final(str(tmp_path / "ckpt")) is None
+
+
+def test_checkpoint_resumes_the_session_at_the_restored_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def opened(strategy: Any, **kwargs: Any) -> FakeCheckpointer:
+        made = FakeCheckpointer(strategy, **kwargs)
+        made.restore_step = 40
+        return made
+
+    monkeypatch.setattr(checkpoint_module, "open_checkpointer", opened)
+    monkeypatch.setenv("CLUSTERFLOW_CHECKPOINT_DIR", str(tmp_path / "env-dir"))
+    hook = Checkpoint(every_steps=5)
+    with TrainingSession(hooks=[StopAtStep(42), hook]) as session:
+        assert session.step == 40
+        while not session.should_stop():
+            session.step_done()
+    assert hook.resolved_directory == str(tmp_path / "env-dir")
+    assert read_final(str(tmp_path / "env-dir")) == 42
+
+
+def test_checkpoint_without_a_checkpointer_module_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def no_checkpointer(name: str, *args: Any) -> Any:
+        if name == "clusterflow.strategies.checkpointer":
+            raise ImportError("not here")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_checkpointer)
+    from clusterflow.train import TrainError
+
+    with (
+        pytest.raises(TrainError, match="checkpoints need"),
+        TrainingSession(hooks=[Checkpoint(tmp_path)]),
+    ):
+        pass
+
+
+# Evaluate --------------------------------------------------------------------------------
+
+
+class Commits:
+    """A training run as the evaluator sees it: committed steps appear in a folder."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.steps: list[int] = []
+        self.restores = 0
+
+    def commit(self, step: int, final: bool = False) -> None:
+        folder = self.directory / f"step-{step}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
+        self.steps.append(step)
+        if final:
+            write_final(str(self.directory), step)
+
+    def load(self, model: nn.Module, directory: str) -> int:
+        """Stands in for ``load_into``: the newest step's value into the model."""
+        assert directory == str(self.directory)
+        self.restores += 1
+        step = max(self.steps, default=0)
+        with torch.no_grad():
+            model.weight.fill_(float(step))  # type: ignore[operator]
+        return step
+
+
+def test_run_evaluator_evaluates_each_new_checkpoint_until_the_final_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commits = Commits(tmp_path / "ckpt")
+    monkeypatch.setattr(evaluate_module, "load_into", commits.load)
+    model = nn.Linear(1, 1)
+    modes: list[bool] = []
+
+    def eval_fn(m: nn.Module) -> dict[str, float]:
+        modes.append(m.training)
+        return {"w": float(m.weight.detach())}
+
+    def train() -> None:
+        for step in (10, 20, 30):
+            time.sleep(0.15)
+            commits.commit(step, final=step == 30)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    results = run_evaluator(
+        model, eval_fn, directory=tmp_path / "ckpt", log_dir=tmp_path / "eval", poll_s=0.02
+    )
+    trainer.join()
+    assert [r.step for r in results] == [10, 20, 30]
+    assert [r.metrics["w"] for r in results] == [10.0, 20.0, 30.0]
+    assert modes == [False, False, False] and model.training
+    assert commits.restores <= 6  # only when the folder changed, not every poll
+    events = EventAccumulator(str(tmp_path / "eval"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/w")] == [
+        (10, 10.0),
+        (20, 20.0),
+        (30, 30.0),
+    ]
+
+
+def test_run_evaluator_ends_on_a_stop_file_or_when_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commits = Commits(tmp_path / "ckpt")
+    monkeypatch.setattr(evaluate_module, "load_into", commits.load)
+    commits.commit(5)
+    stop = tmp_path / "stop"
+    stop.touch()
+    results = run_evaluator(
+        nn.Linear(1, 1),
+        lambda m: {"x": 1.0},
+        directory=tmp_path / "ckpt",
+        stop_file=stop,
+        poll_s=0.01,
+    )
+    assert [r.step for r in results] == [5]
+    started = time.monotonic()
+    assert (
+        run_evaluator(
+            nn.Linear(1, 1),
+            lambda m: {},
+            directory=tmp_path / "none",
+            idle_timeout_s=0.1,
+            poll_s=0.01,
+        )
+        == []
+    )
+    assert time.monotonic() - started < 5
+
+
+def test_eval_fn_must_return_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commits = Commits(tmp_path / "ckpt")
+    monkeypatch.setattr(evaluate_module, "load_into", commits.load)
+    commits.commit(1, final=True)
+    with pytest.raises(TrainConfigError, match="mapping of name -> number"):
+        run_evaluator(nn.Linear(1, 1), lambda m: 0.5, directory=tmp_path / "ckpt")  # type: ignore[arg-type,return-value]
+
+
+def test_on_the_evaluator_task_fit_evaluates_instead_of_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commits = Commits(tmp_path / "ckpt")
+    monkeypatch.setattr(evaluate_module, "load_into", commits.load)
+    commits.commit(8, final=True)
+    spec = (
+        '{"cluster": {"worker": ["127.0.0.1:1"], "evaluator": ["127.0.0.1:2"]}, '
+        '"task": {"type": "evaluator", "index": 0}}'
+    )
+    monkeypatch.setenv("TF_CONFIG", spec)
+    assert is_evaluator()
+    hooks = [Evaluate(lambda m: {"w": float(m.weight.sum())}, directory=tmp_path / "ckpt")]
+    history = _fit([*hooks, Summary(tmp_path / "never")])
+    assert history.epoch == [8] and history.history["w"] == [8.0 * 3 * 4]
+    assert not (tmp_path / "never").exists()  # no training, no training summaries
+    with TrainingSession(model=nn.Linear(4, 3), hooks=hooks) as session:
+        assert session.should_stop() and [e.step for e in session.evaluations] == [8]
+    monkeypatch.delenv("TF_CONFIG")
+    assert not is_evaluator()

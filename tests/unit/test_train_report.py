@@ -1,0 +1,146 @@
+"""Live figures: ``report`` reaches the manager's ``task.report``, rate-limited, never raising."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from clusterflow.rpc import Credentials, Request, RpcServer
+from clusterflow.train.report import METHOD, Reporter, report
+
+# The package exports the function under the module's name: reach the module itself.
+report_module = sys.modules["clusterflow.train.report"]
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Manager:
+    """An RpcServer standing in for the manager: records every report."""
+
+    def __init__(self, *, serve: bool = True) -> None:
+        self.credentials = Credentials.generate()
+        self.server = RpcServer(self.credentials, name="fake-manager")
+        self.bodies: list[dict[str, Any]] = []
+        self.arrived = threading.Condition()
+        if serve:
+            self.server.register(METHOD, self._on_report)
+        self.server.start()
+
+    def _on_report(self, request: Request) -> dict[str, Any]:
+        with self.arrived:
+            self.bodies.append(request.body)
+            self.arrived.notify_all()
+        return {}
+
+    def wait_for(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.bodies) >= count, timeout), self.bodies
+            return list(self.bodies)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "CLUSTERFLOW_MANAGER": self.server.address,
+            "CLUSTERFLOW_SECRET": self.credentials.to_hex(),
+            "CLUSTERFLOW_TASK": "worker:1",
+        }
+
+
+@pytest.fixture
+def manager() -> Iterator[Manager]:
+    fake = Manager()
+    yield fake
+    fake.server.stop()
+
+
+def test_the_newest_figures_arrive_at_most_once_per_interval(manager: Manager) -> None:
+    reporter = Reporter.from_env(manager.env())
+    assert reporter is not None
+    reporter._interval = 0.3  # the figures of one interval collapse into one send
+    try:
+        reporter.offer(1, torch.tensor(2.5), 100.0)
+        first = manager.wait_for(1)[0]
+        assert first == {"task": "worker:1", "step": 1, "loss": 2.5, "samples_per_s": 100.0}
+        started = time.monotonic()
+        for step in range(2, 50):
+            reporter.offer(step, None, None)
+        bodies = manager.wait_for(2)
+        assert time.monotonic() - started >= 0.2  # held back by the interval
+        assert bodies[1] == {"task": "worker:1", "step": 49, "loss": None, "samples_per_s": None}
+        time.sleep(0.4)
+        assert len(manager.bodies) == 2  # nothing new offered: nothing sent
+    finally:
+        reporter.close()
+
+
+def test_outside_a_cluster_report_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Reporter.from_env({}) is None
+    monkeypatch.delenv("CLUSTERFLOW_MANAGER", raising=False)
+    monkeypatch.setattr(report_module._Process, "resolved", False)
+    monkeypatch.setattr(report_module._Process, "reporter", None)
+    threads = threading.active_count()
+    report(step=1, loss=0.5, samples_per_s=10.0)
+    assert report_module._Process.reporter is None
+    assert threading.active_count() == threads
+
+
+def test_report_uses_the_process_reporter_from_the_environment(
+    manager: Manager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in manager.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(report_module._Process, "resolved", False)
+    monkeypatch.setattr(report_module._Process, "reporter", None)
+    try:
+        report(step=7, loss=1.25, samples_per_s=3.0)
+        assert manager.wait_for(1)[0]["step"] == 7
+    finally:
+        reporter = report_module._Process.reporter
+        if reporter is not None:
+            reporter.close()
+
+
+def test_a_manager_without_the_method_is_logged_once_and_left_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    old = Manager(serve=False)
+    reporter = Reporter.from_env(old.env())
+    assert reporter is not None
+    try:
+        with caplog.at_level(logging.INFO, logger="clusterflow.train.report"):
+            reporter.offer(1, 0.5, 1.0)
+            reporter._thread.join(5)
+        assert not reporter._thread.is_alive()  # it stopped asking
+        assert "takes no live figures" in caplog.text
+    finally:
+        reporter.close()
+        old.server.stop()
+
+
+def test_an_unreachable_manager_never_raises_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Nothing listens on port 9.
+    reporter = Reporter(
+        "127.0.0.1:9", Credentials.generate(), "worker:0", interval_s=0.01, deadline_s=0.3
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="clusterflow.train.report"):
+            started = time.monotonic()
+            for step in range(3):
+                reporter.offer(step, float("nan"), None)  # returns at once
+            assert time.monotonic() - started < 0.5
+            deadline = time.monotonic() + 10
+            while "could not report" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            reporter.offer(9, 1.0, None)
+            time.sleep(0.2)
+        assert caplog.text.count("could not report live figures") == 1
+    finally:
+        reporter.close()
