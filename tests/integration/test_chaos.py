@@ -121,8 +121,8 @@ def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
     cluster_id, kills = run_with_chaos(
         cf,
         tmp_path,
-        ["worker:0", "worker:1", "ps:0", "ps:1"],
-        ["--ps", "2", "--workers", "2"],
+        ["chief:0", "worker:0", "ps:0", "ps:1"],
+        ["--chief", "--ps", "2", "--workers", "1"],
         ["sync_ps", str(tmp_path)],
         seed=seed,
         every=2 * chaos_job.CHECKPOINT_EVERY + 2,
@@ -133,12 +133,12 @@ def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
     assert diff < TOLERANCE, f"seed {seed}, kills {kills}: parameters differ by {diff}"
     events = [json.loads(line) for line in (cf.path(cluster_id) / "events.jsonl").open()]
     kinds = {e["event"] for e in events}
-    # A worker (worker 0 is the chief, but holds no state a parameter server does not
-    # hold) is respawned alone; a ps restarts everyone from the last checkpoint.
-    if {"worker:0", "worker:1"} & set(kills):
+    # A worker is respawned alone; a ps or the chief restarts everyone from the last
+    # checkpoint.
+    if "worker:0" in kills:
         assert "task_respawned" in kinds
         assert "standby_took_over" in kinds  # a warm standby, not a cold start
-    if {"ps:0", "ps:1"} & set(kills):
+    if {"chief:0", "ps:0", "ps:1"} & set(kills):
         assert "cluster_restarted" in kinds
 
 
