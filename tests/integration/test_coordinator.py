@@ -74,7 +74,9 @@ def finish(result):
 
 
 @contextlib.contextmanager
-def running_cluster(home: Path, command: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+def running_cluster(
+    home: Path, command: list[str], extra: tuple[str, ...] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     """`clusterflow start` in its own session; on exit, stops it and everything it started."""
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CLUSTERFLOW_HOME": str(home), "PYTHONUNBUFFERED": "1"}
@@ -94,6 +96,7 @@ def running_cluster(home: Path, command: list[str]) -> Iterator[subprocess.Popen
                 "ps,worker",
                 "--grace",
                 "3",
+                *extra,
                 "--",
                 *command,
             ],
@@ -352,6 +355,57 @@ def test_worker_killed_mid_run_still_completes_every_function(tmp_path: Path) ->
     runs = [line.split() for line in Path(f"{out}.runs").read_text().splitlines()]
     assert sorted({int(i) for i, _ in runs}) == list(range(24))
     assert [i for i, _ in runs].count("3") >= 2  # at least once: the killed call ran again
+
+
+RESPAWNED_WORKER = KILLED_WORKER.replace(
+    "values = [coordinator",
+    """
+def wait_for_both(deadline_s=90):
+    end = time.monotonic() + deadline_s
+    while coordinator.stats().workers_up < 2:
+        assert time.monotonic() < end, "the respawned worker never served again"
+        time.sleep(0.05)
+
+values = [coordinator""",
+).replace(
+    'finish({"results": [v.fetch() for v in values]})',
+    """wait_for_both()
+later = [coordinator.schedule(work, args=(100 + i, OUT + ".victim")) for i in range(6)]
+coordinator.join()
+finish({"results": [v.fetch() for v in values], "later": [v.fetch() for v in later]})""",
+)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_task_is_respawned_on_a_new_address_and_used_again(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + SERVE + CHIEF + RESPAWNED_WORKER)
+    out = tmp_path / "result.json"
+    marker = Path(f"{out}.victim")
+    command = [sys.executable, str(script), str(out), "4"]
+    with running_cluster(tmp_path, command, ("--max-restarts", "2")) as proc:
+        deadline = time.monotonic() + 90
+        while not marker.exists():
+            assert proc.poll() is None, (tmp_path / "output.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the victim call never started"
+            time.sleep(0.05)
+        victim = int(marker.read_text())
+        os.kill(victim, signal.SIGKILL)  # the whole worker task's job, not a child of it
+        wait_for(proc, tmp_path, 120)
+    result = json.loads(out.read_text())
+    assert [r["i"] for r in result["results"]] == list(range(24))
+    assert result["stats"]["failed"] == 0
+    # The manager respawned the worker; its new address reached the coordinator through
+    # the newer spec version, and the second batch ran on it too.
+    later_pids = {r["pid"] for r in result["later"]}
+    first_pids = {r["pid"] for r in result["results"]}
+    assert victim not in later_pids
+    assert later_pids - first_pids, (later_pids, first_pids)
+    clusters = list((tmp_path / "clusters").iterdir())
+    events = [json.loads(line) for line in (clusters[0] / "events.jsonl").open()]
+    assert any(e["event"] == "spec_updated" for e in events)
 
 
 # Training -------------------------------------------------------------------------

@@ -61,8 +61,10 @@ from typing import Any
 import cloudpickle  # type: ignore[import-untyped]
 import torch
 
+from clusterflow.cluster import ClusterSpec
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials, RemoteError, RpcClient, RpcError
+from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
 from clusterflow.strategies.worker_service import (
     METHOD_INFO,
@@ -389,6 +391,7 @@ class ClusterCoordinator:
             )
             for i in spec.task_indices("worker")
         ]
+        self._manager = ManagerLink.from_env()
         self._queues: dict[int, deque[_Closure]] = {w.index: deque() for w in self._workers}
         self._closures = itertools.count()
         self._unfinished: set[_Closure] = set()
@@ -568,6 +571,8 @@ class ClusterCoordinator:
             thread.join(POLL_S + 1.0)
             if not thread.is_alive():
                 worker.client.close()  # else it closes with the process
+        if self._manager is not None:
+            self._manager.close()
 
     def __enter__(self) -> ClusterCoordinator:
         return self
@@ -731,6 +736,7 @@ class ClusterCoordinator:
                     with self._cond:
                         self._cond.notify_all()
                 else:
+                    self._follow_address(worker)
                     self._closing.wait(delay)
                     delay = min(delay * 2, PROBE_MAX_S)
                 continue
@@ -754,6 +760,30 @@ class ClusterCoordinator:
                 else:
                     assert blob is not None
                     self._succeed(closure, blob)
+
+    def _follow_address(self, worker: _Worker) -> None:
+        """Re-points ``worker``'s client if the manager's newest spec moved the task.
+
+        A worker the manager respawned comes back on a new port: the spec version it
+        made names the new address (``manager.spec``). Outside ``clusterflow start``
+        there is no manager to ask, and addresses stay as ``TF_CONFIG`` gave them.
+        """
+        if self._manager is None:
+            return
+        reply = self._manager.spec()
+        if not reply or not reply.get("spec"):
+            return
+        try:
+            address = ClusterSpec(reply["spec"]).task_address("worker", worker.index)
+        except ClusterflowError:
+            return
+        if address != worker.address:
+            log.info(
+                "%s moved to %s (spec version %s)", worker.name, address, reply.get("spec_version")
+            )
+            worker.client.close()
+            worker.address = address
+            worker.client = RpcClient(address, self._credentials)
 
     def _requeue(self, worker: _Worker, closure: _Closure, reason: str) -> None:
         log.warning("%s failed while running %s: %s", worker.name, closure.name, reason)

@@ -46,6 +46,7 @@ from clusterflow.errors import ConfigError
 from clusterflow.ps.api import Placement, Shard, VariableSpec
 from clusterflow.rpc import Credentials, Request
 from clusterflow.server import Server
+from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import StrategyError
 from clusterflow.strategies.parameter_server import ParameterServerStrategy, _Var
 from clusterflow.strategies.resolver import ClusterResolver
@@ -466,6 +467,11 @@ def serve_worker(environ: Mapping[str, str] | None = None) -> None:
 
         for stop_signal in (signal.SIGTERM, signal.SIGINT):
             previous[stop_signal] = signal.signal(stop_signal, _stop)
+    link = ManagerLink.from_env(environ)
+    if link is not None and config.task.job == "worker":
+        # It holds nothing the chief cannot send again: relaunch it alone when it dies.
+        link.declare(respawnable=True)
+        link.close()
     try:
         server.start()
         log.info("%s serves the coordinator at %s", server.task, server.target)
