@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -64,6 +65,8 @@ ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
 ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
 ENV_REGISTER_TIMEOUT = "CLUSTERFLOW_REGISTER_TIMEOUT"
 ENV_STANDBY = "CLUSTERFLOW_STANDBY"
+ZYGOTE_WARM_S = 300.0
+"""The most a standby waits for its zygote's imports (seconds of CPU on a small box)."""
 STANDBY_ROUND_S = 20.0
 """A standby's wait at the manager is answered at least this often (a bounded call)."""
 GRACE_S = 10.0
@@ -217,10 +220,13 @@ class Supervisor:
         os.close(write_end)
         # Report for duty once warm (or dead: EOF), so the manager can say it is ready.
         with os.fdopen(read_end, "rb") as ready:
-            warm = ready.read(1) == b"1"
+            # Bounded: a zygote stuck in its imports must not keep a task from starting.
+            answered, _, _ = select.select([ready], [], [], ZYGOTE_WARM_S)
+            warm = bool(answered) and ready.read(1) == b"1"
         if not warm:
-            # Killed, or it failed to import torch: the task it may be given starts cold.
-            say("standby: the zygote died while warming up; a task given to it starts cold")
+            # Killed, hung or failed to import torch: a task given to it starts cold.
+            say("standby: the zygote did not warm up; a task given to it starts cold")
+            self.zygote.kill()
             self.zygote.wait()
             self.zygote = None
         while not self.terminating:

@@ -136,6 +136,18 @@ class CheckpointStorage:
             raise CheckpointError(f"its manifest is for step {manifest.step}")
         return manifest
 
+    def at(self, step: int) -> Manifest | None:
+        """The committed checkpoint of ``step`` (one read, no listing), or None.
+
+        None also for a torn or invalid manifest, with a warning, as :meth:`committed`.
+        Its parts are checked when they are read.
+        """
+        try:
+            return self._load(validate_step(step))
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", self.directory(step), exc)
+            return None
+
     def committed(self) -> list[Manifest]:
         """Every committed checkpoint whose manifest is valid, oldest first.
 

@@ -30,7 +30,7 @@ def restore_shard(
     if not step or not url:
         return None
     storage = CheckpointStorage(url)
-    manifest = next((m for m in storage.committed() if str(m.step) == step), None)
+    manifest = storage.at(int(step)) if step.isdigit() else None
     if manifest is None:
         raise CheckpointError(f"{ENV_RESTORE}={step}: no committed checkpoint there in {url}")
     saved = int(manifest.meta.get("num_ps", 0))

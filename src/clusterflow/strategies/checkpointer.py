@@ -165,9 +165,9 @@ class Checkpointer:
     def _to_restore(self) -> Manifest | None:
         named = os.environ.get(ENV_RESTORE)
         if named:
-            for manifest in reversed(self.storage.committed()):
-                if str(manifest.step) == named:
-                    return manifest
+            manifest = self.storage.at(int(named)) if named.isdigit() else None
+            if manifest is not None:
+                return manifest
             raise CheckpointError(
                 f"{ENV_RESTORE}={named}: no committed checkpoint at that step in {self.directory}"
             )
@@ -177,8 +177,7 @@ class Checkpointer:
         assert self.model is not None
         meta, tensors = self.storage.read_tensors(manifest, MODEL_PART)
         module = _unwrapped(self.model)
-        model_state = {k[6:]: t for k, t in tensors.items() if k.startswith("model/")}
-        module.load_state_dict(model_state)
+        module.load_state_dict(_model_state(tensors))
         if self.optimizer is not None and meta.get("optimizer") is not None:
             self.optimizer.load_state_dict(_optimizer_state(meta["optimizer"], tensors))
 
@@ -343,16 +342,13 @@ def load_module(
     export a trained model. Returns None when there is no (such) checkpoint.
     """
     storage = CheckpointStorage(directory)
-    if step is None:
-        manifest = storage.latest()
-    else:
-        manifest = next((m for m in storage.committed() if m.step == step), None)
+    manifest = storage.latest() if step is None else storage.at(step)
     if manifest is None:
         return None
     if manifest.meta.get("kind") != "parameter_server":
         model = build()
         _, tensors = storage.read_tensors(manifest, MODEL_PART)
-        model.load_state_dict({k[6:]: t for k, t in tensors.items() if k.startswith("model/")})
+        model.load_state_dict(_model_state(tensors))
         return model, manifest.step
     with recording() as recorder:
         model = build()
@@ -384,15 +380,12 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
     :func:`load_module` with the function that built it. Returns the step (0: none).
     """
     storage = CheckpointStorage(directory)
-    if step is None:
-        manifest = storage.latest()
-    else:
-        manifest = next((m for m in storage.committed() if m.step == step), None)
+    manifest = storage.latest() if step is None else storage.at(step)
     if manifest is None:
         return 0
     if manifest.meta.get("kind") != "parameter_server":
         _, tensors = storage.read_tensors(manifest, MODEL_PART)
-        model.load_state_dict({k[6:]: t for k, t in tensors.items() if k.startswith("model/")})
+        model.load_state_dict(_model_state(tensors))
         return manifest.step
     values = _ps_variables(storage, manifest)
     mine = [
@@ -417,6 +410,11 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
                 )
             tensor.copy_(value)
     return manifest.step
+
+
+def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state dict out of a ``model`` part (its keys carry ``model/``)."""
+    return {k[6:]: t for k, t in tensors.items() if k.startswith("model/")}
 
 
 def _ps_variables(storage: CheckpointStorage, manifest: Manifest) -> dict[str, torch.Tensor]:

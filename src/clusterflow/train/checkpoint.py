@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR
 from clusterflow.strategies.api import Strategy
 from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
 
@@ -38,8 +39,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-ENV_CHECKPOINT_DIR: Final = "CLUSTERFLOW_CHECKPOINT_DIR"
 DEFAULT_DIRECTORY: Final = "checkpoints"
+"""The Checkpointer's default (``strategies.checkpointer.DEFAULT_DIRECTORY``); named here
+because that module is imported only when checkpoints are used."""
 FINAL_MARKER: Final = "FINAL.json"
 """Written by the chief after a run's last checkpoint: ``{"step": N, "run": id}``."""
 ENV_RUN_ID: Final = "CLUSTERFLOW_CLUSTER_ID"
