@@ -371,7 +371,7 @@ class ClusterCoordinator:
                 f"worker_timeout_s must be > 0 and max_attempts >= 1, got "
                 f"{worker_timeout_s!r} and {max_attempts!r}"
             )
-        resolver = strategy._resolver
+        resolver = strategy.cluster_resolver
         spec = resolver.cluster_spec
         if "worker" not in spec.jobs:
             raise ConfigError(f"the cluster has no worker job to schedule on: {spec.as_dict()}")
@@ -520,9 +520,6 @@ class ClusterCoordinator:
         Raises:
             RpcError: a ps task did not answer within the strategy's deadline.
         """
-        # The strategy keeps the values its scope pulled at creation for its first run;
-        # the chief never runs, so they are dropped, or pull_values would load them.
-        self._strategy._staged = None
         self._strategy.pull_values()
 
     def stats(self) -> CoordinatorStats:
@@ -616,30 +613,19 @@ class ClusterCoordinator:
 
     def _current_binding(self) -> _Binding:
         """The strategy's variables as the workers bind them; rebuilt when more are created."""
-        variables = self._strategy._vars
+        variables = self._strategy.variables()
         if self._binding is None or self._binding.count != len(variables):
-            s = self._strategy
-            config = s.config
-            options = (
-                ("mode", config.mode),
-                ("max_staleness", config.max_staleness),
-                ("stale_policy", config.stale_policy),
-                ("staleness_aware_lr", config.staleness_aware_lr),
-                ("reject_nonfinite", config.reject_nonfinite),
-                ("gradient_wire_dtype", s._grad_dtype),
-                ("value_wire_dtype", s._value_dtype),
-                ("deadline_s", s._deadline),
-            )
             settings = StrategySettings(
-                options=options, variables=tuple((v.spec, v.shards) for v in variables)
+                options=tuple(self._strategy.replica_options().items()),
+                variables=tuple((spec, shards) for _, spec, shards in variables),
             )
             tensors = {
-                id(v.tensor): _VariableRef(
-                    v.spec.name, isinstance(v.tensor, torch.nn.Parameter), v.tensor.requires_grad
+                id(tensor): _VariableRef(
+                    spec.name, isinstance(tensor, torch.nn.Parameter), tensor.requires_grad
                 )
-                for v in variables
+                for tensor, spec, _ in variables
             }
-            self._binding = _Binding(s, settings, tensors, len(variables))
+            self._binding = _Binding(self._strategy, settings, tensors, len(variables))
         return self._binding
 
     # Scheduling (the lock is held) -------------------------------------------------

@@ -284,6 +284,49 @@ class ParameterServerStrategy(Strategy):
         """Names of ``module``'s parameters that were made outside ``scope()``."""
         return [name for name, p in module.named_parameters() if id(p) not in self._by_tensor]
 
+    # For replicas built elsewhere: all that strategies/coordinator/ uses -------------
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The cluster, as TensorFlow's ``strategy.cluster_resolver``."""
+        return self._resolver
+
+    def replica_options(self) -> dict[str, Any]:
+        """Keyword arguments that make another process's strategy push and pull as this one.
+
+        Not the partitioner: the placement travels with ``variables()``.
+        """
+        c = self.config
+        return {
+            "mode": c.mode,
+            "max_staleness": c.max_staleness,
+            "stale_policy": c.stale_policy,
+            "staleness_aware_lr": c.staleness_aware_lr,
+            "reject_nonfinite": c.reject_nonfinite,
+            "gradient_wire_dtype": self._grad_dtype,
+            "value_wire_dtype": self._value_dtype,
+            "deadline_s": self._deadline,
+        }
+
+    def variables(self) -> list[tuple[torch.Tensor, VariableSpec, tuple[Shard, ...]]]:
+        """Every variable tracked here, in creation order: (local tensor, spec, shards)."""
+        return [(v.tensor, v.spec, v.shards) for v in self._vars]
+
+    def adopt_variable(
+        self, tensor: torch.Tensor, spec: VariableSpec, shards: tuple[Shard, ...]
+    ) -> None:
+        """Tracks ``tensor`` as the local copy of a variable another replica placed on the ps.
+
+        Nothing is sent to the ps; ``run`` loads it and pushes its gradients from now on.
+        """
+        var = _Var(tensor, spec, shards)
+        self._vars.append(var)
+        self._by_tensor[id(tensor)] = var
+
+    def discard_staged_values(self) -> None:
+        """The next ``run`` pulls the newest values, not those the last push brought back."""
+        self._staged = None
+
     # Checkpoints (the consistent cut; see clusterflow.strategies.checkpointer) ---------
 
     @property
