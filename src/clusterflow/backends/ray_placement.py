@@ -118,13 +118,26 @@ def reserve(requests: Sequence[TaskRequest], name: str, timeout_s: float) -> Any
         log.info("placement group %s ready (%d bundles)", name, len(requests))
         return group
     remove_placement_group(group)
-    free = ray.available_resources()
-    busy = next(
-        (r for r in requests if not all(free.get(k, 0.0) >= v for k, v in r.bundle().items())),
-        requests[0],
-    )
-    have = ",".join(f"{k}={_number(k, free.get(k, 0.0))}" for k in busy.bundle())
-    raise PlacementError(
-        f"job {busy.task.job} needs {busy.describe()}: not free within {timeout_s:g}s "
-        f"(the whole cluster, {len(requests)} tasks, at once; free now: {have})"
+    raise PlacementError(_not_free(requests, ray.available_resources(), timeout_s))
+
+
+def _not_free(requests: Sequence[TaskRequest], free: Mapping[str, float], timeout_s: float) -> str:
+    """Names the first job at which the cluster's summed requests outgrow the free
+    resources (the whole cluster is placed at once, so earlier tasks count too)."""
+    needed: dict[str, float] = {}
+    for request in requests:
+        for name, value in request.bundle().items():
+            needed[name] = needed.get(name, 0.0) + value
+            if needed[name] > free.get(name, 0.0) + 1e-9:
+                count = sum(1 for r in requests if r.task.job == request.task.job)
+                return (
+                    f"job {request.task.job} needs {request.describe()} for each of its "
+                    f"{count} task(s): not free within {timeout_s:g}s (the cluster needs "
+                    f"{name}={_number(name, needed[name])} at once or more; free now: "
+                    f"{name}={_number(name, free.get(name, 0.0))})"
+                )
+    job = requests[0].task.job
+    return (
+        f"job {job} needs {requests[0].describe()}: the cluster was not placed within "
+        f"{timeout_s:g}s (its tasks fit the free resources in sum, not node by node)"
     )

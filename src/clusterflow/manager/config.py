@@ -272,3 +272,21 @@ def _resource_value(name: str, value: str, item: str) -> float:
         return float(value)
     except ValueError:
         raise ConfigError(f"--resources {item!r}: {name}={value!r} is not a number") from None
+
+
+def resources_from_file(value: Any) -> dict[str, dict[str, Any]]:
+    """A cluster file's ``resources`` (``{job: {name: value}}``), sizes such as ``4G``
+    allowed for ``memory``; anything else is left for ``RunConfig`` to judge."""
+    if not isinstance(value, Mapping):
+        return value  # type: ignore[no-any-return]
+    out: dict[str, dict[str, Any]] = {}
+    for job, settings in value.items():
+        if not isinstance(settings, Mapping):
+            return dict(value)
+        out[job] = {
+            k: parse_size(v, f"resources of job {job}")
+            if k == "memory" and isinstance(v, str)
+            else v
+            for k, v in settings.items()
+        }
+    return out

@@ -113,8 +113,10 @@ class ManagerHost:
                 self.cluster.secret_file.unlink()
             self._ended.set()
         if not self._collected.wait(LINGER_S):
+            # Nobody came for the final state (it stays in this node's folder): a
+            # detached actor is not reclaimed by Ray, so it ends itself.
             log.info("nobody collected cluster %s's final state; ending", self.cluster.id)
-        os._exit(0)
+            os._exit(0)
 
     def pull(self, offsets: dict[str, int]) -> dict[str, Any]:
         """The state (with each task's node and resources) and every mirrored file's
@@ -171,9 +173,7 @@ def connect(address: str | None, job_dir: str | None = None) -> None:
     try:
         import ray
     except ImportError:
-        raise ConfigError(
-            "--backend ray needs Ray: pip install 'clusterflow[ray]'"
-        ) from None
+        raise ConfigError("--backend ray needs Ray: pip install 'clusterflow[ray]'") from None
     if ray.is_initialized():
         return
     runtime_env: dict[str, Any] = {}
@@ -257,10 +257,13 @@ class ManagerHandle:
         except ray.exceptions.RayError:
             return None
         for name, data in reply["files"].items():
+            folder, _, base = name.rpartition("/")
+            if folder not in ("", "logs") or not base or base.startswith("."):
+                continue  # only the manager's own files, never a path out of the folder
             if data:
                 with open(self.cluster.path / name, "ab") as f:
                     f.write(data)
-        state = reply["state"]
+        state: dict[str, Any] = dict(reply["state"])
         full = any(len(d) >= PULL_LIMIT for d in reply["files"].values())
         if full and state.get("status") in TERMINAL:
             state = {**state, "status": "running"}  # not final until every byte is here
