@@ -127,7 +127,7 @@ class LocalPS:
                 version=int(body["version"]),
                 grads={k[2:]: t for k, t in tensors.items() if k.startswith("g/")},
                 buffers={k[2:]: t for k, t in tensors.items() if k.startswith("b/")},
-                lease=body.get("lease"),
+                keys=body.get("keys") or (),
                 hyper=body.get("hyper"),
                 commit=bool(body.get("commit")),
                 want_values=bool(body.get("want_values")),
@@ -137,6 +137,7 @@ class LocalPS:
                 "version": result.version,
                 "reason": result.reason,
                 "staleness": result.staleness,
+                "duplicates": [list(k) for k in result.duplicates],
             }
             return reply, wire_cast(result.values, body.get("values_dtype"))
         if method == "stats":

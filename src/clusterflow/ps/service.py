@@ -97,7 +97,7 @@ class PSService:
             version=int(body["version"]),
             grads=grads,
             buffers=buffers,
-            lease=body.get("lease"),
+            keys=body.get("keys") or (),
             hyper=body.get("hyper"),
             commit=bool(body.get("commit")),
             want_values=bool(body.get("want_values")),
@@ -110,6 +110,7 @@ class PSService:
             "version": result.version,
             "reason": result.reason,
             "staleness": result.staleness,
+            "duplicates": [list(k) for k in result.duplicates],
         }
         return Response(reply, wire_cast(result.values, body.get("values_dtype")))
 
