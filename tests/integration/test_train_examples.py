@@ -87,7 +87,6 @@ def test_digits_fit_in_a_cluster(
 def test_digits_fit_with_an_evaluator_task_evaluates_every_checkpoint(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    pytest.importorskip("clusterflow.strategies.checkpointer", reason="the Checkpointer")
     done = cf.run(
         "start",
         "--workers",
@@ -115,7 +114,6 @@ def test_digits_fit_with_an_evaluator_task_evaluates_every_checkpoint(
 
 @pytest.mark.timeout(150)
 def test_custom_loop_session_stops_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("clusterflow.strategies.checkpointer", reason="the Checkpointer")
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--every-steps", "20"]
     first = _alone(CUSTOM_LOOP, "--steps", "30", *args, "--log-dir", "logs", cwd=tmp_path)
     assert "stopped at step 30" in first and "resumed" not in first
