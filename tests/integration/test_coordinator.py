@@ -443,7 +443,9 @@ class LocalCluster:
         from clusterflow.strategies import SimpleClusterResolver
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
-        resolver = SimpleClusterResolver(self.spec, "chief", 0, self.credentials)
+        resolver = SimpleClusterResolver(
+            self.spec, task_type="chief", task_id=0, credentials=self.credentials
+        )
         return ParameterServerStrategy(resolver, **options)
 
 
@@ -541,9 +543,11 @@ def test_what_cannot_travel_is_refused_at_schedule(local_cluster: LocalCluster) 
         with pytest.raises(SerializationError, match="arguments of"):
             coordinator.schedule(print, args=(threading.Lock(),))
         assert coordinator.schedule(lambda a: a + 1, args=(first,)).fetch() == 2
-        with ClusterCoordinator(strategy, worker_timeout_s=10) as other:
-            with pytest.raises(ConfigError, match="another ClusterCoordinator"):
-                other.schedule(int, args=(first,))
+        with (
+            ClusterCoordinator(strategy, worker_timeout_s=10) as other,
+            pytest.raises(ConfigError, match="another ClusterCoordinator"),
+        ):
+            other.schedule(int, args=(first,))
     strategy.close()
 
 
