@@ -194,7 +194,9 @@ def _ps_worker(
     from clusterflow.strategies import SimpleClusterResolver
     from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
-    resolver = SimpleClusterResolver(spec, "worker", rank, Credentials(secret))
+    resolver = SimpleClusterResolver(
+        spec, task_type="worker", task_id=rank, credentials=Credentials(secret)
+    )
     strategy = ParameterServerStrategy(resolver, mode=mode)  # type: ignore[arg-type]
     with strategy.scope():
         torch.manual_seed(0)

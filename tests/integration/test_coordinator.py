@@ -443,7 +443,9 @@ class LocalCluster:
         from clusterflow.strategies import SimpleClusterResolver
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
-        resolver = SimpleClusterResolver(self.spec, "chief", 0, self.credentials)
+        resolver = SimpleClusterResolver(
+            self.spec, task_type="chief", task_id=0, credentials=self.credentials
+        )
         return ParameterServerStrategy(resolver, **options)
 
 

@@ -70,7 +70,7 @@ class RemotePS:
     def __init__(
         self, spec: ClusterSpec, credentials: Credentials, *, deadline: float = 120.0
     ) -> None:
-        if "ps" not in spec.jobs:
+        if "ps" not in spec.jobs or not spec.num_tasks("ps"):
             from clusterflow.errors import ConfigError
 
             raise ConfigError(f"the cluster has no ps job: {spec.as_dict()}")

@@ -372,7 +372,7 @@ class ClusterCoordinator:
                 f"{worker_timeout_s!r} and {max_attempts!r}"
             )
         resolver = strategy.cluster_resolver
-        spec = resolver.cluster_spec
+        spec = resolver.cluster_spec()
         if "worker" not in spec.jobs:
             raise ConfigError(f"the cluster has no worker job to schedule on: {spec.as_dict()}")
         credentials: Credentials = resolver.require_credentials()

@@ -443,7 +443,7 @@ class MultiWorkerMirroredStrategy(CollectiveAllReduceStrategy):
             resolver = TFConfigClusterResolver()
         membership = Membership.from_env(
             os.environ,
-            resolver.cluster_spec if resolver else None,
+            resolver.cluster_spec() if resolver else None,
             resolver.task if resolver else None,
         )
         super().__init__(
@@ -480,7 +480,7 @@ class MirroredStrategy(CollectiveAllReduceStrategy):
         resolver = TFConfigClusterResolver() if config is not None else None
         membership = Membership.from_env(
             os.environ,
-            resolver.cluster_spec if resolver else None,
+            resolver.cluster_spec() if resolver else None,
             resolver.task if resolver else None,
         )
         if membership.local_world_size != membership.world_size:

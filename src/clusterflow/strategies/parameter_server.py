@@ -130,7 +130,7 @@ class ParameterServerStrategy(Strategy):
         self._partitioner = variable_partitioner
         self._deadline = deadline_s
         self._ps: PSConnection = _connection or RemotePS(
-            self._resolver.cluster_spec, self._resolver.require_credentials(), deadline=deadline_s
+            self._resolver.cluster_spec(), self._resolver.require_credentials(), deadline=deadline_s
         )
         self._vars: list[_Var] = []
         self._by_tensor: dict[int, _Var] = {}
@@ -182,7 +182,7 @@ class ParameterServerStrategy(Strategy):
     @property
     def worker_index(self) -> int:
         """This replica's index among the chief and the workers (chief first)."""
-        spec, task = self._resolver.cluster_spec, self._resolver.task
+        spec, task = self._resolver.cluster_spec(), self._resolver.task
         if task is None:
             return 0
         order = [t for t in spec.tasks() if t.job in ("chief", "worker")]
@@ -672,7 +672,7 @@ class CentralStorageStrategy(ParameterServerStrategy):
         from clusterflow.strategies.resolver import SimpleClusterResolver
 
         super().__init__(
-            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, "chief", 0),
+            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, task_type="chief", task_id=0),
             mode="sync",
             reject_nonfinite=reject_nonfinite,
             _connection=LocalPS(),
