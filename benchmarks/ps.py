@@ -9,7 +9,7 @@
   process has one thread, as two workers on two cores should.
 
 TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
-installed (it is not, on this machine: see ARCHITECTURE.md section 8 for its figure).
+installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
 
     python -m benchmarks.ps [--quick]
 """

@@ -532,6 +532,7 @@ def test_strategy_run_inside_a_function_trains_variables_sharded_over_two_ps(
 def test_what_cannot_travel_is_refused_at_schedule(local_cluster: LocalCluster) -> None:
     import threading
 
+    from clusterflow.errors import ConfigError
     from clusterflow.strategies.coordinator import ClusterCoordinator, SerializationError
 
     strategy = local_cluster.strategy()
@@ -542,6 +543,11 @@ def test_what_cannot_travel_is_refused_at_schedule(local_cluster: LocalCluster) 
         with pytest.raises(SerializationError, match="arguments of"):
             coordinator.schedule(print, args=(threading.Lock(),))
         assert coordinator.schedule(lambda a: a + 1, args=(first,)).fetch() == 2
+        with (
+            ClusterCoordinator(strategy, worker_timeout_s=10) as other,
+            pytest.raises(ConfigError, match="another ClusterCoordinator"),
+        ):
+            other.schedule(int, args=(first,))
     strategy.close()
 
 

@@ -5,7 +5,7 @@ cluster spec, and checked against each other before any socket opens: a launcher
 spec that disagree would otherwise meet as a rendezvous that waits forever. Pure logic,
 no torch, so every rule is unit-tested on plain values.
 
-Ranks follow the order the manager assigns them (ARCHITECTURE.md section 3): the chief
+Ranks follow the order the manager assigns them (docs/architecture.md section 3): the chief
 first when there is one, then the workers by index; ``ps`` and ``evaluator`` tasks are not
 replicas.
 """

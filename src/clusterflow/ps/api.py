@@ -1,4 +1,4 @@
-"""Values, settings and errors of the parameter server (ARCHITECTURE.md section 5)."""
+"""Values, settings and errors of the parameter server (docs/architecture.md section 5)."""
 
 from __future__ import annotations
 

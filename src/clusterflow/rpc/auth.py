@@ -4,7 +4,7 @@ One random 32-byte secret per cluster yields both mechanisms' credentials:
 
 * ``plain`` (the default on loopback): the peer presents a password derived from the
   secret. Authenticated, not encrypted: loopback traffic never leaves the host, and
-  CURVE's encryption halves bulk throughput (ARCHITECTURE.md section 4).
+  CURVE's encryption halves bulk throughput (docs/architecture.md section 4).
 * ``curve`` (the default beyond loopback): a CURVE key pair derived from the secret.
   Every task holds the same pair; a server admits only clients presenting that public
   key, so a peer without the secret cannot complete the handshake, and all traffic is

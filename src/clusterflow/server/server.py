@@ -2,7 +2,7 @@
 
 Every task of a cluster runs one. It binds the task's address from the cluster spec
 (or adopts the socket its supervisor reserved for that address, so no other process
-can take the port between the two binds: ARCHITECTURE.md section 3), answers the
+can take the port between the two binds: docs/architecture.md section 3), answers the
 health service, and hosts the services later layers register (parameter server, data
 dispatcher).
 """

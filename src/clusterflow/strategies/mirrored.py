@@ -1,6 +1,6 @@
 """All-reduce strategies: ``MultiWorkerMirroredStrategy`` and ``MirroredStrategy``.
 
-One process per device (ARCHITECTURE.md section 5); each process is one replica, holding
+One process per device (docs/architecture.md section 5); each process is one replica, holding
 a full copy of the model. Gradients are all-reduced by ``DistributedDataParallel``
 (bucketed, overlapped with the backward pass), over the group that
 :mod:`clusterflow.collective` forms from the launcher's environment.
