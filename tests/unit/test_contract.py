@@ -46,9 +46,7 @@ def test_names_of_the_contract_are_spelled_only_in_its_module(path: Path) -> Non
         for line, value in _literals(path)
         if _ENV_NAME.fullmatch(value) or value in contract.MANAGER_METHODS
     ]
-    assert not spelled, "take these names from clusterflow.cluster.contract:\n" + "\n".join(
-        spelled
-    )
+    assert not spelled, "take these names from clusterflow.cluster.contract:\n" + "\n".join(spelled)
 
 
 def test_every_environment_name_of_the_module_is_in_the_table() -> None:
