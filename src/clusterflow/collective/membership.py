@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from clusterflow.cluster import ClusterSpec, TaskId, parse_address
+from clusterflow.cluster.contract import ENV_SPEC_VERSION
 from clusterflow.collective.api import MembershipError
 
 __all__ = ["REPLICA_JOBS", "Membership"]
@@ -126,8 +127,7 @@ class Membership:
                 f"RANK={environ.get('RANK')!r}, WORLD_SIZE={environ.get('WORLD_SIZE')!r}"
             )
         generation = (
-            f"{environ.get('CLUSTERFLOW_SPEC_VERSION', '0')}."
-            f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            f"{environ.get(ENV_SPEC_VERSION, '0')}.{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
         agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in _TRUE
         master = _master(environ)

@@ -30,6 +30,7 @@ from typing import Literal
 import zmq
 import zmq.auth.thread
 
+from clusterflow.cluster.contract import ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,7 @@ AuthMode = Literal["plain", "curve"]
 AUTH_MODES: tuple[AuthMode, ...] = ("plain", "curve")
 PLAIN_USERNAME = "clusterflow"
 SECRET_BYTES = 32
-ENV_SECRET_FILE = "CLUSTERFLOW_SECRET_FILE"
-ENV_SECRET = "CLUSTERFLOW_SECRET"
-ENV_AUTH_MODE = "CLUSTERFLOW_AUTH"
+ENV_AUTH_MODE = ENV_AUTH
 
 
 def is_loopback(host: str) -> bool:

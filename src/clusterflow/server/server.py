@@ -20,15 +20,11 @@ from typing import Any
 import zmq
 
 from clusterflow.cluster import ClusterSpec, ClusterSpecLike, TaskId, TFConfig, parse_address
+from clusterflow.cluster.contract import ENV_LISTEN_FD, ENV_TASK
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, Request, RpcServer
 
 log = logging.getLogger(__name__)
-
-ENV_LISTEN_FD = "CLUSTERFLOW_LISTEN_FD"
-"""Descriptor of the socket a supervisor reserved for this task's address."""
-ENV_TASK = "CLUSTERFLOW_TASK"
-"""``job:index`` of the task the reserved socket belongs to."""
 
 
 class Server:
