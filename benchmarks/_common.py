@@ -30,6 +30,6 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def result(name: str, **figures: float) -> None:
-    """Prints the RESULT line that ARCHITECTURE.md section 8 asks every benchmark to end with."""
+    """Prints the RESULT line every benchmark ends with (docs/architecture.md section 8)."""
     parts = " ".join(f"{k}={v:.3f}" for k, v in figures.items())
     print(f"RESULT {name} {parts}", flush=True)

@@ -9,7 +9,7 @@
   process has one thread, as two workers on two cores should.
 
 TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
-installed (it is not, on this machine: see ARCHITECTURE.md section 8 for its figure).
+installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
 
     python -m benchmarks.ps [--quick]
 """
@@ -194,7 +194,9 @@ def _ps_worker(
     from clusterflow.strategies import SimpleClusterResolver
     from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
-    resolver = SimpleClusterResolver(spec, "worker", rank, Credentials(secret))
+    resolver = SimpleClusterResolver(
+        spec, task_type="worker", task_id=rank, credentials=Credentials(secret)
+    )
     strategy = ParameterServerStrategy(resolver, mode=mode)  # type: ignore[arg-type]
     with strategy.scope():
         torch.manual_seed(0)

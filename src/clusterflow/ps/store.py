@@ -1,7 +1,7 @@
 """The variables of one ps task, their optimizer, and the rules that apply pushes.
 
 Pure of networking: ``service.py`` maps RPC methods onto this class, so every rule
-(sync aggregation, staleness, lease de-duplication, quiescing) is tested in-process.
+(sync aggregation, staleness, split-key de-duplication, quiescing) is tested in-process.
 
 Sync mode with several ps tasks needs one decision per step about *which* replicas'
 gradients form the step, or shards could average different sets (TensorFlow's
@@ -28,18 +28,10 @@ from clusterflow.ps import optimizer as optim_bridge
 from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
 from clusterflow.ps.applied import AppliedKeys, Key
 from clusterflow.ps.optimizer import OptimizerSpec
+from clusterflow.rpc.codec import DTYPES
 from clusterflow.rpc.pool import RECEIVE_POOL
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
 
 
 @dataclass(slots=True)
@@ -135,9 +127,9 @@ class VariableStore:
             for spec in specs:
                 name = str(spec["name"])
                 shape = tuple(int(d) for d in spec["shape"])
-                dtype = _DTYPES.get(str(spec["dtype"]))
-                if dtype is None:
+                if str(spec["dtype"]) not in DTYPES:
                     raise PSError(f"variable {name!r}: unsupported dtype {spec['dtype']!r}")
+                dtype = getattr(torch, str(spec["dtype"]))
                 if name in self.vars:
                     have = self.vars[name]
                     if tuple(have.shape) != shape or have.dtype != dtype:
@@ -510,7 +502,7 @@ class VariableStore:
             self._cond.notify_all()
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Everything needed to resume: variables, optimizer slots, version, leases."""
+        """Everything needed to resume: variables, optimizer slots, version, applied split keys."""
         with self._cond:
             tensors = {f"var/{n}": t.clone() for n, t in self.vars.items()}
             meta: dict[str, Any] = {
