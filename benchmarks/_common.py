@@ -223,7 +223,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def result(name: str, **figures: float | Spread) -> None:
-    """Prints the one RESULT line (ARCHITECTURE.md section 8).
+    """Prints the RESULT line every benchmark ends with (docs/architecture.md section 8).
 
     A ``Spread`` prints as ``key=median key_min=low key_max=high``.
     """

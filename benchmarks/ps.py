@@ -15,7 +15,7 @@
 Each ratio prints as ``key=median key_min=... key_max=...`` over the rounds.
 
 TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
-installed (it is not, on this machine: see ARCHITECTURE.md section 8 for its figure).
+installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
 
     python -m benchmarks.ps [--quick] [--rounds N] [--verbose]
 """
@@ -225,7 +225,9 @@ def _train_worker(
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
         spec, secret = where
-        resolver = SimpleClusterResolver(spec, "worker", rank, Credentials(secret))
+        resolver = SimpleClusterResolver(
+            spec, task_type="worker", task_id=rank, credentials=Credentials(secret)
+        )
         strategy = ParameterServerStrategy(resolver, mode=kind)
         with strategy.scope():
             torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The chaos suite: SIGKILL tasks at random times and check the promises of ARCHITECTURE.md s. 6.
+"""The chaos suite: SIGKILL tasks at random times; check docs/architecture.md section 6.
 
 Each test starts a detached cluster running a scenario of ``chaos_job.py`` with
 ``--max-restarts``, kills the job process of a randomly chosen task (seeded, printed on

@@ -182,7 +182,9 @@ def test_bad_arguments_and_a_checkpoint_of_another_kind_are_refused(
         Checkpointer(directory=str(tmp_path))
     Checkpointer(model=make_model(), directory=str(tmp_path)).save(5)
     strategy = ParameterServerStrategy(
-        SimpleClusterResolver({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "worker", 0),
+        SimpleClusterResolver(
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, task_type="worker", task_id=0
+        ),
         _connection=LocalPS(),
     )
     with strategy.scope():
@@ -199,7 +201,9 @@ def test_load_module_rebuilds_a_plain_model_from_either_kind_of_checkpoint(tmp_p
     from clusterflow.strategies.checkpointer import load_module
 
     strategy = ParameterServerStrategy(
-        SimpleClusterResolver({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "worker", 0),
+        SimpleClusterResolver(
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, task_type="worker", task_id=0
+        ),
         _connection=LocalPS(),
         variable_partitioner=FixedShardsPartitioner(3),  # shards joined back on load
     )
@@ -233,7 +237,9 @@ def test_load_into_fills_a_plain_model_from_a_parameter_server_checkpoint(tmp_pa
     from clusterflow.strategies.checkpointer import load_into
 
     strategy = ParameterServerStrategy(
-        SimpleClusterResolver({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "worker", 0),
+        SimpleClusterResolver(
+            {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, task_type="worker", task_id=0
+        ),
         _connection=LocalPS(),
         variable_partitioner=FixedShardsPartitioner(2),
     )

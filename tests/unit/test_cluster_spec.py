@@ -342,8 +342,6 @@ def test_worker_zero_is_not_chief_when_a_chief_job_exists(spec: ClusterSpec) -> 
         ({"1worker": ["h:1"]}, "'1worker'"),
         ({"": ["h:1"]}, "''"),
         ({3: ["h:1"]}, "3"),
-        ({"worker": []}, "'worker'"),
-        ({"worker": {}}, "'worker'"),
         ({"worker": "h:1"}, "'h:1'"),
         ({"worker": None}, "None"),
         ({"worker": ["h:abc"]}, "'h:abc'"),

@@ -38,7 +38,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 def resolver(index: int, workers: int) -> Any:
     spec = {"worker": [f"127.0.0.1:{2000 + i}" for i in range(workers)], "ps": ["127.0.0.1:3000"]}
-    return SimpleClusterResolver(spec, "worker", index)
+    return SimpleClusterResolver(spec, task_type="worker", task_id=index)
 
 
 def replicas(workers: int, connection: LocalPS, **options: Any) -> list[ParameterServerStrategy]:

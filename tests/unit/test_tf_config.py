@@ -134,7 +134,7 @@ def test_long_malformed_json_is_shortened() -> None:
     [
         ("[]", "[]"),
         ('"cluster"', "'\"cluster\"'"),
-        ('{"task":{"type":"worker","index":0}}', "'cluster'"),
+        ('{"task":{"type":"worker","index":0}}', "'worker' is not a job of the cluster"),
         ('{"cluster":["h:1"]}', "['h:1']"),
         ('{"cluster":null}', "None"),
         ('{"cluster":{"worker":["h:1"]},"task":[]}', "[]"),
@@ -145,7 +145,8 @@ def test_long_malformed_json_is_shortened() -> None:
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"bad-job","index":0}}', "'bad-job'"),
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":1}}', "1"),
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":-1}}', "-1"),
-        ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":"0"}}', "'0'"),
+        ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":"01"}}', "'01'"),
+        ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":"-1"}}', "'-1'"),
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":true}}', "True"),
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker","index":0.0}}', "0.0"),
         ('{"cluster":{"worker":["h:1"]},"task":{"type":"worker"}}', "None"),

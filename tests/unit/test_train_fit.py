@@ -132,7 +132,9 @@ def test_two_sync_ps_replicas_equal_one_process_including_an_uneven_last_batch()
     connection = LocalPS()
     strategies = [
         ParameterServerStrategy(
-            SimpleClusterResolver(spec, "worker", i), mode="sync", _connection=connection
+            SimpleClusterResolver(spec, task_type="worker", task_id=i),
+            mode="sync",
+            _connection=connection,
         )
         for i in range(2)
     ]
@@ -380,7 +382,9 @@ def test_two_sync_ps_replicas_fed_unevenly_by_the_data_service_both_finish() -> 
     connection = LocalPS()
     strategies = [
         ParameterServerStrategy(
-            SimpleClusterResolver(spec, "worker", i), mode="sync", _connection=connection
+            SimpleClusterResolver(spec, task_type="worker", task_id=i),
+            mode="sync",
+            _connection=connection,
         )
         for i in range(2)
     ]

@@ -131,6 +131,11 @@ class DeviceSpec:
         except DeviceSpecError as err:
             raise DeviceSpecError(f"invalid device spec {spec!r}: {err}") from None
 
+    @classmethod
+    def from_string(cls, spec: str) -> DeviceSpec:
+        """TensorFlow's name for :meth:`parse`."""
+        return cls.parse(spec)
+
     def to_string(self) -> str:
         """The canonical form, ``/job:ps/replica:0/task:1/device:CPU:0``, minus unset parts.
 
@@ -166,6 +171,10 @@ class DeviceSpec:
             device_type=_first(other.device_type, self.device_type),
             device_index=_first(other.device_index, self.device_index),
         )
+
+    def make_merged_spec(self, other: DeviceSpec) -> DeviceSpec:
+        """TensorFlow's name for :meth:`merge`."""
+        return self.merge(other)
 
     @property
     def task_id(self) -> TaskId | None:

@@ -225,9 +225,9 @@ def _normalise_job(job: str, tasks: object) -> dict[int, str]:
         except ClusterSpecError as err:
             raise ClusterSpecError(f"task {job}:{index}: {err}") from None
         result[index] = address
-    if not result:
-        raise ClusterSpecError(f"job {job!r} has no tasks; leave the job out instead")
-    if job in _SINGLE_TASK_JOBS and list(result) != [0]:
+    # A job with no tasks is kept, as TensorFlow keeps it: a launcher may write every
+    # job it knows into TF_CONFIG, e.g. {"worker": []} before any worker exists.
+    if job in _SINGLE_TASK_JOBS and result and list(result) != [0]:
         raise ClusterSpecError(
             f"job {job!r} must have exactly one task, with index 0; got {result!r}"
         )
@@ -255,8 +255,9 @@ class ClusterSpec:
     a ``ValueError`` like TensorFlow's.
 
     Raises:
-        ClusterSpecError: on construction, for a bad job name, index or address, an
-            empty job, more than one chief or evaluator, or one address used twice.
+        ClusterSpecError: on construction, for a bad job name, index or address, more
+            than one chief or evaluator, or one address used twice. A job with no tasks
+            is accepted, as TensorFlow accepts it.
     """
 
     __slots__ = ("_jobs", "_key")
@@ -313,7 +314,7 @@ class ClusterSpec:
         This is TensorFlow's ``job_tasks``: the list has ``max(index) + 1`` entries.
         """
         tasks = self._tasks_of(job)
-        result: list[str | None] = [None] * (max(tasks) + 1)
+        result: list[str | None] = [None] * (max(tasks, default=-1) + 1)
         for index, address in tasks.items():
             result[index] = address
         return result
@@ -325,7 +326,7 @@ class ClusterSpec:
         """
         result: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._jobs.items():
-            dense = max(tasks) + 1 == len(tasks)
+            dense = max(tasks, default=-1) + 1 == len(tasks)
             result[job] = list(tasks.values()) if dense else dict(tasks)
         return result
 

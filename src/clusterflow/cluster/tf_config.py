@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -26,6 +27,7 @@ TF_CONFIG_ENV: Final = "TF_CONFIG"
 # evaluator itself: it is a side task that never talks to the others.
 _SIDE_TASK_JOB: Final = "evaluator"
 _MAX_QUOTED: Final = 200
+_CANONICAL_INDEX_RE: Final = re.compile(r"0|[1-9][0-9]*")
 
 
 def _quote(text: str) -> str:
@@ -73,7 +75,7 @@ class TFConfig:
                 return
             raise TFConfigError(
                 f"TF_CONFIG task type {task.job!r} is not a job of the cluster; it has jobs: "
-                + ", ".join(self.cluster.jobs)
+                + (", ".join(self.cluster.jobs) or "(none)")
             )
         raise TFConfigError(
             f"TF_CONFIG task index {task.index} is not in job {task.job!r}; it has tasks: "
@@ -108,9 +110,8 @@ class TFConfig:
         """
         if not isinstance(data, Mapping):
             raise TFConfigError(f"TF_CONFIG must be a JSON object, got {data!r}")
-        if "cluster" not in data:
-            raise TFConfigError(f"TF_CONFIG has no 'cluster' key; it has keys: {sorted(data)}")
-        cluster_data = data["cluster"]
+        # No "cluster" key is TensorFlow's "no cluster": an empty spec (TF_CONFIG={}).
+        cluster_data = data.get("cluster", {})
         if not isinstance(cluster_data, Mapping):
             raise TFConfigError(f"TF_CONFIG 'cluster' must be an object, got {cluster_data!r}")
         try:
@@ -170,7 +171,10 @@ def _parse_task(task: object) -> TaskId | None:
     job, index = task.get("type"), task.get("index")
     if not isinstance(job, str):
         raise TFConfigError(f"TF_CONFIG task 'type' must be a job name, got {job!r}")
-    # TensorFlow indexes tasks with JSON integers; a bool or "1" is a launcher's bug.
+    # TensorFlow casts the index with int(), and launchers do write "1": a string in
+    # canonical decimal is read as that integer. A bool, float or "01" is refused.
+    if isinstance(index, str) and _CANONICAL_INDEX_RE.fullmatch(index):
+        index = int(index)
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise TFConfigError(f"TF_CONFIG task 'index' must be an integer >= 0, got {index!r}")
     try:

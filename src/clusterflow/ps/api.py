@@ -1,4 +1,4 @@
-"""Values, settings and errors of the parameter server (ARCHITECTURE.md section 5)."""
+"""Values, settings and errors of the parameter server (docs/architecture.md section 5)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from clusterflow.errors import ClusterflowError, ConfigError
+from clusterflow.rpc.codec import DTYPES
 
 Mode = Literal["async", "sync"]
 StalePolicy = Literal["drop", "scale"]
@@ -14,6 +15,11 @@ WireDtype = Literal["float32", "bfloat16"]
 
 class PSError(ClusterflowError):
     """A parameter-server request was refused; the message names the variable or value."""
+
+
+class MalformedRequest(PSError):
+    """A ``ps.*`` request that breaks the wire contract: an unknown method, a missing or
+    mistyped field (``ps/protocol.py`` defines them)."""
 
 
 class PushRejected(PSError):
@@ -131,22 +137,8 @@ class Placement:
         return out
 
 
-_ITEMSIZE = {
-    "float32": 4,
-    "float64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
-
 def _itemsize(dtype: str) -> int:
     try:
-        return _ITEMSIZE[dtype]
+        return DTYPES[dtype]
     except KeyError:
         raise ConfigError(f"variables of dtype {dtype!r} are not supported") from None

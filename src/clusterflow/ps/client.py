@@ -1,8 +1,9 @@
 """The worker's side of the parameter server: one connection per ps task.
 
 ``RemotePS`` talks to ps tasks over RPC, one message per ps task per request, several
-ps tasks in parallel. ``LocalPS`` calls an in-process ``VariableStore`` with the same
-interface (``CentralStorageStrategy``: one local ps, no network).
+ps tasks in parallel. ``LocalPS`` serves the same requests in process
+(``CentralStorageStrategy``: one local ps, no network). Both speak ``ps/protocol.py``:
+its types on the way in and out, its one ``PSHandler`` at the other end.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from clusterflow.cluster import ClusterSpec
-from clusterflow.ps.api import PSConfig
-from clusterflow.ps.service import wire_cast
+from clusterflow.ps.protocol import PSHandler, PullReply, PullRequest, PushReply, PushRequest
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, RpcClient
 
@@ -35,6 +35,24 @@ class PSConnection(Protocol):
         """Calls ``ps.<method>`` on ps task ``index``; returns (reply body, reply tensors)."""
         ...
 
+    def pull(self, index: int, request: PullRequest) -> PullReply:
+        """Values of ps task ``index`` once it reached ``request.min_version``.
+
+        Raises:
+            PSError or RemoteError: unknown variables, or the version did not come
+                within ``request.timeout``.
+        """
+        ...
+
+    def push(self, index: int, request: PushRequest) -> PushReply:
+        """Pushes gradients to ps task ``index``; the reply says whether they were applied.
+
+        Raises:
+            PushRejected or RemoteError: a gradient of a wrong shape, dtype or name, or
+                not finite; nothing of the push was applied.
+        """
+        ...
+
     def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
         """Runs ``fn`` for every index, in parallel where that helps; keeps the order."""
         ...
@@ -52,7 +70,7 @@ class RemotePS:
     def __init__(
         self, spec: ClusterSpec, credentials: Credentials, *, deadline: float = 120.0
     ) -> None:
-        if "ps" not in spec.jobs:
+        if "ps" not in spec.jobs or not spec.num_tasks("ps"):
             from clusterflow.errors import ConfigError
 
             raise ConfigError(f"the cluster has no ps job: {spec.as_dict()}")
@@ -81,6 +99,12 @@ class RemotePS:
         reply = clients[index].call(f"ps.{method}", body, tensors)
         return reply.body, dict(reply.tensors)
 
+    def pull(self, index: int, request: PullRequest) -> PullReply:
+        return PullReply.from_wire(*self.call(index, request.METHOD, *request.to_wire()))
+
+    def push(self, index: int, request: PushRequest) -> PushReply:
+        return PushReply.from_wire(*self.call(index, request.METHOD, *request.to_wire()))
+
     def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
         if self._pool is None or len(indices) < 2:
             return [fn(i) for i in indices]
@@ -98,6 +122,7 @@ class LocalPS:
 
     def __init__(self, store: VariableStore | None = None) -> None:
         self.store = store or VariableStore(0)
+        self.handler = PSHandler(self.store)
 
     @property
     def num_ps(self) -> int:
@@ -106,61 +131,13 @@ class LocalPS:
     def call(
         self, index: int, method: str, body: Any = None, tensors: Tensors | None = None
     ) -> tuple[Any, Tensors]:
-        body = body or {}
-        tensors = tensors or {}
-        store = self.store
-        if method == "create":
-            return {
-                "created": store.create(PSConfig.from_dict(body["config"]), body["vars"], tensors)
-            }, {}
-        if method == "optimizer":
-            from clusterflow.ps.optimizer import OptimizerSpec
+        return self.handler.dispatch(method, body, tensors or {})
 
-            store.set_optimizer(OptimizerSpec.from_dict(body["spec"]), body["group_of"])
-            return None, {}
-        if method == "pull":
-            version, values = store.pull(body.get("names"), int(body.get("min_version") or 0))
-            return {"version": version}, wire_cast(values, body.get("dtype"))
-        if method == "push":
-            result = store.push(
-                worker=str(body["worker"]),
-                version=int(body["version"]),
-                grads={k[2:]: t for k, t in tensors.items() if k.startswith("g/")},
-                buffers={k[2:]: t for k, t in tensors.items() if k.startswith("b/")},
-                lease=body.get("lease"),
-                hyper=body.get("hyper"),
-                commit=bool(body.get("commit")),
-                want_values=bool(body.get("want_values")),
-            )
-            reply = {
-                "applied": result.applied,
-                "version": result.version,
-                "reason": result.reason,
-                "staleness": result.staleness,
-            }
-            return reply, wire_cast(result.values, body.get("values_dtype"))
-        if method == "stats":
-            return store.snapshot_stats(), {}
-        if method == "leave":
-            store.leave(str(body["worker"]))
-            return None, {}
-        if method == "wait_version":
-            return {
-                "version": store.wait_version(
-                    int(body["version"]), float(body.get("timeout", 60.0))
-                )
-            }, {}
-        if method == "state":
-            return store.state()
-        if method == "quiesce":
-            return {"version": store.quiesce()}, {}
-        if method == "resume":
-            store.resume()
-            return None, {}
-        if method == "load_state":
-            store.load_state(body, tensors)
-            return None, {}
-        raise ValueError(f"unknown ps method {method!r}")
+    def pull(self, index: int, request: PullRequest) -> PullReply:
+        return self.handler.pull(request)
+
+    def push(self, index: int, request: PushRequest) -> PushReply:
+        return self.handler.push(request)
 
     def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
         return [fn(i) for i in indices]

@@ -27,18 +27,10 @@ import torch
 from clusterflow.ps import optimizer as optim_bridge
 from clusterflow.ps.api import PSConfig, PSError, PushRejected
 from clusterflow.ps.optimizer import OptimizerSpec
+from clusterflow.rpc.codec import DTYPES
 from clusterflow.rpc.pool import RECEIVE_POOL
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
 
 
 @dataclass(slots=True)
@@ -130,9 +122,9 @@ class VariableStore:
             for spec in specs:
                 name = str(spec["name"])
                 shape = tuple(int(d) for d in spec["shape"])
-                dtype = _DTYPES.get(str(spec["dtype"]))
-                if dtype is None:
+                if str(spec["dtype"]) not in DTYPES:
                     raise PSError(f"variable {name!r}: unsupported dtype {spec['dtype']!r}")
+                dtype = getattr(torch, str(spec["dtype"]))
                 if name in self.vars:
                     have = self.vars[name]
                     if tuple(have.shape) != shape or have.dtype != dtype:

@@ -18,7 +18,8 @@ import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 import numpy as np
@@ -41,18 +42,23 @@ KIND_REPLY = "rep"
 KIND_ERROR = "err"
 _KINDS = frozenset({KIND_REQUEST, KIND_ONEWAY, KIND_REPLY, KIND_ERROR})
 
-_DTYPES = (
-    "float32",
-    "float64",
-    "float16",
-    "bfloat16",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
+DTYPES: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "float32": 4,
+        "float64": 8,
+        "float16": 2,
+        "bfloat16": 2,
+        "int64": 8,
+        "int32": 4,
+        "int16": 2,
+        "int8": 1,
+        "uint8": 1,
+        "bool": 1,
+    }
 )
+"""The one table of tensor dtypes clusterflow moves and stores (the wire, a ps's
+variables), each with its item size in bytes: torch's names, without ``torch.``."""
+
 
 # torch warns once that a read-only buffer (a received ZeroMQ frame) backs a tensor.
 # Receivers own those frames, so the warning says nothing useful here.
@@ -74,10 +80,8 @@ def _tensor_frames(tensor: torch.Tensor) -> tuple[list[Any], list[Any]]:
         t = t.cpu()
     t = t.contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise ProtocolError(
-            f"tensor dtype {dtype!r} cannot travel; supported: {', '.join(_DTYPES)}"
-        )
+    if dtype not in DTYPES:
+        raise ProtocolError(f"tensor dtype {dtype!r} cannot travel; supported: {', '.join(DTYPES)}")
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return [dtype, list(t.shape), 0], []
@@ -167,10 +171,10 @@ def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str
     position = 0
     try:
         for name, dtype_name, shape, nbytes in descriptors:
-            if dtype_name not in _DTYPES:
+            if dtype_name not in DTYPES:
                 raise ProtocolError(f"tensor {name!r} has unsupported dtype {dtype_name!r}")
             dtype = getattr(torch, dtype_name)
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = DTYPES[dtype_name]
             if any(not isinstance(d, int) or d < 0 for d in shape) or (
                 math.prod(shape) * itemsize != nbytes
             ):

@@ -1,4 +1,4 @@
-"""The one ``Strategy`` API every distribution strategy implements (ARCHITECTURE.md section 5).
+"""The one ``Strategy`` API every distribution strategy implements (docs/architecture.md section 5).
 
 Call order, as in ``tf.distribute``: build the strategy; create the model (and, for
 strategies that own the optimizer's placement, the optimizer) inside ``scope()``; then

@@ -1,4 +1,4 @@
-"""Consistent checkpoints of a training job, whatever its strategy (ARCHITECTURE.md s. 6).
+"""Consistent checkpoints of a training job, whatever its strategy (docs/architecture.md section 6).
 
 A checkpoint is a cut: the state of every process that holds training state at one
 moment, written by each process into one checkpoint folder and committed by the chief's

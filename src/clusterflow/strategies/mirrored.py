@@ -1,6 +1,6 @@
 """All-reduce strategies: ``MultiWorkerMirroredStrategy`` and ``MirroredStrategy``.
 
-One process per device (ARCHITECTURE.md section 5); each process is one replica, holding
+One process per device (docs/architecture.md section 5); each process is one replica, holding
 a full copy of the model. Gradients are all-reduced by ``DistributedDataParallel``
 (bucketed, overlapped with the backward pass), over the group that
 :mod:`clusterflow.collective` forms from the launcher's environment.
@@ -443,7 +443,7 @@ class MultiWorkerMirroredStrategy(CollectiveAllReduceStrategy):
             resolver = TFConfigClusterResolver()
         membership = Membership.from_env(
             os.environ,
-            resolver.cluster_spec if resolver else None,
+            resolver.cluster_spec() if resolver else None,
             resolver.task if resolver else None,
         )
         super().__init__(
@@ -480,7 +480,7 @@ class MirroredStrategy(CollectiveAllReduceStrategy):
         resolver = TFConfigClusterResolver() if config is not None else None
         membership = Membership.from_env(
             os.environ,
-            resolver.cluster_spec if resolver else None,
+            resolver.cluster_spec() if resolver else None,
             resolver.task if resolver else None,
         )
         if membership.local_world_size != membership.world_size:

@@ -52,6 +52,7 @@ from clusterflow.ps.api import (
 from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
 from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
 from clusterflow.ps.placement import Partitioner, place
+from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
 from clusterflow.strategies.batches import is_data_client
@@ -129,7 +130,7 @@ class ParameterServerStrategy(Strategy):
         self._partitioner = variable_partitioner
         self._deadline = deadline_s
         self._ps: PSConnection = _connection or RemotePS(
-            self._resolver.cluster_spec, self._resolver.require_credentials(), deadline=deadline_s
+            self._resolver.cluster_spec(), self._resolver.require_credentials(), deadline=deadline_s
         )
         self._vars: list[_Var] = []
         self._by_tensor: dict[int, _Var] = {}
@@ -181,7 +182,7 @@ class ParameterServerStrategy(Strategy):
     @property
     def worker_index(self) -> int:
         """This replica's index among the chief and the workers (chief first)."""
-        spec, task = self._resolver.cluster_spec, self._resolver.task
+        spec, task = self._resolver.cluster_spec(), self._resolver.task
         if task is None:
             return 0
         order = [t for t in spec.tasks() if t.job in ("chief", "worker")]
@@ -282,6 +283,49 @@ class ParameterServerStrategy(Strategy):
     def unplaced(self, module: torch.nn.Module) -> list[str]:
         """Names of ``module``'s parameters that were made outside ``scope()``."""
         return [name for name, p in module.named_parameters() if id(p) not in self._by_tensor]
+
+    # For replicas built elsewhere: all that strategies/coordinator/ uses -------------
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The cluster, as TensorFlow's ``strategy.cluster_resolver``."""
+        return self._resolver
+
+    def replica_options(self) -> dict[str, Any]:
+        """Keyword arguments that make another process's strategy push and pull as this one.
+
+        Not the partitioner: the placement travels with ``variables()``.
+        """
+        c = self.config
+        return {
+            "mode": c.mode,
+            "max_staleness": c.max_staleness,
+            "stale_policy": c.stale_policy,
+            "staleness_aware_lr": c.staleness_aware_lr,
+            "reject_nonfinite": c.reject_nonfinite,
+            "gradient_wire_dtype": self._grad_dtype,
+            "value_wire_dtype": self._value_dtype,
+            "deadline_s": self._deadline,
+        }
+
+    def variables(self) -> list[tuple[torch.Tensor, VariableSpec, tuple[Shard, ...]]]:
+        """Every variable tracked here, in creation order: (local tensor, spec, shards)."""
+        return [(v.tensor, v.spec, v.shards) for v in self._vars]
+
+    def adopt_variable(
+        self, tensor: torch.Tensor, spec: VariableSpec, shards: tuple[Shard, ...]
+    ) -> None:
+        """Tracks ``tensor`` as the local copy of a variable another replica placed on the ps.
+
+        Nothing is sent to the ps; ``run`` loads it and pushes its gradients from now on.
+        """
+        var = _Var(tensor, spec, shards)
+        self._vars.append(var)
+        self._by_tensor[id(tensor)] = var
+
+    def discard_staged_values(self) -> None:
+        """The next ``run`` pulls the newest values, not those the last push brought back."""
+        self._staged = None
 
     # Checkpoints (the consistent cut; see clusterflow.strategies.checkpointer) ---------
 
@@ -420,13 +464,11 @@ class ParameterServerStrategy(Strategy):
         """
 
         def pull(index: int, min_version: int) -> tuple[int, dict[str, torch.Tensor]]:
-            body = {
-                "min_version": min_version,
-                "dtype": self._value_dtype,
-                "timeout": self._deadline,
-            }
-            reply, tensors = self._ps.call(index, "pull", body)
-            return int(reply["version"]), tensors
+            request = PullRequest(
+                min_version=min_version, dtype=self._value_dtype, timeout=self._deadline
+            )
+            reply = self._ps.pull(index, request)
+            return reply.version, reply.values
 
         results = self._ps.map(lambda i: pull(i, min_versions[i]), range(self._ps.num_ps))
         if self.config.mode == "sync":
@@ -531,7 +573,8 @@ class ParameterServerStrategy(Strategy):
             if self._grad_dtype == "bfloat16" and grad.is_floating_point():
                 grad = grad.to(torch.bfloat16)
             for shard in var.shards:
-                per_ps[shard.ps][f"g/{shard.name}"] = self._slice(grad, shard)
+                per_ps[shard.ps][shard.name] = self._slice(grad, shard)
+        buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(self._ps.num_ps)]
         if self.is_chief:
             for var in self._vars:
                 if not var.spec.trainable:
@@ -539,8 +582,8 @@ class ParameterServerStrategy(Strategy):
                         # A copy: the next forward updates buffers in place while a
                         # background push may still be sending them.
                         value = self._slice(var.tensor.detach(), shard).clone()
-                        per_ps[shard.ps][f"b/{shard.name}"] = value
-        self._push(per_ps, hyper)
+                        buffers[shard.ps][shard.name] = value
+        self._push(per_ps, buffers, hyper)
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
         self._pushed = True
@@ -556,35 +599,39 @@ class ParameterServerStrategy(Strategy):
         )
         self._optimizers.add(id(optimizer))
 
-    def _push(self, per_ps: list[dict[str, torch.Tensor]], hyper: list[dict[str, Any]]) -> None:
+    def _push(
+        self,
+        per_ps: list[dict[str, torch.Tensor]],
+        buffers: list[dict[str, torch.Tensor]],
+        hyper: list[dict[str, Any]],
+    ) -> None:
         sync = self.config.mode == "sync"
         # sync: one step version on every shard; if the pull was mixed, the push is late
         # at ps 0 (which decides), so it is never counted with gradients missing.
         step_version = min(self._versions)
         versions, lease = list(self._versions), self._lease
 
-        def push(
-            index: int, commit: bool = False
-        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-            body = {
-                "worker": self._worker,
-                "version": step_version if sync else versions[index],
-                "hyper": hyper,
-                "commit": commit,
-                "lease": lease,
-                "want_values": not sync,
-                "values_dtype": self._value_dtype,
-                "timeout": self._deadline,
-            }
-            reply, tensors = self._ps.call(index, "push", body, per_ps[index])
-            return dict(reply), tensors
+        def push(index: int, commit: bool = False) -> PushReply:
+            request = PushRequest(
+                worker=self._worker,
+                version=step_version if sync else versions[index],
+                grads=per_ps[index],
+                buffers=buffers[index],
+                hyper=hyper,
+                commit=commit,
+                lease=lease,
+                want_values=not sync,
+                values_dtype=self._value_dtype,
+                timeout=self._deadline,
+            )
+            return self._ps.push(index, request)
 
         if sync:
             others = [i for i in range(self._ps.num_ps) if i != 0]
             replies = self._ps.map(push, others)
             replies.insert(0, push(0, commit=True))
             # ps 0 decides the step: a commit it counted is in the step on every shard.
-            self.last_push_applied = bool(replies[0][0]["applied"])
+            self.last_push_applied = replies[0].applied
             if not self.last_push_applied:
                 self.dropped_pushes += 1
             targets = [step_version + 1] * self._ps.num_ps
@@ -593,14 +640,14 @@ class ParameterServerStrategy(Strategy):
 
         def push_all() -> None:
             replies = self._ps.map(push, range(self._ps.num_ps))
-            self.last_push_applied = all(r[0]["applied"] for r in replies)
+            self.last_push_applied = all(r.applied for r in replies)
             if not self.last_push_applied:
                 self.dropped_pushes += 1
-            if all(r[1] or not self.placement.on_ps(i) for i, r in enumerate(replies)):
+            if all(r.values or not self.placement.on_ps(i) for i, r in enumerate(replies)):
                 values: dict[str, torch.Tensor] = {}
-                for _, tensors in replies:
-                    values.update(tensors)
-                self._bg_values = ([int(r[0]["version"]) for r in replies], values)
+                for reply in replies:
+                    values.update(reply.values)
+                self._bg_values = ([r.version for r in replies], values)
 
         self._collect_inflight(wait=True)  # at most one push in flight
         if self._overlap and self._lease is None:
@@ -625,7 +672,7 @@ class CentralStorageStrategy(ParameterServerStrategy):
         from clusterflow.strategies.resolver import SimpleClusterResolver
 
         super().__init__(
-            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, "chief", 0),
+            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, task_type="chief", task_id=0),
             mode="sync",
             reject_nonfinite=reject_nonfinite,
             _connection=LocalPS(),

@@ -48,7 +48,7 @@ from clusterflow.rpc import Credentials, Request
 from clusterflow.server import Server
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import StrategyError
-from clusterflow.strategies.parameter_server import ParameterServerStrategy, _Var
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.strategies.resolver import ClusterResolver
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class WorkerStrategy(ParameterServerStrategy):
         hears it finished: then a function scheduled after ``join()`` sees every update
         made before it, as TensorFlow's reads at the ps do.
         """
-        self._staged = None  # else the values our last push brought back
+        self.discard_staged_values()  # else the values our last push brought back
         try:
             return super().run(fn, args, kwargs, **options)
         finally:
@@ -214,10 +214,7 @@ class WorkerStrategy(ParameterServerStrategy):
             tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
         elif requires_grad:
             tensor.requires_grad_(True)
-        # The strategy's own bookkeeping, as ``_create`` fills it for variables it places.
-        var = _Var(tensor, spec, shards)
-        self._vars.append(var)
-        self._by_tensor[id(tensor)] = var
+        self.adopt_variable(tensor, spec, shards)
         self._bound[name] = tensor
         return tensor
 
