@@ -88,8 +88,13 @@ def main() -> None:
     strategy.pull_values()
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-    if strategy.is_chief:
-        print(f"final test_accuracy {acc:.4f} global_step {strategy.global_step()}", flush=True)
+    # Every worker reports: the global step it saw after its own last update, and how
+    # many of its pushes a sync step dropped as late (backup workers at work).
+    print(
+        f"final test_accuracy {acc:.4f} global_step {strategy.global_step()} "
+        f"dropped_pushes {strategy.dropped_pushes}",
+        flush=True,
+    )
     strategy.close()
 
 

@@ -1,7 +1,7 @@
 """The root of clusterflow's error hierarchy.
 
 A leaf module: it imports nothing of ours, so every layer (``cluster`` included) may
-raise these without breaking the one-way import rule of ARCHITECTURE.md section 2.
+raise these without breaking the one-way import rule of docs/architecture.md section 2.
 """
 
 from __future__ import annotations

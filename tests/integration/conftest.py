@@ -215,16 +215,25 @@ def cf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clusterflow]
     clusterflow = Clusterflow(home, work)
     yield clusterflow
 
+    # Every step runs for every cluster even when an earlier one failed or timed out: a
+    # cluster this test left running would eat the CPUs of every test after it.
+    problems: list[str] = []
     for proc in clusterflow.procs:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=30)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            problems.append(f"CLI process {proc.pid} did not end after SIGKILL")
     left: dict[str, list[str]] = {}
     for cluster_id in clusterflow.ids():
         state = clusterflow.path(cluster_id) / "state.json"
-        if not state.exists() or json.loads(state.read_text()).get("status") not in TERMINAL:
-            # (`stop` of a finished cluster only says so: not worth a process.)
-            clusterflow.run("stop", cluster_id, "--grace", "2", timeout=90)
+        try:
+            if not state.exists() or json.loads(state.read_text()).get("status") not in TERMINAL:
+                # (`stop` of a finished cluster only says so: not worth a process.)
+                clusterflow.run("stop", cluster_id, "--grace", "2", timeout=90)
+        except (subprocess.TimeoutExpired, ValueError) as err:
+            problems.append(f"`clusterflow stop {cluster_id}` failed: {err!r}")
         procs = cluster_processes(cluster_id)
         if procs:
             with_names = []
@@ -235,5 +244,7 @@ def cf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clusterflow]
                     with_names.append(str(proc.pid))
             left[cluster_id] = with_names
             kill_processes(procs, 0.5)
+    still = {c: [p.pid for p in cluster_processes(c)] for c in clusterflow.ids()}
+    assert not problems, f"cleanup problems: {problems}"
     assert not left, f"processes left after `clusterflow stop`: {left}"
-    assert not any(cluster_processes(c) for c in clusterflow.ids())
+    assert not any(still.values()), f"processes that survived SIGKILL: {still}"

@@ -199,6 +199,15 @@ def test_chief_ps_workers_get_spec_and_environment(cf: Clusterflow) -> None:
         host, port = address.rsplit(":", 1)
         assert host == "127.0.0.1" and 0 < int(port) < 65536
     assert all(c["cluster"] == cluster for c in configs.values())
+    # Byte for byte what TensorFlow's launchers write: compact JSON, jobs sorted, the
+    # cluster before the task, the index a JSON integer.
+    jobs = ",".join(
+        f'"{job}":[' + ",".join(f'"{a}"' for a in cluster[job]) + "]" for job in sorted(cluster)
+    )
+    for task, record in records.items():
+        job, index = task.split(":")
+        expected = f'{{"cluster":{{{jobs}}},"task":{{"type":"{job}","index":{index}}}}}'
+        assert record["env"]["TF_CONFIG"] == expected
     ranks = {"chief:0": 0, "worker:0": 1, "worker:1": 2}
     master_ports = set()
     for task, record in records.items():

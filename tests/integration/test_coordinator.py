@@ -2,13 +2,16 @@
 
 Each test writes (or takes from examples/) the script every task runs: worker tasks
 serve, the chief schedules and writes what it saw to a JSON file that the test reads.
-Every process a test starts is stopped when it ends, passed or failed. A few quick
-tests at the end run the chief, the ps tasks and the workers as threads of this process.
+No test sees a ``TF_CONFIG`` or ``CLUSTERFLOW_*`` variable of a surrounding cluster.
+Every process a test starts is stopped when it ends, passed or failed, and a cluster
+that ended by itself must have left no process behind. A few quick tests at the end
+run the chief, the ps tasks and the workers as threads of this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -17,11 +20,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from clusterflow.manager.stopper import cluster_processes, kill_processes
@@ -29,6 +33,50 @@ from clusterflow.manager.stopper import cluster_processes, kill_processes
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+LEFT_BEHIND_S = 30.0
+"""How long a finished cluster's processes may take to exit: a bound on a hang, generous."""
+
+
+def _inherited(name: str) -> bool:
+    """A variable a surrounding cluster may have set (this test may run inside one)."""
+    return name == "TF_CONFIG" or name.startswith("CLUSTERFLOW_")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No inherited cluster variable; no child process of this test outlives it."""
+    for name in [n for n in os.environ if _inherited(n)]:
+        monkeypatch.delenv(name)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    _assert_gone(
+        lambda: [p for p in psutil.Process().children(recursive=True) if p.pid not in before],
+        "child processes of the test",
+    )
+
+
+def _assert_gone(find: Callable[[], list[psutil.Process]], what: str) -> None:
+    """Waits for ``find()`` to come back empty; kills and names what it still finds."""
+    deadline = time.monotonic() + LEFT_BEHIND_S
+    while (left := _alive(find())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        names = []
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                names.append(f"{proc.pid} {' '.join(proc.cmdline())}")
+        kill_processes(left, grace_s=2.0)
+        raise AssertionError(f"{what} left behind: {names}")
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
+
 
 # Every script starts the same way: worker tasks serve until the chief's coordinator
 # closes; only the chief goes on. Nothing here imports torch before that split.
@@ -64,6 +112,13 @@ def log_run(name):
         f.write(f"{name} {os.getpid()}\\n")
 
 
+def log_order(event, name):
+    # One append-mode file for every worker: the kernel orders the appends, so a line
+    # written after another (as a dependent's start after its input's end) comes later.
+    with open(OUT + ".order", "a") as f:
+        f.write(f"{event} {name}\\n")
+
+
 def finish(result):
     result["stats"] = dataclasses.asdict(coordinator.stats())
     coordinator.close()
@@ -77,9 +132,13 @@ def finish(result):
 def running_cluster(
     home: Path, command: list[str], extra: tuple[str, ...] = ()
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`clusterflow start` in its own session; on exit, stops it and everything it started."""
+    """`clusterflow start` in its own session; on exit, stops it and everything it started.
+
+    When the body returned normally, the cluster must also have left no process behind.
+    """
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CLUSTERFLOW_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if not _inherited(k)}
+    env.update(CLUSTERFLOW_HOME=str(home), PYTHONUNBUFFERED="1")
     with (home / "output.log").open("wb") as output:
         proc = subprocess.Popen(
             [
@@ -107,8 +166,13 @@ def running_cluster(
         )
         try:
             yield proc
-        finally:
+        except BaseException:
             _stop_everything(proc, home)
+            raise
+        for cluster in (home / "clusters").glob("*"):
+            find = functools.partial(cluster_processes, cluster.name)
+            _assert_gone(find, f"processes of cluster {cluster.name}")
+        _stop_everything(proc, home)
 
 
 def _stop_everything(proc: subprocess.Popen[bytes], home: Path) -> None:
@@ -150,6 +214,9 @@ def run_script(home: Path, body: str, timeout: float = 90.0) -> dict[str, Any]:
         wait_for(proc, home, timeout)
     result: dict[str, Any] = json.loads(out.read_text())
     result["runs"] = [line.split() for line in Path(f"{out}.runs").read_text().splitlines()]
+    order = Path(f"{out}.order")
+    lines = order.read_text().splitlines() if order.exists() else []
+    result["order"] = [" ".join(line.split()) for line in lines]
     return result
 
 
@@ -158,10 +225,11 @@ def run_script(home: Path, body: str, timeout: float = 90.0) -> dict[str, Any]:
 DATAFLOW = """\
 def node(name, *inputs, delay=0.05):
     log_run(name)
-    start = time.time()
-    time.sleep(delay)
+    log_order("start", name)
+    time.sleep(delay)  # work: a dependent that did not wait would start meanwhile
     value = name + "(" + ",".join(i["value"] for i in inputs) + ")"
-    return {"name": name, "value": value, "start": start, "end": time.time()}
+    log_order("end", name)
+    return {"name": name, "value": value}
 
 
 def gather(parts):
@@ -222,20 +290,32 @@ def dataflow(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_script(tmp_path_factory.mktemp("dataflow"), DATAFLOW)
 
 
+def ran_after(dataflow: dict[str, Any], dependent: str, *inputs: str) -> bool:
+    """Whether ``dependent`` started after every one of ``inputs`` ended, in the log order.
+
+    The order is what the functions themselves wrote to one file, on whichever worker
+    they ran, never clocks compared across processes.
+    """
+    order: list[str] = dataflow["order"]
+    for event in [f"start {dependent}"] + [f"end {i}" for i in inputs]:
+        assert order.count(event) == 1, (event, order)
+    started = order.index(f"start {dependent}")
+    return all(order.index(f"end {i}") < started for i in inputs)
+
+
 @pytest.mark.timeout(150)
 def test_chain_runs_in_dependency_order(dataflow: dict[str, Any]) -> None:
-    nodes = dataflow["nodes"]
-    assert nodes["f1"]["end"] <= nodes["f2"]["start"]
-    assert nodes["f2"]["end"] <= nodes["f3"]["start"]
-    assert nodes["f3"]["value"] == "f3(f2(f1()))"
+    assert ran_after(dataflow, "f2", "f1")
+    assert ran_after(dataflow, "f3", "f2")
+    assert dataflow["nodes"]["f3"]["value"] == "f3(f2(f1()))"
 
 
 @pytest.mark.timeout(150)
 def test_diamond_waits_for_every_input(dataflow: dict[str, Any]) -> None:
-    nodes = dataflow["nodes"]
-    assert nodes["a"]["end"] <= min(nodes["b"]["start"], nodes["c"]["start"])
-    assert max(nodes["b"]["end"], nodes["c"]["end"]) <= nodes["d"]["start"]
-    assert nodes["d"]["value"] == "d(b(a()),c(a()))"
+    assert ran_after(dataflow, "b", "a")
+    assert ran_after(dataflow, "c", "a")
+    assert ran_after(dataflow, "d", "b", "c")
+    assert dataflow["nodes"]["d"]["value"] == "d(b(a()),c(a()))"
 
 
 @pytest.mark.timeout(150)
@@ -454,7 +534,7 @@ def local_cluster() -> Iterator[LocalCluster]:
     from clusterflow.ps.service import PSService
     from clusterflow.rpc import Credentials, RpcServer
     from clusterflow.server import Server
-    from clusterflow.strategies.worker_service import WorkerService
+    from clusterflow.strategies.coordinator.worker import WorkerService
 
     credentials = Credentials.generate()
     # Bound first, so the spec holds ports nobody else can take meanwhile.
@@ -532,6 +612,7 @@ def test_strategy_run_inside_a_function_trains_variables_sharded_over_two_ps(
 def test_what_cannot_travel_is_refused_at_schedule(local_cluster: LocalCluster) -> None:
     import threading
 
+    from clusterflow.errors import ConfigError
     from clusterflow.strategies.coordinator import ClusterCoordinator, SerializationError
 
     strategy = local_cluster.strategy()
@@ -542,6 +623,11 @@ def test_what_cannot_travel_is_refused_at_schedule(local_cluster: LocalCluster) 
         with pytest.raises(SerializationError, match="arguments of"):
             coordinator.schedule(print, args=(threading.Lock(),))
         assert coordinator.schedule(lambda a: a + 1, args=(first,)).fetch() == 2
+        with (
+            ClusterCoordinator(strategy, worker_timeout_s=10) as other,
+            pytest.raises(ConfigError, match="another ClusterCoordinator"),
+        ):
+            other.schedule(int, args=(first,))
     strategy.close()
 
 

@@ -34,10 +34,6 @@ EVERY = 5
 LAST = 20
 
 
-def _checkpointer_or_skip() -> None:
-    pytest.importorskip("clusterflow.strategies.checkpointer", reason="the Checkpointer")
-
-
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch: a function of the step, so resuming needs no skipping."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -107,7 +103,6 @@ def straight() -> torch.Tensor:
 def test_a_stopped_session_resumes_at_its_step_on_a_fresh_model(
     tmp_path: Path, straight: torch.Tensor
 ) -> None:
-    _checkpointer_or_skip()
     _, started = run_session(None, tmp_path, 12)
     assert started == 0
     model, started = run_session(None, tmp_path, LAST, seed=99)  # other initial weights
@@ -119,7 +114,6 @@ def test_a_stopped_session_resumes_at_its_step_on_a_fresh_model(
 def test_a_killed_run_resumes_from_its_last_checkpoint(
     tmp_path: Path, straight: torch.Tensor
 ) -> None:
-    _checkpointer_or_skip()
     killed = subprocess.run(
         [PY, __file__, str(tmp_path / "ckpt"), str(LAST), "13", str(tmp_path)],
         capture_output=True,
@@ -135,7 +129,6 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(
 
 @pytest.mark.timeout(60)
 def test_a_stopped_fit_resumes_on_the_same_global_batches(tmp_path: Path) -> None:
-    _checkpointer_or_skip()
     from clusterflow.train import Checkpoint, StopAtStep, fit
 
     gen = torch.Generator().manual_seed(3)
@@ -167,7 +160,6 @@ def test_a_stopped_fit_resumes_on_the_same_global_batches(tmp_path: Path) -> Non
 def test_mirrored_replicas_stopped_and_restarted_resume_together(
     cf: Clusterflow, tmp_path: Path, straight: torch.Tensor
 ) -> None:
-    _checkpointer_or_skip()
     ckpt = tmp_path / "ckpt"
     for stop in (12, LAST):
         done = cf.run(

@@ -57,7 +57,8 @@ def test_digits_fit_alone(tmp_path: Path) -> None:
         ("mirrored", ["--workers", "2"], ["--data-service"], "worker:0", 0.85),
         ("ps-sync", ["--chief", "--ps", "1", "--workers", "2"], ["--data-service"], "chief:0", 0.8),
         # Asynchronous updates from stale values learn slower in the first epochs.
-        ("ps-async", ["--ps", "1", "--workers", "2"], [], "worker:0", 0.5),
+        # 0.79-0.87 in four runs on a loaded 2-core machine (3 epochs); chance is 0.1.
+        ("ps-async", ["--ps", "1", "--workers", "2"], [], "worker:0", 0.7),
     ],
 )
 def test_digits_fit_in_a_cluster(
@@ -87,7 +88,6 @@ def test_digits_fit_in_a_cluster(
 def test_digits_fit_with_an_evaluator_task_evaluates_every_checkpoint(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    pytest.importorskip("clusterflow.strategies.checkpointer", reason="the Checkpointer")
     done = cf.run(
         "start",
         "--workers",
@@ -115,7 +115,6 @@ def test_digits_fit_with_an_evaluator_task_evaluates_every_checkpoint(
 
 @pytest.mark.timeout(150)
 def test_custom_loop_session_stops_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("clusterflow.strategies.checkpointer", reason="the Checkpointer")
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--every-steps", "20"]
     first = _alone(CUSTOM_LOOP, "--steps", "30", *args, "--log-dir", "logs", cwd=tmp_path)
     assert "stopped at step 30" in first and "resumed" not in first

@@ -8,6 +8,10 @@
   ``docs/cli.md``. The CLI is read from click's command objects, not from a subprocess.
 * The Python snippets of ``docs/concepts.md`` that need no cluster run as shown; every
   Python snippet on every page at least compiles.
+* Every citation "docs/architecture.md section N" in ``src/``, ``docs/``, ``tests/`` and
+  ``benchmarks/`` names a section the page has, and nothing cites a map outside the
+  repository; every module path the page names exists, unless its paragraph (or table
+  row) marks it as planned.
 
 Work in progress is tolerated only where it is listed below and marked on the page, so
 a listed option that lands (or a page that appears) makes a test fail until the list
@@ -33,6 +37,8 @@ from clusterflow.cli.main import cli
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 CLI_PAGE = DOCS / "cli.md"
+ARCHITECTURE_PAGE = DOCS / "architecture.md"
+CITING_TREES = ("src", "docs", "tests", "benchmarks", "examples")
 CONCEPTS_PAGE = DOCS / "concepts.md"
 
 PENDING_START_OPTIONS: tuple[str, ...] = ()
@@ -435,3 +441,65 @@ def test_concepts_snippets_run_in_one_process() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+# Tests: the architecture page ----------------------------------------------------------
+
+_CITATION = re.compile(r"architecture\.md\]?(?:\([^)]*\))?,? (?:section|s\.) (\d+[a-z]?)\b")
+_SECTION = re.compile(r"^(\d+[a-z]?)\. ")
+_OUTSIDE_MAP = "ARCHITECTURE" + ".md"  # the old map outside the repository
+_MODULE_PATH = re.compile(r"`((?:[\w.]+/)+[\w.]*\.py)`")
+
+
+def architecture_sections() -> set[str]:
+    page = read_page(ARCHITECTURE_PAGE)
+    return {m.group(1) for h in page.headings if (m := _SECTION.match(h))}
+
+
+def citing_files() -> Iterator[Path]:
+    for tree in CITING_TREES:
+        for path in sorted((ROOT / tree).rglob("*")):
+            if path.suffix in {".py", ".md"} and ".venv" not in path.parts:
+                yield path
+    yield ROOT / "README.md"
+
+
+def test_architecture_page_has_its_numbered_sections() -> None:
+    assert {"1", "2", "3", "3b", "4", "5", "6", "6b", "6c", "7", "8"} <= architecture_sections()
+
+
+def test_every_architecture_citation_names_a_section_that_exists() -> None:
+    sections = architecture_sections()
+    problems = []
+    cited = 0
+    for path in citing_files():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            if _OUTSIDE_MAP in line:
+                problems.append(f"{where}: cites {_OUTSIDE_MAP}, which is not in the repository")
+            for match in _CITATION.finditer(line):
+                cited += 1
+                if match.group(1) not in sections:
+                    problems.append(f"{where}: docs/architecture.md has no section {match[1]}")
+    assert not problems, "\n".join(problems)
+    assert cited >= 20, f"only {cited} citations found: is the pattern still right?"
+
+
+def test_architecture_page_names_only_modules_that_exist_or_are_planned() -> None:
+    text = ARCHITECTURE_PAGE.read_text(encoding="utf-8")
+    paragraphs: list[str] = []
+    for block in text.split("\n\n"):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        paragraphs += rows if rows else [block]
+    problems = []
+    for paragraph in paragraphs:
+        for name in _MODULE_PATH.findall(paragraph):
+            exists = (ROOT / "src" / "clusterflow" / name).exists() or (ROOT / name).exists()
+            if not exists and "planned" not in paragraph.lower():
+                problems.append(f"{name}: no such module, and not marked planned")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_architecture_page_is_linked_from_the_readme_and_the_docs() -> None:
+    assert "docs/architecture.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "architecture.md" in CONCEPTS_PAGE.read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""Imports point one way (ARCHITECTURE.md section 2): cli, manager, backends, runtime, cluster."""
+"""Imports point one way (docs/architecture.md section 2): from cli down to errors."""
 
 from __future__ import annotations
 

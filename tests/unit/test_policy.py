@@ -166,7 +166,7 @@ def test_status_values_are_frozen() -> None:
         snapshot.stop_requested = True  # type: ignore[misc]
 
 
-# Recovery (ARCHITECTURE.md section 6) ---------------------------------------------------
+# Recovery (docs/architecture.md section 6) ---------------------------------------------------
 
 
 def test_a_respawnable_worker_that_dies_is_respawned_alone_while_restarts_remain() -> None:

@@ -7,6 +7,7 @@ tests/integration/test_session_in_cluster.py.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -127,9 +128,24 @@ def test_hook_settings_are_checked() -> None:
         lambda: Checkpoint(every_secs=0),
         lambda: Checkpoint(keep=0),
         lambda: Evaluate("not a function"),  # type: ignore[arg-type]
+        lambda: Evaluate(lambda m: {}, poll_s=0),
     ):
         with pytest.raises(TrainConfigError):
             make()
+
+
+def test_evaluate_is_the_evaluators_one_frozen_config(tmp_path: Path) -> None:
+    hook = Evaluate(lambda m: {}, directory=tmp_path, idle_timeout_s=0.0, poll_s=0.01)
+    assert (hook.directory, hook.poll_s, hook.stop_file) == (tmp_path, 0.01, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hook.poll_s = 5.0  # type: ignore[misc]
+    with pytest.raises(TypeError, match="positional"):
+        Evaluate(lambda m: {}, tmp_path)  # type: ignore[misc]  # only eval_fn by position
+    # run_evaluator takes the same keywords, checked the same way.
+    with pytest.raises(TrainConfigError, match="poll_s"):
+        run_evaluator(nn.Linear(1, 1), lambda m: {}, directory=tmp_path, poll_s=-1)
+    with pytest.raises(TypeError, match="pol_s"):
+        run_evaluator(nn.Linear(1, 1), lambda m: {}, directory=tmp_path, pol_s=1)
 
 
 # Checkpoint ------------------------------------------------------------------------------

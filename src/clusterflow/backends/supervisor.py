@@ -51,20 +51,25 @@ from types import FrameType
 from typing import IO, NoReturn
 
 from clusterflow.backends.api import REPLICA_TAG
-from clusterflow.backends.zygote import ENV_READY_FD, runnable
+from clusterflow.backends.zygote import runnable
 from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import (
+    ENV_BIND_HOST,
+    ENV_HEARTBEAT_S,
+    ENV_LISTEN_FD,
+    ENV_MANAGER,
+    ENV_MANAGER_TIMEOUT,
+    ENV_REGISTER_TIMEOUT,
+    ENV_STANDBY,
+    ENV_TASK,
+    ENV_ZYGOTE_READY_FD,
+    ManagerMethod,
+)
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger("clusterflow.supervisor")
 
-ENV_MANAGER = "CLUSTERFLOW_MANAGER"
-ENV_TASK = "CLUSTERFLOW_TASK"
-ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
-ENV_HEARTBEAT = "CLUSTERFLOW_HEARTBEAT_S"
-ENV_MANAGER_TIMEOUT = "CLUSTERFLOW_MANAGER_TIMEOUT"
-ENV_REGISTER_TIMEOUT = "CLUSTERFLOW_REGISTER_TIMEOUT"
-ENV_STANDBY = "CLUSTERFLOW_STANDBY"
 ZYGOTE_WARM_S = 300.0
 """The most a standby waits for its zygote's imports (seconds of CPU on a small box)."""
 STANDBY_ROUND_S = 20.0
@@ -116,7 +121,7 @@ class Supervisor:
             raise ConfigError("supervisor started without CLUSTERFLOW_SECRET_FILE")
         self.credentials = credentials
         self.host = environ.get(ENV_BIND_HOST, "127.0.0.1")
-        self.heartbeat_s = _seconds(environ, ENV_HEARTBEAT, 1.0)
+        self.heartbeat_s = _seconds(environ, ENV_HEARTBEAT_S, 1.0)
         self.manager_timeout_s = _seconds(environ, ENV_MANAGER_TIMEOUT, 15.0)
         self.register_timeout_s = _seconds(environ, ENV_REGISTER_TIMEOUT, 180.0)
         self.environ = environ
@@ -136,7 +141,7 @@ class Supervisor:
             if self.standby and not self._take_over(client, reserved.fileno()):
                 return 0
             reply = client.call(
-                "manager.register",
+                ManagerMethod.REGISTER,
                 {"task": str(self.task), "address": address, "pid": os.getpid()},
                 deadline=self.register_timeout_s,
             ).body
@@ -144,7 +149,7 @@ class Supervisor:
             env.pop(ENV_STANDBY, None)
             env[ENV_TASK] = str(self.task)
             env.update(reply["env"])
-            env["CLUSTERFLOW_LISTEN_FD"] = str(reserved.fileno())
+            env[ENV_LISTEN_FD] = str(reserved.fileno())
             command = list(reply["command"])
             replicas: list[dict[str, str]] = list(reply.get("replicas") or [])
             if self.terminating:
@@ -191,7 +196,7 @@ class Supervisor:
         for index, overrides in enumerate(replicas):
             replica_env = {**env, **overrides}
             if index:
-                replica_env.pop("CLUSTERFLOW_LISTEN_FD", None)
+                replica_env.pop(ENV_LISTEN_FD, None)
             child = subprocess.Popen(
                 command,
                 env=replica_env,
@@ -210,7 +215,7 @@ class Supervisor:
         """Standby: warms a zygote, then waits to be given a task; False: not needed."""
         read_end, write_end = os.pipe()
         env = {k: v for k, v in self.environ.items() if k != ENV_STANDBY}
-        env[ENV_READY_FD] = str(write_end)
+        env[ENV_ZYGOTE_READY_FD] = str(write_end)
         self.zygote = subprocess.Popen(
             [sys.executable, "-m", "clusterflow.backends.zygote"],
             env=env,
@@ -231,7 +236,7 @@ class Supervisor:
             self.zygote = None
         while not self.terminating:
             reply = client.call(
-                "manager.standby",
+                ManagerMethod.STANDBY,
                 {"pid": os.getpid(), "wait_s": STANDBY_ROUND_S},
                 deadline=STANDBY_ROUND_S + 10.0,
             ).body
@@ -282,7 +287,7 @@ class Supervisor:
                 return code
             try:
                 client.call(
-                    "manager.heartbeat",
+                    ManagerMethod.HEARTBEAT,
                     {"task": str(self.task), "pid": self.children[0].pid},
                     deadline=max(2.0, self.heartbeat_s * 2),
                 )
@@ -305,7 +310,7 @@ class Supervisor:
         if error:
             body["error"] = error
         with contextlib.suppress(RpcError):
-            client.call("manager.exited", body, deadline=2.0)
+            client.call(ManagerMethod.EXITED, body, deadline=2.0)
 
     def stop_child(self) -> None:
         """SIGTERM to the job's processes, SIGKILL after the grace period."""

@@ -22,8 +22,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-ENV_READY_FD = "CLUSTERFLOW_ZYGOTE_READY_FD"
-"""A pipe's write end: one byte on it says the zygote is warm."""
+from clusterflow.cluster.contract import ENV_ZYGOTE_READY_FD
+
 PRELOAD = ("torch", "clusterflow.strategies", "clusterflow.strategies.parameter_server")
 FLAGS_OK = frozenset({"-u"})
 
@@ -88,7 +88,7 @@ def main() -> None:
     for name in PRELOAD:
         __import__(name)
     _warm_up()
-    ready = os.environ.pop(ENV_READY_FD, None)
+    ready = os.environ.pop(ENV_ZYGOTE_READY_FD, None)
     if ready:  # tell the standby supervisor: warm now
         os.write(int(ready), b"1")
         os.close(int(ready))

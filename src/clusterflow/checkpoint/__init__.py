@@ -1,4 +1,4 @@
-"""Storage and format of globally consistent checkpoints (ARCHITECTURE.md section 6).
+"""Storage and format of globally consistent checkpoints (docs/architecture.md section 6).
 
 The low layer only: parts (safetensors tensors or JSON) written by any number of
 processes into one folder, a manifest with their checksums committed atomically, the

@@ -7,10 +7,9 @@ the part names are a contract; they live here, with nothing else, for all to imp
 
 from __future__ import annotations
 
-ENV_CHECKPOINT_DIR = "CLUSTERFLOW_CHECKPOINT_DIR"
-"""Where a cluster's checkpoints go (path or fsspec URL), set by the manager."""
-ENV_RESTORE = "CLUSTERFLOW_RESTORE"
-"""The step of the checkpoint every task of this incarnation restores from."""
+from clusterflow.cluster.contract import ENV_CHECKPOINT_DIR, ENV_RESTORE
+
+__all__ = ["DATA_PART", "ENV_CHECKPOINT_DIR", "ENV_RESTORE", "MODEL_PART", "ps_part", "worker_part"]
 
 DATA_PART = "data"
 """The data service's cursor (JSON): which splits of each epoch are acked."""

@@ -1,6 +1,6 @@
 """Where checkpoints live: parts, sidecars and manifests on any fsspec filesystem.
 
-Layout under the storage URL (ARCHITECTURE.md section 6)::
+Layout under the storage URL (docs/architecture.md section 6)::
 
     ckpt-000000000100/
         MANIFEST.json                    the commit record, written last and atomically

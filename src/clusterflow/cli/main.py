@@ -297,8 +297,8 @@ def _run_foreground(cluster: Any, config: Any) -> int:
 
 
 def _start_detached(cluster: Any) -> None:
+    from clusterflow.cluster.contract import ENV_CLUSTER_ID
     from clusterflow.manager import registry
-    from clusterflow.manager.stopper import ENV_CLUSTER_ID
 
     with (cluster.path / "manager.log").open("ab") as manager_log:
         proc = subprocess.Popen(

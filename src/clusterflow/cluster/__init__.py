@@ -1,7 +1,7 @@
 """The cluster model: specs, task ids, device strings and ``TF_CONFIG``, as pure values.
 
 This package imports nothing of clusterflow's but :mod:`clusterflow.errors`, so every
-other layer can depend on it (ARCHITECTURE.md section 2).
+other layer can depend on it (docs/architecture.md section 2).
 """
 
 from __future__ import annotations

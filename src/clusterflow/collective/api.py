@@ -65,7 +65,7 @@ class CommunicationOptions:
     """How long a collective may wait for a peer before it fails naming the peer.
 
     TensorFlow's default is no timeout; ours is five minutes, because a hung peer must
-    end in an error (ARCHITECTURE.md section 6), and the slowest legitimate wait, a peer
+    end in an error (docs/architecture.md section 6), and the slowest legitimate wait, a peer
     loading its first batch, is far shorter. ``None`` means torch's own default.
     """
     rendezvous_timeout_seconds: float = 300.0

@@ -88,7 +88,7 @@ def select_backend(implementation: CommunicationImplementation, device: torch.de
 def select_device(membership: Membership, devices: Sequence[str] | None = None) -> torch.device:
     """This replica's device: ``devices[local_rank]``, else its GPU, else the CPU.
 
-    One process per device (ARCHITECTURE.md section 5), so the local rank picks it.
+    One process per device (docs/architecture.md section 5), so the local rank picks it.
 
     Args:
         devices: TensorFlow device strings (``"/gpu:0"``) or torch ones (``"cuda:1"``),

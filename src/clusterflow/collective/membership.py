@@ -5,7 +5,7 @@ cluster spec, and checked against each other before any socket opens: a launcher
 spec that disagree would otherwise meet as a rendezvous that waits forever. Pure logic,
 no torch, so every rule is unit-tested on plain values.
 
-Ranks follow the order the manager assigns them (ARCHITECTURE.md section 3): the chief
+Ranks follow the order the manager assigns them (docs/architecture.md section 3): the chief
 first when there is one, then the workers by index; ``ps`` and ``evaluator`` tasks are not
 replicas.
 """
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from clusterflow.cluster import ClusterSpec, TaskId, parse_address
+from clusterflow.cluster.contract import ENV_SPEC_VERSION
 from clusterflow.collective.api import MembershipError
 
 __all__ = ["REPLICA_JOBS", "Membership"]
@@ -126,8 +127,7 @@ class Membership:
                 f"RANK={environ.get('RANK')!r}, WORLD_SIZE={environ.get('WORLD_SIZE')!r}"
             )
         generation = (
-            f"{environ.get('CLUSTERFLOW_SPEC_VERSION', '0')}."
-            f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            f"{environ.get(ENV_SPEC_VERSION, '0')}.{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
         agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in _TRUE
         master = _master(environ)

@@ -7,11 +7,9 @@ import socket
 from collections.abc import Mapping
 
 from clusterflow.cluster import TFConfig
+from clusterflow.cluster.contract import ENV_DISPATCHER, ENV_MANAGER, ENV_TASK
 
-ENV_DISPATCHER = "CLUSTERFLOW_DISPATCHER"
-"""``host:port`` of the data dispatcher, when it is not the manager's."""
-ENV_MANAGER = "CLUSTERFLOW_MANAGER"
-ENV_TASK = "CLUSTERFLOW_TASK"
+__all__ = ["ENV_DISPATCHER", "ENV_MANAGER", "ENV_TASK", "default_worker_name", "resolve_dispatcher"]
 
 
 def default_worker_name(environ: Mapping[str, str] | None = None) -> str:

@@ -29,17 +29,35 @@ from typing import Any
 import psutil
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
-from clusterflow.backends.supervisor import ENV_STANDBY
 from clusterflow.checkpoint import CheckpointStorage
-from clusterflow.checkpoint.names import DATA_PART, ENV_CHECKPOINT_DIR, ENV_RESTORE
+from clusterflow.checkpoint.names import DATA_PART
 from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
+from clusterflow.cluster.contract import (
+    ENV_ATTEMPT,
+    ENV_BIND_HOST,
+    ENV_CHECKPOINT_DIR,
+    ENV_CLUSTER_ID,
+    ENV_HEARTBEAT_S,
+    ENV_JOB,
+    ENV_MANAGER,
+    ENV_REGISTER_TIMEOUT,
+    ENV_REPLICA,
+    ENV_RESTORE,
+    ENV_SECRET_FILE,
+    ENV_SPEC_VERSION,
+    ENV_STANDBY,
+    ENV_STATE_DIR,
+    ENV_TASK,
+    ENV_TASK_INDEX,
+    ManagerMethod,
+)
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
 from clusterflow.manager.config import REPLICA_JOBS, RunConfig
 from clusterflow.manager.output import Label, OutputRouter
 from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
 from clusterflow.manager.registry import ClusterDir
-from clusterflow.manager.stopper import ENV_CLUSTER_ID, cluster_processes, kill_processes
+from clusterflow.manager.stopper import cluster_processes, kill_processes
 from clusterflow.manager.store_host import StoreHost
 from clusterflow.rpc import Credentials, Request, RpcServer
 
@@ -107,7 +125,7 @@ class Controller:
         self.backend = backend
         # The tasks' way, so CLUSTERFLOW_AUTH (plain or curve) means the same to both.
         credentials = Credentials.from_env(
-            {**os.environ, **config.env, "CLUSTERFLOW_SECRET_FILE": str(cluster.secret_file)}
+            {**os.environ, **config.env, ENV_SECRET_FILE: str(cluster.secret_file)}
         )
         assert credentials is not None
         self.credentials = credentials
@@ -144,15 +162,15 @@ class Controller:
             name="manager",
             workers=len(self.tasks) * max(1, config.replicas_per_host) + 16,
         )
-        self._rpc.register("manager.register", self._on_register, blocking=True)
-        self._rpc.register("manager.heartbeat", self._on_heartbeat)
-        self._rpc.register("manager.exited", self._on_exited)
-        self._rpc.register("manager.stop", self._on_stop)
-        self._rpc.register("manager.status", lambda request: self._state())
-        self._rpc.register("manager.declare", self._on_declare)
-        self._rpc.register("manager.standby", self._on_standby, blocking=True)
-        self._rpc.register("manager.spec", self._on_spec)
-        self._rpc.register("task.report", self._on_report)
+        self._rpc.register(ManagerMethod.REGISTER, self._on_register, blocking=True)
+        self._rpc.register(ManagerMethod.HEARTBEAT, self._on_heartbeat)
+        self._rpc.register(ManagerMethod.EXITED, self._on_exited)
+        self._rpc.register(ManagerMethod.STOP, self._on_stop)
+        self._rpc.register(ManagerMethod.STATUS, lambda request: self._state())
+        self._rpc.register(ManagerMethod.DECLARE, self._on_declare)
+        self._rpc.register(ManagerMethod.STANDBY, self._on_standby, blocking=True)
+        self._rpc.register(ManagerMethod.SPEC, self._on_spec)
+        self._rpc.register(ManagerMethod.REPORT, self._on_report)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
         self.data = DispatcherService().register_on(self._rpc)
@@ -520,13 +538,13 @@ class Controller:
         env.update(self.config.env)
         env.update(
             {
-                "CLUSTERFLOW_MANAGER": self._rpc.address,
-                "CLUSTERFLOW_SECRET_FILE": str(self.cluster.secret_file),
-                "CLUSTERFLOW_TASK": str(task),
+                ENV_MANAGER: self._rpc.address,
+                ENV_SECRET_FILE: str(self.cluster.secret_file),
+                ENV_TASK: str(task),
                 ENV_CLUSTER_ID: self.cluster.id,
-                "CLUSTERFLOW_BIND_HOST": self.config.host,
-                "CLUSTERFLOW_HEARTBEAT_S": str(self.config.heartbeat_s),
-                "CLUSTERFLOW_REGISTER_TIMEOUT": str(self.config.register_timeout_s),
+                ENV_BIND_HOST: self.config.host,
+                ENV_HEARTBEAT_S: str(self.config.heartbeat_s),
+                ENV_REGISTER_TIMEOUT: str(self.config.register_timeout_s),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -537,12 +555,12 @@ class Controller:
         restore = self.tasks[task].restore
         env = {
             "TF_CONFIG": TFConfig(spec, task).to_json(),
-            "CLUSTERFLOW_JOB": task.job,
-            "CLUSTERFLOW_TASK_INDEX": str(task.index),
-            "CLUSTERFLOW_SPEC_VERSION": str(self._spec_version),
-            "CLUSTERFLOW_STATE_DIR": str(self.cluster.path),
+            ENV_JOB: task.job,
+            ENV_TASK_INDEX: str(task.index),
+            ENV_SPEC_VERSION: str(self._spec_version),
+            ENV_STATE_DIR: str(self.cluster.path),
             ENV_CHECKPOINT_DIR: self.checkpoint_url,
-            "CLUSTERFLOW_ATTEMPT": str(self._attempt),
+            ENV_ATTEMPT: str(self._attempt),
             # A TensorFlow gRPC server may then bind beside the reserved socket.
             "TF_GRPC_REUSE_PORT": "1",
         }
@@ -599,7 +617,7 @@ class Controller:
                     "GROUP_WORLD_SIZE": str(hosts),
                     "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(world),
-                    "CLUSTERFLOW_REPLICA": str(replica),
+                    ENV_REPLICA: str(replica),
                 }
             )
         return out

@@ -3,7 +3,7 @@
 Kept free of processes and I/O so every rule is unit-tested on plain values (the
 controller/policy split of Ray Train v2).
 
-Failure rules (ARCHITECTURE.md section 6). A task is dead when it exits non-zero, misses
+Failure rules (docs/architecture.md section 6). A task is dead when it exits non-zero, misses
 heartbeats past the timeout, or reports steps and then stops advancing past the stall
 timeout. While restarts remain (``max_restarts``), a dead task that declared itself
 respawnable (a worker of a parameter-server strategy: nobody else holds its state) is

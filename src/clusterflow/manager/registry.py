@@ -22,9 +22,9 @@ from typing import Any
 
 import psutil
 
+from clusterflow.cluster.contract import ENV_HOME
 from clusterflow.errors import ConfigError
 
-ENV_HOME = "CLUSTERFLOW_HOME"
 TERMINAL = frozenset({"succeeded", "failed", "stopped"})
 """Statuses after which nothing runs; every other status needs a live manager."""
 

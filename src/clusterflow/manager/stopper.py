@@ -16,13 +16,11 @@ import time
 
 import psutil
 
+from clusterflow.cluster.contract import ENV_CLUSTER_ID, ManagerMethod
 from clusterflow.manager.registry import TERMINAL, ClusterDir, effective_status, process_alive
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger(__name__)
-
-ENV_CLUSTER_ID = "CLUSTERFLOW_CLUSTER_ID"
-"""Set for a cluster's detached manager, its store, supervisors and (inherited) jobs."""
 
 
 def cluster_processes(cluster_id: str) -> list[psutil.Process]:
@@ -61,7 +59,7 @@ def stop_cluster(cluster: ClusterDir, grace_s: float) -> str:
         try:
             credentials = Credentials.from_file(cluster.secret_file)
             with RpcClient(manager["address"], credentials, deadline=5.0) as client:
-                client.call("manager.stop", {"grace_s": grace_s})
+                client.call(ManagerMethod.STOP, {"grace_s": grace_s})
         except RpcError as exc:
             log.warning("manager of %s did not take the stop request: %s", cluster.id, exc)
         deadline = time.monotonic() + grace_s + 15.0

@@ -1,4 +1,4 @@
-"""Values, settings and errors of the parameter server (ARCHITECTURE.md section 5)."""
+"""Values, settings and errors of the parameter server (docs/architecture.md section 5)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ class MalformedRequest(PSError):
 
 class PushRejected(PSError):
     """A push carried a wrong shape, dtype, unknown variable or a non-finite value."""
+
+
+class VersionTimeout(PSError):
+    """A wait for a version (a pull's ``min_version``, warm-up) ran out of time.
+
+    Typed so a caller that waits in bounded rounds tells a round that ran out from a
+    real failure without reading the message.
+    """
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,6 +1,6 @@
 """clusterflow's RPC layer: request/response and one-way messages over ZeroMQ.
 
-See ARCHITECTURE.md section 4 for the wire contract. Public names:
+See docs/architecture.md section 4 for the wire contract. Public names:
 
 * ``RpcServer`` / ``RpcClient``: serve and call methods, with deadlines.
 * ``Request`` / ``Response``: what handlers take and give.

@@ -4,7 +4,7 @@ One random 32-byte secret per cluster yields both mechanisms' credentials:
 
 * ``plain`` (the default on loopback): the peer presents a password derived from the
   secret. Authenticated, not encrypted: loopback traffic never leaves the host, and
-  CURVE's encryption halves bulk throughput (ARCHITECTURE.md section 4).
+  CURVE's encryption halves bulk throughput (docs/architecture.md section 4).
 * ``curve`` (the default beyond loopback): a CURVE key pair derived from the secret.
   Every task holds the same pair; a server admits only clients presenting that public
   key, so a peer without the secret cannot complete the handshake, and all traffic is
@@ -30,6 +30,7 @@ from typing import Literal
 import zmq
 import zmq.auth.thread
 
+from clusterflow.cluster.contract import ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,7 @@ AuthMode = Literal["plain", "curve"]
 AUTH_MODES: tuple[AuthMode, ...] = ("plain", "curve")
 PLAIN_USERNAME = "clusterflow"
 SECRET_BYTES = 32
-ENV_SECRET_FILE = "CLUSTERFLOW_SECRET_FILE"
-ENV_SECRET = "CLUSTERFLOW_SECRET"
-ENV_AUTH_MODE = "CLUSTERFLOW_AUTH"
+ENV_AUTH_MODE = ENV_AUTH
 
 
 def is_loopback(host: str) -> bool:

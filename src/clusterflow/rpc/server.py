@@ -135,7 +135,7 @@ class RpcServer:
         host: interface to bind (``127.0.0.1`` by default: local clusters stay local).
         port: port to bind; 0 picks an ephemeral one.
         listen_fd: an already bound TCP socket to adopt instead of binding (the
-            supervisor's reserved port, ARCHITECTURE.md section 3). ZeroMQ takes
+            supervisor's reserved port, docs/architecture.md section 3). ZeroMQ takes
             ownership of the descriptor.
         max_message_bytes: a request larger than this gets a ``too_large`` error reply.
         workers: threads for ``blocking`` handlers.

@@ -1,10 +1,12 @@
 """A job's line to the manager of ``clusterflow start``: how it recovers, how it fares.
 
 A task's job is a child of its supervisor, which heartbeats for it; but only the job
-knows whether it can be relaunched alone (a worker of a parameter-server strategy) and
-how far its training got. It tells the manager directly, at ``CLUSTERFLOW_MANAGER`` with
-the cluster's credentials. Outside a cluster every call is a no-op; a manager that does
-not answer costs one short deadline and a warning, never the training.
+knows whether it can be relaunched alone (a worker of a parameter-server strategy), how
+far its training got, and when a peer moved. It tells the manager directly, at
+``CLUSTERFLOW_MANAGER`` with the cluster's credentials: the one client of the manager's
+job-facing methods (``manager.declare``, ``manager.spec``, ``task.report``). Outside a
+cluster there is no link at all; a manager that does not answer costs one short deadline
+and a warning, never the training.
 """
 
 from __future__ import annotations
@@ -15,29 +17,46 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from clusterflow.cluster.contract import ENV_MANAGER, ENV_TASK, ManagerMethod
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger(__name__)
 
-ENV_MANAGER = "CLUSTERFLOW_MANAGER"
-ENV_TASK = "CLUSTERFLOW_TASK"
 DEADLINE_S = 2.0
+"""Every call's deadline: the manager answers at once, or it is gone."""
 
 
 class ManagerLink:
-    """The calls a job makes to its manager; ``None`` from :meth:`from_env` outside one."""
+    """The calls a job makes to its manager; ``None`` from :meth:`from_env` outside one.
 
-    def __init__(self, address: str, credentials: Credentials, task: str) -> None:
+    Thread-safe: calls are serialised on one connection.
+    """
+
+    def __init__(
+        self, address: str, credentials: Credentials, task: str, *, deadline_s: float = DEADLINE_S
+    ) -> None:
         self.address = address
         self.task = task
-        self._client = RpcClient(address, credentials, deadline=DEADLINE_S)
+        self.deadline_s = deadline_s
+        self._client = RpcClient(address, credentials, deadline=deadline_s)
         self._lock = threading.Lock()
         self._warned = False
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ManagerLink | None:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, task: str | None = None
+    ) -> ManagerLink | None:
+        """The link of a task started by ``clusterflow start``; None outside a cluster.
+
+        Args:
+            environ: the environment to read (default: this process's).
+            task: this task's name when the environment has none (``CLUSTERFLOW_TASK``).
+
+        Raises:
+            ConfigError: the cluster's secret is named but cannot be read.
+        """
         env = os.environ if environ is None else environ
-        address, task = env.get(ENV_MANAGER), env.get(ENV_TASK)
+        address, task = env.get(ENV_MANAGER), env.get(ENV_TASK) or task
         if not address or not task:
             return None
         credentials = Credentials.from_env(dict(env))
@@ -46,26 +65,46 @@ class ManagerLink:
         return cls(address, credentials, task)
 
     def declare(self, *, respawnable: bool) -> None:
-        """Whether the manager may relaunch this task alone when it dies."""
-        self._call("manager.declare", {"task": self.task, "respawnable": respawnable})
-
-    def report(self, **figures: Any) -> None:
-        """Live figures (step, loss, samples_per_s) for ``clusterflow ps`` and stall checks."""
-        self._call("task.report", {"task": self.task, **figures})
+        """Whether the manager may relaunch this task alone when it dies (never raises)."""
+        self._quiet(ManagerMethod.DECLARE, {"task": self.task, "respawnable": respawnable})
 
     def spec(self) -> dict[str, Any] | None:
-        """The newest cluster spec and its version (a respawned task may have moved)."""
-        reply = self._call("manager.spec", None)
+        """The newest cluster spec and its version (a respawned task may have moved).
+
+        None when the manager did not answer (never raises).
+        """
+        reply = self._quiet(ManagerMethod.SPEC, None)
         return reply if isinstance(reply, dict) else None
+
+    def report(self, *, step: int, loss: float | None, samples_per_s: float | None) -> None:
+        """Sends live figures now, for ``clusterflow ps`` and stall detection.
+
+        Most callers want ``clusterflow.train.report``, which rate-limits, sends from a
+        background thread and never raises.
+
+        Raises:
+            RpcError: the manager did not take them (``RemoteError`` with code
+                ``not_found``: a manager that takes no figures at all).
+        """
+        body = {"task": self.task, "step": step, "loss": loss, "samples_per_s": samples_per_s}
+        self.call(ManagerMethod.REPORT, body)
+
+    def call(self, method: str, body: Any) -> Any:
+        """One call to the manager; returns the reply's body.
+
+        Raises:
+            RpcError: no answer within the deadline, or an error reply.
+        """
+        with self._lock:
+            return self._client.call(method, body, deadline=self.deadline_s).body
 
     def close(self) -> None:
         with self._lock:
             self._client.close()
 
-    def _call(self, method: str, body: Any) -> Any:
+    def _quiet(self, method: str, body: Any) -> Any:
         try:
-            with self._lock:
-                return self._client.call(method, body, deadline=DEADLINE_S).body
+            return self.call(method, body)
         except RpcError as exc:
             if not self._warned:
                 self._warned = True

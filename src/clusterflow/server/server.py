@@ -2,7 +2,7 @@
 
 Every task of a cluster runs one. It binds the task's address from the cluster spec
 (or adopts the socket its supervisor reserved for that address, so no other process
-can take the port between the two binds: ARCHITECTURE.md section 3), answers the
+can take the port between the two binds: docs/architecture.md section 3), answers the
 health service, and hosts the services later layers register (parameter server, data
 dispatcher).
 """
@@ -20,15 +20,11 @@ from typing import Any
 import zmq
 
 from clusterflow.cluster import ClusterSpec, ClusterSpecLike, TaskId, TFConfig, parse_address
+from clusterflow.cluster.contract import ENV_LISTEN_FD, ENV_TASK
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, Request, RpcServer
 
 log = logging.getLogger(__name__)
-
-ENV_LISTEN_FD = "CLUSTERFLOW_LISTEN_FD"
-"""Descriptor of the socket a supervisor reserved for this task's address."""
-ENV_TASK = "CLUSTERFLOW_TASK"
-"""``job:index`` of the task the reserved socket belongs to."""
 
 
 class Server:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR
+from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.strategies.api import Strategy
 from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
 
@@ -44,9 +45,6 @@ DEFAULT_DIRECTORY: Final = "checkpoints"
 because that module is imported only when checkpoints are used."""
 FINAL_MARKER: Final = "FINAL.json"
 """Written by the chief after a run's last checkpoint: ``{"step": N, "run": id}``."""
-ENV_RUN_ID: Final = "CLUSTERFLOW_CLUSTER_ID"
-"""The cluster's id, set by the manager in every task: it tells this run's marker from
-the marker of an earlier run in the same directory."""
 
 
 class CheckpointerLike(Protocol):
@@ -203,7 +201,7 @@ def write_final(directory: str, step: int) -> None:
     """Marks ``step`` as the finished run's last checkpoint (the chief calls it)."""
     fs, path = _fs(directory)
     fs.makedirs(path, exist_ok=True)
-    body = {"step": int(step), "run": os.environ.get(ENV_RUN_ID)}
+    body = {"step": int(step), "run": os.environ.get(ENV_CLUSTER_ID)}
     fs.pipe_file(_join(path, FINAL_MARKER), json.dumps(body).encode())
 
 
@@ -221,7 +219,7 @@ def read_final(directory: str) -> int | None:
         run = data.get("run")
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    mine = os.environ.get(ENV_RUN_ID)
+    mine = os.environ.get(ENV_CLUSTER_ID)  # this run, not an earlier one in the directory
     if mine and run != mine:
         return None
     return step

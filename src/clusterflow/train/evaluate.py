@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,126 +59,112 @@ def is_evaluator(environ: Mapping[str, str] | None = None) -> bool:
     return config is not None and config.task is not None and config.task.job == "evaluator"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Evaluate(Hook):
     """Evaluates each new checkpoint on the evaluator task; inert on training tasks.
 
-    Args:
-        eval_fn: ``eval_fn(model) -> {name: value}``, called in eval mode, without gradients.
-        directory: the checkpoint directory the training run writes (``Checkpoint``'s).
-        log_dir: TensorBoard directory for the results (``eval/<name>`` at each step).
-        poll_s: seconds between looks at the directory.
-        stop_file: end when this file exists.
-        should_stop: end when this returns True (checked every poll).
-        idle_timeout_s: end when no new checkpoint came for this long.
+    Its fields are the evaluator's whole configuration: ``run_evaluator`` takes the
+    same keywords. ``eval_fn`` alone may be given by position.
 
     Raises:
         TrainConfigError: ``eval_fn`` is not callable or ``poll_s`` is not positive.
     """
 
-    def __init__(
-        self,
-        eval_fn: EvalFn,
-        *,
-        directory: str | os.PathLike[str] | None = None,
-        log_dir: str | os.PathLike[str] | None = None,
-        poll_s: float = 1.0,
-        stop_file: str | os.PathLike[str] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        idle_timeout_s: float | None = None,
-    ) -> None:
-        if not callable(eval_fn):
-            raise TrainConfigError(f"Evaluate needs a function eval_fn(model), got {eval_fn!r}")
-        if not poll_s > 0:
-            raise TrainConfigError(f"poll_s must be > 0, got {poll_s!r}")
-        self.eval_fn = eval_fn
-        self.directory = directory
-        self.log_dir = log_dir
-        self.poll_s = poll_s
-        self.stop_file = stop_file
-        self.should_stop = should_stop
-        self.idle_timeout_s = idle_timeout_s
+    eval_fn: EvalFn = field(kw_only=False)
+    """``eval_fn(model) -> {name: value}``, called in eval mode, without gradients."""
+    directory: str | os.PathLike[str] | None = None
+    """The checkpoint directory the training run writes (``Checkpoint``'s)."""
+    log_dir: str | os.PathLike[str] | None = None
+    """TensorBoard directory for the results (``eval/<name>`` at each step)."""
+    poll_s: float = 1.0
+    """Seconds between looks at the directory: a listing of a few small folders."""
+    stop_file: str | os.PathLike[str] | None = None
+    """End when this file exists."""
+    should_stop: Callable[[], bool] | None = None
+    """End when this returns True (checked every poll)."""
+    idle_timeout_s: float | None = None
+    """End when no new checkpoint came for this long."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.eval_fn):
+            raise TrainConfigError(
+                f"Evaluate needs a function eval_fn(model), got {self.eval_fn!r}"
+            )
+        if not self.poll_s > 0:
+            raise TrainConfigError(f"poll_s must be > 0, got {self.poll_s!r}")
 
     def run(self, model: nn.Module) -> list[Evaluation]:
-        """The evaluator loop (``run_evaluator``) with this hook's settings."""
-        return run_evaluator(
-            model,
-            self.eval_fn,
-            directory=self.directory,
-            log_dir=self.log_dir,
-            poll_s=self.poll_s,
-            stop_file=self.stop_file,
-            should_stop=self.should_stop,
-            idle_timeout_s=self.idle_timeout_s,
-        )
+        """Evaluates every newly committed checkpoint in ``directory`` until the run ends.
+
+        Blocks, polling the directory every ``poll_s`` seconds, until the checkpoint
+        marked final has been evaluated, ``stop_file`` exists, ``should_stop()`` is
+        True, or no new checkpoint came for ``idle_timeout_s``. A checkpoint committed
+        while another was being evaluated is not queued: the newest is evaluated next
+        (as TensorFlow's evaluator skips to the latest).
+
+        Returns:
+            the evaluations, in step order.
+
+        Raises:
+            TrainConfigError: ``eval_fn`` returned something other than a mapping of
+                numbers.
+        """
+        folder = resolve_directory(self.directory)
+        watcher = _Watcher(folder)
+        writer: SummaryWriter | None = None
+        results: list[Evaluation] = []
+        last = 0
+        idle_since = time.monotonic()
+        try:
+            while True:
+                final = read_final(folder)
+                if watcher.changed() or (final is not None and last < final):
+                    # The newest checkpoint of any strategy (parameter-server shards are
+                    # joined), not the one a restarted incarnation was told to resume from.
+                    step = load_into(model, folder)
+                    if step > last:
+                        metrics = _evaluate(model, self.eval_fn, step)
+                        results.append(Evaluation(step, metrics))
+                        _log.info("evaluated step %d: %s", step, _format(metrics))
+                        if self.log_dir is not None:
+                            writer = writer or _writer(self.log_dir)
+                            for name, value in metrics.items():
+                                writer.add_scalar(f"eval/{name}", value, step)
+                            writer.flush()
+                        last, idle_since = step, time.monotonic()
+                        final = read_final(folder)
+                if final is not None and last >= final:
+                    _log.info("evaluated the run's final checkpoint (step %d)", final)
+                    break
+                if self.stop_file is not None and os.path.exists(self.stop_file):
+                    _log.info("stop file %s found: the evaluator ends", self.stop_file)
+                    break
+                if self.should_stop is not None and self.should_stop():
+                    break
+                idle = self.idle_timeout_s
+                if idle is not None and time.monotonic() - idle_since > idle:
+                    _log.warning(
+                        "no new checkpoint in %s for %.0f s: the evaluator ends", folder, idle
+                    )
+                    break
+                time.sleep(self.poll_s)
+        finally:
+            if writer is not None:
+                writer.close()
+        return results
 
 
-def run_evaluator(
-    model: nn.Module,
-    eval_fn: EvalFn,
-    *,
-    directory: str | os.PathLike[str] | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-    poll_s: float = 1.0,
-    stop_file: str | os.PathLike[str] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    idle_timeout_s: float | None = None,
-) -> list[Evaluation]:
-    """Evaluates every newly committed checkpoint in ``directory`` until the run ends.
+def run_evaluator(model: nn.Module, eval_fn: EvalFn, **options: Any) -> list[Evaluation]:
+    """``Evaluate(eval_fn, **options).run(model)``: the evaluator loop, outside a session.
 
-    Blocks, polling the directory every ``poll_s`` seconds, until the checkpoint marked
-    final has been evaluated, ``stop_file`` exists, ``should_stop()`` is True, or no new
-    checkpoint came for ``idle_timeout_s``. A checkpoint committed while another was
-    being evaluated is not queued: the newest is evaluated next (as TensorFlow's
-    evaluator skips to the latest).
-
-    Returns:
-        the evaluations, in step order.
+    Takes the keywords of :class:`Evaluate` (``directory``, ``log_dir``, ``poll_s``,
+    ``stop_file``, ``should_stop``, ``idle_timeout_s``) and blocks as its ``run`` does.
 
     Raises:
-        TrainConfigError: ``eval_fn`` returned something other than a mapping of numbers.
+        TrainConfigError: as :class:`Evaluate` and its ``run``.
+        TypeError: a keyword that is not a field of :class:`Evaluate`.
     """
-    folder = resolve_directory(directory)
-    watcher = _Watcher(folder)
-    writer: SummaryWriter | None = None
-    results: list[Evaluation] = []
-    last = 0
-    idle_since = time.monotonic()
-    try:
-        while True:
-            final = read_final(folder)
-            if watcher.changed() or (final is not None and last < final):
-                # The newest checkpoint of any strategy (parameter-server shards are
-                # joined), not the one a restarted incarnation was told to resume from.
-                step = load_into(model, folder)
-                if step > last:
-                    metrics = _evaluate(model, eval_fn, step)
-                    results.append(Evaluation(step, metrics))
-                    _log.info("evaluated step %d: %s", step, _format(metrics))
-                    if log_dir is not None:
-                        writer = writer or _writer(log_dir)
-                        for name, value in metrics.items():
-                            writer.add_scalar(f"eval/{name}", value, step)
-                        writer.flush()
-                    last, idle_since = step, time.monotonic()
-                    final = read_final(folder)
-            if final is not None and last >= final:
-                _log.info("evaluated the run's final checkpoint (step %d)", final)
-                break
-            if stop_file is not None and os.path.exists(stop_file):
-                _log.info("stop file %s found: the evaluator ends", stop_file)
-                break
-            if should_stop is not None and should_stop():
-                break
-            if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
-                _log.warning(
-                    "no new checkpoint in %s for %.0f s: the evaluator ends", folder, idle_timeout_s
-                )
-                break
-            time.sleep(poll_s)
-    finally:
-        if writer is not None:
-            writer.close()
-    return results
+    return Evaluate(eval_fn, **options).run(model)
 
 
 def _evaluate(model: nn.Module, eval_fn: EvalFn, step: int) -> dict[str, float]:

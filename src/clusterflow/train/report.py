@@ -16,14 +16,16 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Final
 
-from clusterflow.data.env import ENV_MANAGER, default_worker_name
-from clusterflow.rpc import Credentials, RemoteError, RpcClient
+from clusterflow.cluster.contract import ENV_MANAGER, ManagerMethod
+from clusterflow.data.env import default_worker_name
+from clusterflow.rpc import Credentials, RemoteError
+from clusterflow.server.manager_link import ManagerLink
 
 __all__ = ["METHOD", "Reporter", "report"]
 
 _log = logging.getLogger(__name__)
 
-METHOD: Final = "task.report"
+METHOD: Final = ManagerMethod.REPORT
 """The manager's method that takes a task's figures."""
 INTERVAL_S: Final = 1.0
 """At most one report a second: the display refreshes about that often."""
@@ -33,6 +35,10 @@ DEADLINE_S: Final = 2.0
 
 class Reporter:
     """Sends the newest figures of one task to the manager, from a daemon thread.
+
+    The sending goes through the task's ``ManagerLink``, the one client of the manager's
+    job-facing methods; this class adds the rate limit and the rule that nothing of it
+    ever reaches the training loop.
 
     Args:
         address: the manager's ``host:port``.
@@ -53,7 +59,7 @@ class Reporter:
     ) -> None:
         self.address = address
         self.task = task
-        self._credentials = credentials
+        self._link = ManagerLink(address, credentials, task, deadline_s=deadline_s)
         self._interval = interval_s
         self._deadline = deadline_s
         self._latest: tuple[int, Any, Any] | None = None
@@ -95,7 +101,6 @@ class Reporter:
         self._thread.join(self._deadline + 1.0)
 
     def _run(self) -> None:
-        client = RpcClient(self.address, self._credentials, deadline=self._deadline)
         sent: tuple[int, Any, Any] | None = None
         try:
             while not self._stop.is_set():
@@ -105,23 +110,21 @@ class Reporter:
                 if self._stop.is_set() or latest is None or latest is sent:
                     continue
                 sent = latest
-                if not self._send(client, latest):
+                if not self._send(latest):
                     return
                 self._stop.wait(self._interval)
         finally:
-            client.close()
+            self._link.close()
 
-    def _send(self, client: RpcClient, figures: tuple[int, Any, Any]) -> bool:
+    def _send(self, figures: tuple[int, Any, Any]) -> bool:
         """Sends one report; False when the manager cannot take reports at all."""
         step, loss, rate = figures
         try:
-            body = {
-                "task": self.task,
-                "step": int(step),
-                "loss": None if loss is None else float(loss),
-                "samples_per_s": None if rate is None else float(rate),
-            }
-            client.call(METHOD, body)
+            self._link.report(
+                step=int(step),
+                loss=None if loss is None else float(loss),
+                samples_per_s=None if rate is None else float(rate),
+            )
         except RemoteError as exc:
             if exc.code == "not_found":  # a manager without the method: stop asking
                 _log.info("the manager at %s takes no live figures (%s)", self.address, exc)

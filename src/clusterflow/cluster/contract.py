@@ -1,0 +1,135 @@
+"""What the manager and the processes it starts agree on outside any message body.
+
+Two tables: every environment variable a task receives (the supervisor's, the job
+command's, a replica's), and the manager's RPC method names. Every module that sets or
+reads one of them takes its name from here, so a name is spelled once
+(``tests/unit/test_contract.py`` fails on a ``CLUSTERFLOW_*`` or ``manager.*`` literal
+anywhere else in ``src/``). docs/architecture.md section 3 describes who sets what when.
+
+Torchrun's variables (``RANK``, ``WORLD_SIZE``, ...) and ``TF_CONFIG`` are other
+projects' contracts; the manager sets them, and they are listed here too so
+that the table holds the whole environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, Literal
+
+# The supervisor's environment (set by the manager when it launches a supervisor) ----------
+
+ENV_MANAGER: Final = "CLUSTERFLOW_MANAGER"
+ENV_SECRET_FILE: Final = "CLUSTERFLOW_SECRET_FILE"
+ENV_SECRET: Final = "CLUSTERFLOW_SECRET"
+ENV_AUTH: Final = "CLUSTERFLOW_AUTH"
+ENV_TASK: Final = "CLUSTERFLOW_TASK"
+ENV_CLUSTER_ID: Final = "CLUSTERFLOW_CLUSTER_ID"
+ENV_BIND_HOST: Final = "CLUSTERFLOW_BIND_HOST"
+ENV_HEARTBEAT_S: Final = "CLUSTERFLOW_HEARTBEAT_S"
+ENV_REGISTER_TIMEOUT: Final = "CLUSTERFLOW_REGISTER_TIMEOUT"
+ENV_MANAGER_TIMEOUT: Final = "CLUSTERFLOW_MANAGER_TIMEOUT"
+ENV_STANDBY: Final = "CLUSTERFLOW_STANDBY"
+ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
+ENV_HOME: Final = "CLUSTERFLOW_HOME"
+
+# The job command's environment (from the manager's registration reply) --------------------
+
+ENV_LISTEN_FD: Final = "CLUSTERFLOW_LISTEN_FD"
+ENV_JOB: Final = "CLUSTERFLOW_JOB"
+ENV_TASK_INDEX: Final = "CLUSTERFLOW_TASK_INDEX"
+ENV_SPEC_VERSION: Final = "CLUSTERFLOW_SPEC_VERSION"
+ENV_STATE_DIR: Final = "CLUSTERFLOW_STATE_DIR"
+ENV_CHECKPOINT_DIR: Final = "CLUSTERFLOW_CHECKPOINT_DIR"
+ENV_RESTORE: Final = "CLUSTERFLOW_RESTORE"
+ENV_ATTEMPT: Final = "CLUSTERFLOW_ATTEMPT"
+ENV_REPLICA: Final = "CLUSTERFLOW_REPLICA"
+ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
+
+Receiver = Literal["supervisor", "job", "replica", "user"]
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One variable of a task's environment."""
+
+    receiver: Receiver
+    """Who is given it: the supervisor (and, inherited, its job), the job command, each
+    replica process of a task, or nobody (a user sets it)."""
+    meaning: str
+
+
+TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
+    {
+        ENV_MANAGER: EnvVar("supervisor", "the manager's host:port (its RPC server)"),
+        ENV_SECRET_FILE: EnvVar("supervisor", "the cluster's secret, mode 0600"),
+        ENV_SECRET: EnvVar("user", "the secret itself, instead of a file (manual mode)"),
+        ENV_AUTH: EnvVar("user", "plain or curve: force an authentication mode"),
+        ENV_TASK: EnvVar("supervisor", "job:index of this task"),
+        ENV_CLUSTER_ID: EnvVar("supervisor", "the cluster id: how stop finds leftovers"),
+        ENV_BIND_HOST: EnvVar("supervisor", "the interface the task's port is bound on"),
+        ENV_HEARTBEAT_S: EnvVar("supervisor", "seconds between heartbeats"),
+        ENV_REGISTER_TIMEOUT: EnvVar("supervisor", "how long the barrier may hold"),
+        ENV_MANAGER_TIMEOUT: EnvVar("user", "seconds without the manager before a job stops"),
+        ENV_STANDBY: EnvVar("supervisor", "1: a warm standby, waiting for a task"),
+        ENV_ZYGOTE_READY_FD: EnvVar("supervisor", "the pipe a zygote says it is warm on"),
+        ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
+        ENV_LISTEN_FD: EnvVar("job", "the reserved, bound socket of the task's port"),
+        ENV_JOB: EnvVar("job", "this task's job name"),
+        ENV_TASK_INDEX: EnvVar("job", "this task's index in its job"),
+        ENV_SPEC_VERSION: EnvVar("job", "the version of the spec in TF_CONFIG"),
+        ENV_STATE_DIR: EnvVar("job", "the cluster's folder under CLUSTERFLOW_HOME"),
+        ENV_CHECKPOINT_DIR: EnvVar("job", "where checkpoints go (a path or fsspec URL)"),
+        ENV_RESTORE: EnvVar("job", "the step of the checkpoint every task restores"),
+        ENV_ATTEMPT: EnvVar("job", "how often the whole cluster was restarted"),
+        ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
+        ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
+        "TF_CONFIG": EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
+        "TF_GRPC_REUSE_PORT": EnvVar("job", "1: TensorFlow binds beside the reserved port"),
+        "RANK": EnvVar("replica", "torchrun: this replica's global rank"),
+        "WORLD_SIZE": EnvVar("replica", "torchrun: how many replicas"),
+        "LOCAL_RANK": EnvVar("replica", "torchrun: the rank on this host (the device)"),
+        "LOCAL_WORLD_SIZE": EnvVar("replica", "torchrun: replicas on this host"),
+        "GROUP_RANK": EnvVar("replica", "torchrun: this host's index"),
+        "GROUP_WORLD_SIZE": EnvVar("replica", "torchrun: how many hosts"),
+        "ROLE_RANK": EnvVar("replica", "torchrun: the rank among replicas of one role"),
+        "ROLE_WORLD_SIZE": EnvVar("replica", "torchrun: replicas of that role"),
+        "MASTER_ADDR": EnvVar("job", "torchrun: the store's host"),
+        "MASTER_PORT": EnvVar("job", "torchrun: the store's port (the hosted store)"),
+        "TORCHELASTIC_USE_AGENT_STORE": EnvVar("job", "True: the store is hosted already"),
+        "TORCHELASTIC_RESTART_COUNT": EnvVar("job", "times this task was relaunched"),
+        "TORCHELASTIC_MAX_RESTARTS": EnvVar("job", "the run's bound on restarts"),
+        "PYTHONUNBUFFERED": EnvVar("supervisor", "1: output reaches the log line by line"),
+    }
+)
+"""Every variable a task may receive or read, with who receives it and what it means."""
+
+
+class ManagerMethod:
+    """The manager's RPC methods, as supervisors, jobs and the CLI call them."""
+
+    REGISTER: Final = "manager.register"
+    """A supervisor joins the barrier; answered with the spec, env and command."""
+    HEARTBEAT: Final = "manager.heartbeat"
+    """A supervisor is alive; answered with whether to stop and the spec version."""
+    EXITED: Final = "manager.exited"
+    """A supervisor could not run its command, or it ended: why, in one line."""
+    STOP: Final = "manager.stop"
+    """``clusterflow stop``: stop the cluster, with a grace period."""
+    STATUS: Final = "manager.status"
+    """The cluster's state as ``state.json`` holds it."""
+    DECLARE: Final = "manager.declare"
+    """A job says whether its task may be respawned alone."""
+    STANDBY: Final = "manager.standby"
+    """A standby supervisor waits (bounded rounds) for a task to take over."""
+    SPEC: Final = "manager.spec"
+    """The newest cluster spec and its version."""
+    REPORT: Final = "task.report"
+    """A job's live figures: step, loss, samples/s."""
+
+
+MANAGER_METHODS: Final = frozenset(
+    value for name, value in vars(ManagerMethod).items() if name.isupper()
+)
+"""Every method the manager serves besides the data service's ``data.*``."""
