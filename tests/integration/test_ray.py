@@ -47,7 +47,6 @@ ADDRESS = f"127.0.0.1:{PORT}"
 
 if shutil.which("ip") is None or os.geteuid() != 0:
     pytest.skip("needs root and iproute2 to make a network namespace", allow_module_level=True)
-pytest.importorskip("ray")
 
 
 class RayCluster:
