@@ -224,7 +224,7 @@ def _only_cluster(cf: Any) -> str:
 
 
 def test_digits_ddp_gives_the_local_backends_result(ray_cluster: RayCluster, cf: Any) -> None:
-    job = ["digits_ddp.py", "--epochs", "3"]
+    job = ["digits_ddp.py", "--epochs", "2"]
     local = cf("start", "--workers", "2", "--", sys.executable, str(EXAMPLES / job[0]), *job[1:])
     assert local.returncode == 0, local.stderr
     # The job folder is shipped to every node and the job runs inside it.
@@ -247,7 +247,7 @@ def test_digits_ddp_gives_the_local_backends_result(ray_cluster: RayCluster, cf:
     def results(out: str) -> list[str]:
         return [line for line in out.splitlines() if "test_accuracy" in line]
 
-    assert len(results(local.stdout)) == 4, local.stdout
+    assert len(results(local.stdout)) == 3, local.stdout
     # The same seeds, ranks and data: the same losses and accuracies, digit for digit.
     assert results(on_ray.stdout) == results(local.stdout)
     states = [_state(cf, p.name) for p in (cf.home / "clusters").iterdir()]
@@ -260,7 +260,7 @@ def test_digits_ddp_gives_the_local_backends_result(ray_cluster: RayCluster, cf:
 
 
 def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
-    job = ["digits_ps.py", "--mode", "sync", "--epochs", "2"]
+    job = ["digits_ps.py", "--mode", "sync", "--epochs", "1"]
     local = cf(
         "start",
         "--ps",
@@ -292,8 +292,9 @@ def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
     assert on_ray.returncode == 0, on_ray.stderr + on_ray.stdout
 
     def final(out: str) -> str:
-        (line,) = [line for line in out.splitlines() if "final test_accuracy" in line]
-        return line
+        lines = [line for line in out.splitlines() if "final test_accuracy" in line]
+        assert len(lines) == 2, out  # each worker's own view of the model on the ps
+        return "\n".join(sorted(lines))
 
     assert final(on_ray.stdout) == final(local.stdout)
 
