@@ -12,9 +12,10 @@ shaped data (784 features, 10 classes), SGD. Each worker forms the gloo group by
 
 on the MLPs 784-512-512-10 and 784-4096-4096-10. Figures are samples/s over both
 workers. Each RESULT ratio is the median, over rounds, of the two sides' windows of the
-same round; the samples/s printed are each side's best window.
+same round (``key=median key_min=... key_max=...``); the samples/s printed are each
+side's median window.
 
-    python -m benchmarks.allreduce [--quick]
+    python -m benchmarks.allreduce [--quick] [--rounds N]
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks._common import parser, result
+from benchmarks._common import (
+    MachineLoad,
+    Spread,
+    alternate,
+    one_thread_per_process,
+    parser,
+    ratio,
+    result,
+)
 
 WORKERS = 2
 BATCH = 128  # per worker
@@ -132,15 +140,9 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
             with bf16.scope():
                 compressed = _mlp(hidden)
             sides["bf16"] = looped(compressed, steps, bf16.run)
-        windows: dict[str, list[float]] = {name: [] for name in sides}
-        order = list(sides)
-        for _ in range(rounds):
-            # Interleaved, so load changes hit every side alike, and in alternating order,
-            # so no side always runs right after another (caches, the other core's work).
-            for name in order:
-                windows[name].append(sides[name]())
-            order.reverse()
-        figures[size] = windows
+        # Both workers run the same sequence of windows (every window starts and ends
+        # with a barrier); each side was warmed up when it was made.
+        figures[size] = alternate(sides, rounds, warmup=False)
     if conn is not None:
         conn.send(figures)
     for strategy in strategies:
@@ -150,12 +152,16 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
 
 def main() -> None:
     args = parser("allreduce", __doc__).parse_args()
+    one_thread_per_process()
+    load = MachineLoad()
     # Short windows, many rounds: each round gives one ratio per pair of sides.
     plan = (
         Plan(small_rounds=8, small_steps=30, large_rounds=4, large_steps=3, warmup=2)
         if args.quick
         else Plan(small_rounds=30, small_steps=40, large_rounds=12, large_steps=4, warmup=4)
     )
+    if args.rounds:
+        plan = replace(plan, small_rounds=args.rounds, large_rounds=args.rounds)
     import torch.distributed as dist
 
     # Hosted here and joined as clients by both workers, as clusterflow's manager does.
@@ -179,29 +185,22 @@ def main() -> None:
             if proc.is_alive():
                 proc.kill()
     for size, model in (("small", "784-512-512-10"), ("large", "784-4096-4096-10")):
-        best = {name: max(values) for name, values in figures[size].items()}
+        best = {name: Spread.of(values).median for name, values in figures[size].items()}
         print(
-            f"MLP {model}, best windows: raw DDP {best['raw']:,.0f} samples/s, strategy "
+            f"MLP {model}, median windows: raw DDP {best['raw']:,.0f} samples/s, strategy "
             f"{best['ours']:,.0f}"
             + (f", strategy bf16 {best['bf16']:,.0f}" if "bf16" in best else "")
             + f" (no all-reduce at all: {best['alone']:,.0f})"
         )
-    result(
-        "allreduce",
-        vs_ddp=_ratio(figures["small"], "ours", "raw"),
-        vs_ddp_large=_ratio(figures["large"], "ours", "raw"),
-        bf16_vs_ddp_fp32=_ratio(figures["large"], "bf16", "raw"),
-    )
-
-
-def _ratio(windows: dict[str, list[float]], ours: str, peer: str) -> float:
-    """The median over rounds of ours/peer in the same round.
-
-    Windows of one round run back to back, under nearly the same load from the rest of
-    the machine, so their ratio is steadier than a ratio of two independent bests (on a
-    shared two-core machine a burst of other work can halve one window).
-    """
-    return statistics.median(a / b for a, b in zip(windows[ours], windows[peer], strict=True))
+    spreads = {
+        "vs_ddp": ratio(figures["small"]["ours"], figures["small"]["raw"]),
+        "vs_ddp_large": ratio(figures["large"]["ours"], figures["large"]["raw"]),
+        "bf16_vs_ddp_fp32": ratio(figures["large"]["bf16"], figures["large"]["raw"]),
+    }
+    for key, spread in spreads.items():
+        print(f"{key}: {spread}")
+    print(load.describe(), flush=True)
+    result("allreduce", **spreads)
 
 
 if __name__ == "__main__":

@@ -20,25 +20,34 @@ the reading threads and their hand-offs; every thread of the process counted). T
 wall-time difference is printed too.
 
 This machine is shared, and its speed moves by 2x within seconds when neighbours run.
-So each of 7 runs times every variant back to back, ratios are taken within a run, and
-the medians are reported. "2 processes, each all" (two processes reading the whole file
-at once) shows how far two processes can scale on the cores free at the time: the
-ceiling for the two workers.
+So each round (9 with --quick, 15 without) times every variant back to back, in an order
+reversed each round; ratios are taken within a round, and their median is reported with
+the smallest and largest (``key=median key_min=... key_max=...``). "2 processes, each
+all" (two processes reading the whole file at once) shows how far two processes can
+scale on the cores free at the time: the ceiling for the two workers.
 
-    python -m benchmarks.data [--quick]
+    python -m benchmarks.data [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
-import statistics
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import parser, result
+from benchmarks._common import (
+    MachineLoad,
+    Spread,
+    alternate,
+    one_thread_per_process,
+    parser,
+    ratio,
+    result,
+)
 
 COLUMNS = 16
 BATCH = 256
@@ -181,7 +190,10 @@ def _through_service(
 def main() -> None:
     args = parser("data", __doc__).parse_args()
     rows = 250_000 if args.quick else 1_000_000
-    repeats = 7
+    rounds = args.rounds or (9 if args.quick else 15)
+    verbose = args.verbose
+    one_thread_per_process()
+    load = MachineLoad()
     from clusterflow.data import DispatcherService
     from clusterflow.rpc import Credentials, RpcServer
 
@@ -196,28 +208,37 @@ def main() -> None:
             _start_worker(server.address, credentials.secret, path, f"worker:{i}") for i in range(2)
         ]
         conns = [conn for _, conn in workers]
-        runs: list[dict[str, float]] = []
+        # Per round, the service's 1-worker pass and the same reads in-line, for the
+        # overhead: CPU seconds and batches of each side's call, in round order.
+        one_cpu: list[tuple[int, float, float]] = []
+        inline_cpu: list[tuple[float, float]] = []
+        fresh = itertools.count()
+
+        def one() -> float:
+            batches, seconds, cpu = _through_service(conns[:1], f"one-{next(fresh)}")
+            one_cpu.append((batches, seconds, cpu))
+            return rows / seconds
+
+        def inline() -> float:
+            _, seconds, cpu = _ask_inline(conns[0])
+            inline_cpu.append((seconds, cpu))
+            return rows / seconds
+
         try:
             _direct(path)  # warm the page cache and torch
             iter_s = _iter_batches(path)
             _through_service(conns, "warmup")
-            for run in range(repeats):
-                # Each run measures every variant back to back, so that its ratios compare
-                # timings taken under the same neighbours on this shared machine.
-                direct_s = _direct(path)[1]
-                batches, one_s, one_cpu = _through_service(conns[:1], f"one-{run}")
-                _, inline_s, inline_cpu = _ask_inline(conns[0])
-                runs.append(
-                    {
-                        "direct": rows / direct_s,
-                        "two_direct": 2 * rows / _through_service(conns, "", "direct")[1],
-                        "service": rows / _through_service(conns, f"two-{run}")[1],
-                        "one": rows / one_s,
-                        "inline": rows / inline_s,
-                        "wall_us": (one_s - inline_s) / batches * 1e6,
-                        "cpu_us": (one_cpu - inline_cpu) / batches * 1e6,
-                    }
-                )
+            rates = alternate(
+                {
+                    "direct": lambda: rows / _direct(path)[1],
+                    "one": one,
+                    "inline": inline,
+                    "two_direct": lambda: 2 * rows / _through_service(conns, "", "direct")[1],
+                    "service": lambda: rows / _through_service(conns, f"two-{next(fresh)}")[1],
+                },
+                rounds,
+                verbose=verbose,
+            )
         finally:
             for proc, conn in workers:
                 conn.send(None)
@@ -225,29 +246,36 @@ def main() -> None:
                 proc.kill()
             server.stop()
 
-    def median(key: str) -> float:
-        return statistics.median(r[key] for r in runs)
+    # The warm-up round's calls come first in the lists: skip them.
+    pairs = list(zip(one_cpu[-rounds:], inline_cpu[-rounds:], strict=True))
+    cpu_us = Spread.of((o[2] - i[1]) / o[0] * 1e6 for o, i in pairs)
+    wall_us = Spread.of((o[1] - i[0]) / o[0] * 1e6 for o, i in pairs)
+    vs_direct = ratio(rates["service"], rates["direct"])
+    cores = ratio(rates["two_direct"], rates["direct"])
 
-    vs_direct = statistics.median(r["service"] / r["direct"] for r in runs)
-    cores = statistics.median(r["two_direct"] / r["direct"] for r in runs)
+    def median(key: str) -> float:
+        return Spread.of(rates[key]).median
+
     # CPU time, not wall time: on this shared machine a neighbour's burst moves wall-time
     # differences of a few percent either way, while CPU time counts only our own work
     # (every thread of the worker process, the ZeroMQ I/O thread included).
-    overhead_ms = max(0.0, median("cpu_us") / 1000)
+    overhead_ms = Spread.of(max(0.0, (o[2] - i[1]) / o[0] * 1e3) for o, i in pairs)
     m = 1e6
     print(f"{rows} rows x {COLUMNS} float32 columns, batches of {BATCH}, splits of {SPLIT}")
-    print(f"medians of {repeats} runs, each run timing every variant back to back:")
+    print(f"medians of {rounds} rounds, each timing every variant, in alternating order:")
     print(f"direct, one process:        {median('direct') / m:6.2f} M records/s")
     print(f"  (iter_batches(256):       {rows / iter_s / m:6.2f} M records/s, once)")
     print(f"  (2 processes, each all:   {median('two_direct') / m:6.2f} M records/s together,")
-    print(f"   {cores:.2f}x one process: what this machine's cores allow now)")
+    print(f"   {cores.median:.2f}x one process: what this machine's cores allow now)")
     print(f"service, 2 workers:         {median('service') / m:6.2f} M records/s")
     print(f"service, 1 worker:          {median('one') / m:6.2f} M records/s")
     print(f"same reads in-line, 1 proc: {median('inline') / m:6.2f} M records/s")
     print(
-        f"service overhead per batch: {median('cpu_us'):.1f} us of CPU, "
-        f"{median('wall_us'):.1f} us of wall time"
+        f"service overhead per batch: {cpu_us.median:.1f} us of CPU, "
+        f"{wall_us.median:.1f} us of wall time"
     )
+    print(f"vs_direct: {vs_direct}")
+    print(load.describe(), flush=True)
     result("data", vs_direct=vs_direct, overhead_ms=overhead_ms)
 
 

@@ -3,25 +3,26 @@
 One trial launches two workers running ``benchmarks/_launch_probe.py`` (which imports
 torch and prints ``ready rank=<RANK>``) and times from just before the launcher is
 started to the moment both ranks' lines have been read from the launcher's combined
-stdout and stderr. The two launchers alternate, trial by trial, so a drift of the machine
-touches both alike; the figure is the ratio of their medians (below 1: clusterflow is
-faster).
+stdout and stderr. Each round runs one trial of each launcher, in an order reversed each
+round (after one untimed trial of each), so a drift of the machine touches both alike;
+``time_ratio`` is the median over rounds of that round's clusterflow/torchrun ratio, with
+the smallest and largest (below 1: clusterflow is faster).
 
 Each launcher starts in a new session. After a trial it is left to exit by itself, then
 its process group and every descendant seen during the trial are killed, and it is waited
 for, so no trial's tear-down overlaps the next one's start.
 
-    python -m benchmarks.launch [--quick]
+    python -m benchmarks.launch [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import IO
 
 import psutil
 
-from benchmarks._common import parser, result
+from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = "benchmarks/_launch_probe.py"
@@ -136,11 +137,11 @@ def trial(cmd: list[str], env: dict[str, str] | None = None) -> float:
                 break
             at, line = item
             output.append(line)
-            if m := READY.search(line):
-                ranks.add(m.group(1))
-                if len(ranks) == WORKERS:
-                    ready_at = at
-                    seen.extend(_descendants(proc.pid))
+            # Both ranks write to one pipe: their lines can arrive run together.
+            ranks.update(m.group(1) for m in READY.finditer(line))
+            if len(ranks) == WORKERS:
+                ready_at = at
+                seen.extend(_descendants(proc.pid))
         if ready_at is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=EXIT_GRACE_S)
@@ -161,26 +162,27 @@ def trial(cmd: list[str], env: dict[str, str] | None = None) -> float:
 
 def main() -> None:
     args = parser("launch", __doc__).parse_args()
-    repeats = 3 if args.quick else 7
+    rounds = args.rounds or (5 if args.quick else 11)
     cmds = commands()
+    load = MachineLoad()
     # Warm the page cache for torch's files so the first timed trial is not the odd one out.
     subprocess.run([sys.executable, PROBE], cwd=ROOT, check=True, capture_output=True)
-    times: dict[str, list[float]] = {name: [] for name in cmds}
     # Each clusterflow trial registers a cluster; keep them out of the user's ~/.clusterflow.
     with tempfile.TemporaryDirectory(prefix="clusterflow-bench-") as home:
         env = {**os.environ, "CLUSTERFLOW_HOME": home}
-        for i in range(repeats):
-            for name, cmd in cmds.items():
-                times[name].append(trial(cmd, env))
-            line = " ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items())
-            print(f"trial {i}: {line}", flush=True)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+        times = alternate(
+            {name: functools.partial(trial, cmd, env) for name, cmd in cmds.items()},
+            rounds,
+            verbose=args.verbose,
+        )
+    medians = {name: Spread.of(t).median for name, t in times.items()}
+    time_ratio = ratio(times["clusterflow"], times["torchrun"])
     print(
-        f"median of {repeats}: clusterflow {medians['clusterflow']:.3f} s, "
-        f"torchrun {medians['torchrun']:.3f} s",
-        flush=True,
+        f"median of {rounds} rounds: clusterflow {medians['clusterflow']:.3f} s, "
+        f"torchrun {medians['torchrun']:.3f} s; time_ratio {time_ratio}"
     )
-    result("launch", time_ratio=medians["clusterflow"] / medians["torchrun"])
+    print(load.describe(), flush=True)
+    result("launch", time_ratio=time_ratio)
 
 
 if __name__ == "__main__":

@@ -2,31 +2,67 @@
 
 * bandwidth: a worker pushes the gradient of a 64 MiB variable and gets the updated
   values back (the async step's single round trip: push, apply SGD on the ps, reply
-  with the new values), against a raw TCP socket moving the same bytes both ways.
+  with the new values), against a raw TCP socket moving the same bytes both ways. Both
+  servers stay up; each round times one round trip of each.
 * training: samples/s on the MLP 784-512-512-10 (and 784-4096-4096-10 without
   --quick), batch 128 per worker, synthetic data: async ps (2 workers + 1 ps) and sync
-  ps against hand-written ``DistributedDataParallel`` with 2 workers, same run. Every
-  process has one thread, as two workers on two cores should.
+  ps (2 workers + 1 ps) against hand-written ``DistributedDataParallel`` with 2 workers.
+  All three sides' processes start first and stay up; then each round runs one timed
+  window of every side in turn (the others wait, idle, on a pipe), in an order reversed
+  each round. ``async_vs_ddp`` is the median over rounds of that round's async/DDP
+  ratio. Every process runs torch on one thread, as two workers on two cores should.
+
+Each ratio prints as ``key=median key_min=... key_max=...`` over the rounds.
 
 TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
 installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
 
-    python -m benchmarks.ps [--quick]
+    python -m benchmarks.ps [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
+import os
 import socket
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks._common import best_of, parser, result
+import psutil
+
+from benchmarks._common import (
+    MachineLoad,
+    Spread,
+    alternate,
+    best_of,
+    one_thread_per_process,
+    parser,
+    ratio,
+    result,
+    settle,
+)
 
 PAYLOAD_BYTES = 64 * 1024 * 1024
 BATCH = 128
+WORKERS = 2
+BURST = 3
+"""64 MiB round trips per side per round; the best counts."""
+CORES = os.cpu_count() or 1
+REPLY_TIMEOUT_S = 300.0
+"""A side that does not answer within this fails the run instead of hanging it."""
+
+
+def _recv(conn: Connection, what: str) -> Any:
+    try:
+        if conn.poll(REPLY_TIMEOUT_S):
+            return conn.recv()
+    except EOFError:
+        raise SystemExit(f"benchmark failed: the process died before its {what}") from None
+    raise SystemExit(f"benchmark failed: no {what} within {REPLY_TIMEOUT_S:g}s")
 
 
 # -- bandwidth ------------------------------------------------------------------------
@@ -49,10 +85,10 @@ def _raw_tcp_echo(conn: Connection) -> None:
         peer.sendall(buf)
 
 
-def _ps_task(conn: Connection, secret: bytes, threads: int = 1) -> None:
+def _ps_task(conn: Connection, secret: bytes) -> None:
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     from clusterflow.ps.service import PSService
     from clusterflow.rpc import Credentials
     from clusterflow.server import create_local_server
@@ -60,67 +96,84 @@ def _ps_task(conn: Connection, secret: bytes, threads: int = 1) -> None:
     server = create_local_server(credentials=Credentials(secret))
     PSService(server)
     conn.send(server.target)
+    settle()
     conn.recv()
 
 
-def bandwidth(transfers: int) -> tuple[float, float]:
-    """(raw TCP seconds, ours seconds) for one 64 MiB round trip each way."""
+def _start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection, Any]:
+    """A daemon process running ``target(pipe, *args)``; it sends one greeting first."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    return proc, parent, _recv(parent, f"greeting from {target.__name__}")
+
+
+def bandwidth(rounds: int, verbose: bool) -> Spread:
+    """Per round, raw TCP's seconds / ours for one 64 MiB round trip each way."""
     import torch
 
     from clusterflow.rpc import Credentials, RpcClient
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_tcp_echo, args=(child,), daemon=True)
-    proc.start()
-    sock = socket.create_connection(("127.0.0.1", parent.recv()))
+    credentials = Credentials.generate()
+    raw_proc, _, raw_port = _start(_raw_tcp_echo)
+    ps_proc, ps_pipe, target = _start(_ps_task, credentials.secret)
+    sock = socket.create_connection(("127.0.0.1", raw_port))
     out = memoryview(bytearray(PAYLOAD_BYTES))
     back = memoryview(bytearray(PAYLOAD_BYTES))
+    client = RpcClient(target, credentials)
+    try:
 
-    def raw() -> float:
-        start = time.perf_counter()
-        sock.sendall(out)
-        got = 0
-        while got < PAYLOAD_BYTES:
-            got += sock.recv_into(back[got:])
-        return time.perf_counter() - start
+        def raw_once() -> float:
+            start = time.perf_counter()
+            sock.sendall(out)
+            got = 0
+            while got < PAYLOAD_BYTES:
+                got += sock.recv_into(back[got:])
+            return time.perf_counter() - start
 
-    raw()
-    raw_s = best_of(raw, transfers)
-    sock.close()
-    proc.kill()
-
-    credentials = Credentials.generate()
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_ps_task, args=(child, credentials.secret), daemon=True)
-    proc.start()
-    client = RpcClient(parent.recv(), credentials)
-    n = PAYLOAD_BYTES // 4
-    config = {"mode": "async", "num_replicas": 1}
-    decl = [{"name": "w", "shape": [n], "dtype": "float32"}]
-    client.call("ps.create", {"config": config, "vars": decl}, {"w": torch.zeros(n)})
-    client.call(
-        "ps.optimizer", {"spec": {"name": "SGD", "groups": [{"lr": 0.01}]}, "group_of": {"w": 0}}
-    )
-    grad = torch.full((n,), 1e-3)
-    version = [0]
-
-    def ours() -> float:
-        start = time.perf_counter()
-        reply = client.call(
-            "ps.push", {"worker": "w", "version": version[0], "want_values": True}, {"g/w": grad}
+        n = PAYLOAD_BYTES // 4
+        config = {"mode": "async", "num_replicas": 1}
+        decl = [{"name": "w", "shape": [n], "dtype": "float32"}]
+        client.call("ps.create", {"config": config, "vars": decl}, {"w": torch.zeros(n)})
+        client.call(
+            "ps.optimizer",
+            {"spec": {"name": "SGD", "groups": [{"lr": 0.01}]}, "group_of": {"w": 0}},
         )
-        version[0] = reply.body["version"]
-        assert reply.tensors["w"].numel() == n
-        return time.perf_counter() - start
+        grad = torch.full((n,), 1e-3)
+        version = [0]
 
-    ours()
-    ours_s = best_of(ours, transfers)
-    client.close()
-    parent.send("done")
-    proc.join(5)
-    proc.kill()
-    return raw_s, ours_s
+        def ours_once() -> float:
+            start = time.perf_counter()
+            reply = client.call(
+                "ps.push",
+                {"worker": "w", "version": version[0], "want_values": True},
+                {"g/w": grad},
+            )
+            version[0] = reply.body["version"]
+            assert reply.tensors["w"].numel() == n
+            return time.perf_counter() - start
+
+        # A round trip takes about 0.1 s: the best of a few per turn leaves out the
+        # moments a neighbour held the core, which alone moved a round's ratio 2x.
+        times = alternate(
+            {"raw": lambda: best_of(raw_once, BURST), "ours": lambda: best_of(ours_once, BURST)},
+            rounds,
+            verbose=verbose,
+        )
+    finally:
+        client.close()
+        sock.close()
+        ps_pipe.send("done")
+        ps_proc.join(5)
+        for proc in (raw_proc, ps_proc):
+            proc.kill()
+    gb = 2 * PAYLOAD_BYTES / 1e9
+    print(
+        f"64 MiB push+pull, best round: raw TCP {gb / min(times['raw']):.2f} GB/s, "
+        f"clusterflow {gb / min(times['ours']):.2f} GB/s"
+    )
+    return ratio(times["raw"], times["ours"])
 
 
 # -- training ---------------------------------------------------------------------------
@@ -148,147 +201,203 @@ def _batches(rank: int, count: int) -> list[Any]:
     ]
 
 
-def _ddp_worker(
-    rank: int, port: int, hidden: int, warmup: int, steps: int, barrier: Any, out: Any
+def _train_worker(
+    conn: Connection, kind: str, rank: int, hidden: int, where: Any, barrier: Any
 ) -> None:
+    """One worker of one side; per request ``n``, times ``n`` steps; ``None`` ends it.
+
+    ``where`` is the TCPStore's port for ``ddp``, else ``(cluster spec, secret)``.
+    """
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(_mlp(hidden))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = _batches(rank, 4)
-    for i in range(warmup + steps):
-        if i == warmup:
-            barrier.wait()
-            start = time.perf_counter()
-        x, y = data[i % len(data)]
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    out.put(time.perf_counter() - start)
-    dist.destroy_process_group()
+    strategy: Any = None
+    if kind == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
 
-
-def _ps_worker(
-    rank: int,
-    spec: dict[str, Any],
-    secret: bytes,
-    mode: str,
-    hidden: int,
-    warmup: int,
-    steps: int,
-    barrier: Any,
-    out: Any,
-) -> None:
-    import torch
-    import torch.nn.functional as F
-
-    torch.set_num_threads(1)
-    from clusterflow.rpc import Credentials
-    from clusterflow.strategies import SimpleClusterResolver
-    from clusterflow.strategies.parameter_server import ParameterServerStrategy
-
-    resolver = SimpleClusterResolver(
-        spec, task_type="worker", task_id=rank, credentials=Credentials(secret)
-    )
-    strategy = ParameterServerStrategy(resolver, mode=mode)  # type: ignore[arg-type]
-    with strategy.scope():
+        store = dist.TCPStore("127.0.0.1", where, WORKERS, False, datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
         torch.manual_seed(0)
-        model = _mlp(hidden)
+        model = DistributedDataParallel(_mlp(hidden))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        from clusterflow.rpc import Credentials
+        from clusterflow.strategies import SimpleClusterResolver
+        from clusterflow.strategies.parameter_server import ParameterServerStrategy
+
+        spec, secret = where
+        resolver = SimpleClusterResolver(
+            spec, task_type="worker", task_id=rank, credentials=Credentials(secret)
+        )
+        strategy = ParameterServerStrategy(resolver, mode=kind)
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = _mlp(hidden)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step(x: Any, y: Any) -> None:
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
-    data = _batches(rank, 4)
-    for i in range(warmup + steps):
-        if i == warmup:
-            barrier.wait()
-            start = time.perf_counter()
-        strategy.run(step, data[i % len(data)])
-    out.put(time.perf_counter() - start)
-    strategy.leave()
-    strategy.close()
+    conn.send("ready")
+    settle()
+    i = 0
+    while (n := conn.recv()) is not None:
+        barrier.wait()
+        cpu = time.process_time()  # every thread of this process
+        start = time.perf_counter()
+        for _ in range(n):
+            if strategy is None:
+                step(*data[i % len(data)])
+            else:
+                strategy.run(step, data[i % len(data)])
+            i += 1
+        if strategy is not None:
+            strategy.flush()  # the window's last push counts (async overlaps it)
+        conn.send((start, time.perf_counter(), time.process_time() - cpu))
+    if strategy is not None:
+        strategy.close()
+    else:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
-def _throughput(kind: str, hidden: int, warmup: int, steps: int) -> float:
-    """Samples/s of 2 workers: ``ddp``, or a ps ``async``/``sync`` run with 1 ps task."""
+class _Side:
+    """The worker processes of one side, idle on their pipes between windows."""
+
+    def __init__(self, kind: str, hidden: int, where: Any, ps_pid: int | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.ps = psutil.Process(ps_pid) if ps_pid is not None else None
+        self.shares: list[float] = []
+        """Per window, the share of the machine's cores this side's processes used."""
+        # Held here: a barrier the parent drops is unlinked before the children attach.
+        self.barrier = barrier = ctx.Barrier(WORKERS)
+        self.kind = kind
+        self.pipes: list[Connection] = []
+        self.procs = []
+        for rank in range(WORKERS):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_train_worker,
+                args=(child, kind, rank, hidden, where, barrier),
+                daemon=True,
+            )
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    def ready(self) -> None:
+        for pipe in self.pipes:
+            if _recv(pipe, f"{self.kind} worker ready") != "ready":
+                raise SystemExit(f"benchmark failed: a {self.kind} worker did not start")
+
+    def window(self, steps: int) -> float:
+        """Samples/s of both workers over ``steps`` steps each."""
+        ps_cpu = self._ps_cpu()
+        for pipe in self.pipes:
+            pipe.send(steps)
+        spans = [_recv(pipe, f"{self.kind} window") for pipe in self.pipes]
+        elapsed = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+        cpu = sum(c for _, _, c in spans) + self._ps_cpu() - ps_cpu
+        self.shares.append(cpu / (elapsed * CORES))
+        return WORKERS * steps * BATCH / elapsed
+
+    def _ps_cpu(self) -> float:
+        if self.ps is None:
+            return 0.0
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for proc in self.procs:
+            proc.join(30)
+            proc.kill()
+
+
+def training(hidden: int, steps: int, rounds: int, verbose: bool) -> dict[str, list[float]]:
+    """Samples/s per round of each side: ``ddp``, ``async`` and ``sync``."""
     import torch.distributed as dist
 
     from clusterflow.rpc import Credentials
 
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    extra: list[Any] = []
-    if kind == "ddp":
-        store = dist.TCPStore(
-            "127.0.0.1", 0, 3, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    credentials = Credentials.generate()
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, WORKERS + 1, True, datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    ps_tasks: list[tuple[Any, Connection]] = []
+    sides: dict[str, _Side] = {}
+    try:
+        for kind in ("ddp", "async", "sync"):
+            if kind == "ddp":
+                where: Any = store.port
+            else:
+                proc, pipe, target = _start(_ps_task, credentials.secret)
+                ps_tasks.append((proc, pipe))
+                spec = {
+                    "ps": [target.removeprefix("tcp://")],
+                    "worker": ["127.0.0.1:1", "127.0.0.1:2"],
+                }
+                where = (spec, credentials.secret)
+            sides[kind] = _Side(kind, hidden, where, ps_tasks[-1][0].pid if ps_tasks else None)
+        for side in sides.values():
+            side.ready()
+        rates = alternate(
+            {kind: (lambda s=side: s.window(steps)) for kind, side in sides.items()},
+            rounds,
+            verbose=verbose,
         )
-        workers = [
-            ctx.Process(
-                target=_ddp_worker, args=(r, store.port, hidden, warmup, steps, barrier, out)
+        # Where a ratio moves with the load, this shows why: a side whose processes got
+        # less of the cores than in a quiet run was waiting (a preempted peer) or starved.
+        shares = {kind: side.shares[-rounds:] for kind, side in sides.items()}
+        print(
+            "median share of the cores used by each side's processes in its windows: "
+            + ", ".join(f"{kind} {Spread.of(v).median:.0%}" for kind, v in shares.items())
+        )
+        for kind in ("async", "sync"):
+            per_cpu = ratio(
+                [r / c for r, c in zip(rates[kind], shares[kind], strict=True)],
+                [r / c for r, c in zip(rates["ddp"], shares["ddp"], strict=True)],
             )
-            for r in range(2)
-        ]
-        extra.append(store)
-    else:
-        credentials = Credentials.generate()
-        parent, child = ctx.Pipe()
-        ps = ctx.Process(target=_ps_task, args=(child, credentials.secret), daemon=True)
-        ps.start()
-        spec = {
-            "ps": [parent.recv().removeprefix("tcp://")],
-            "worker": ["127.0.0.1:1", "127.0.0.1:2"],
-        }
-        workers = [
-            ctx.Process(
-                target=_ps_worker,
-                args=(r, spec, credentials.secret, kind, hidden, warmup, steps, barrier, out),
-            )
-            for r in range(2)
-        ]
-        extra += [ps, parent]
-    for w in workers:
-        w.start()
-    elapsed = max(out.get(timeout=600) for _ in workers)
-    for w in workers:
-        w.join(60)
-    if kind != "ddp":
-        extra[1].send("done")
-        extra[0].join(5)
-        extra[0].kill()
-    return 2 * steps * BATCH / elapsed
+            print(f"{kind}_vs_ddp per share of the cores used (a diagnostic): {per_cpu}")
+        return rates
+    finally:
+        for side in sides.values():
+            side.stop()
+        for proc, pipe in ps_tasks:
+            pipe.send("done")
+            proc.join(5)
+            proc.kill()
 
 
 def main() -> None:
     args = parser("ps", __doc__).parse_args()
-    raw_s, ours_s = bandwidth(5 if args.quick else 15)
-    gb = 2 * PAYLOAD_BYTES / 1e9
-    print(f"64 MiB push+pull: raw TCP {gb / raw_s:.2f} GB/s, clusterflow {gb / ours_s:.2f} GB/s")
-    figures = {"bandwidth_ratio": raw_s / ours_s}
+    one_thread_per_process()
+    load = MachineLoad()
+    rounds = args.rounds or (7 if args.quick else 15)
+    figures: dict[str, Spread] = {"bandwidth_ratio": bandwidth(rounds + 2, args.verbose)}
     sizes = [512] if args.quick else [512, 4096]
     for hidden in sizes:
-        warmup, steps = (5, 60) if hidden == 512 else (2, 10)
-        if args.quick:
-            steps //= 2
-        rates = {
-            kind: _throughput(kind, hidden, warmup, steps) for kind in ("ddp", "async", "sync")
-        }
+        steps = 30 if hidden == 512 else 3
+        rates = training(hidden, steps, rounds, args.verbose)
         print(
-            f"MLP 784-{hidden}-{hidden}-10, batch {BATCH}/worker, samples/s: "
-            + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
+            f"MLP 784-{hidden}-{hidden}-10, batch {BATCH}/worker, {steps} steps a window, "
+            f"median samples/s over {rounds} rounds: "
+            + ", ".join(f"{k} {Spread.of(v).median:,.0f}" for k, v in rates.items())
         )
         suffix = "" if hidden == 512 else "_large"
-        figures[f"async_vs_ddp{suffix}"] = rates["async"] / rates["ddp"]
-        figures[f"sync_vs_ddp{suffix}"] = rates["sync"] / rates["ddp"]
+        figures[f"async_vs_ddp{suffix}"] = ratio(rates["async"], rates["ddp"])
+        figures[f"sync_vs_ddp{suffix}"] = ratio(rates["sync"], rates["ddp"])
+    for key, spread in figures.items():
+        print(f"{key}: {spread}")
+    print(load.describe(), flush=True)
     result("ps", **figures)
 
 

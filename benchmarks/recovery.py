@@ -9,25 +9,27 @@
 * ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers, checkpointing every 10
   steps. The job of ``worker:0`` is SIGKILLed; the manager stops every task and restarts
   them all from the last committed checkpoint; the figure is the time from the kill to
-  the first step of the new incarnation (a line with the next attempt number).
+  the first step of the new incarnation (a line with the next attempt number). These
+  two have no peer: each prints as the median over trials with the smallest and largest.
 * ``checkpoint_vs_torch_save``: one process, a 64 MiB MLP. A consistent checkpoint
   (``Checkpointer.save``: the model part, the task's own part, the manifest, all fsynced)
   against ``torch.save`` of the same state dict to a file in the same folder, in
-  alternating trials; the ratio of medians (below 1: the checkpoint is faster).
+  alternating rounds (order reversed each round); the median over rounds of each
+  round's ratio, with the smallest and largest (below 1: the checkpoint is faster).
   ``checkpoint_vs_torch_save_fsync`` compares with ``torch.save`` followed by ``fsync``,
   the same durability as the checkpoint's.
 
 Goals: respawn at most 3 s, full restart at most 10 s, checkpoint at most 1.5x.
 
-    python -m benchmarks.recovery [--quick]
+    python -m benchmarks.recovery [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks._common import parser, result
+from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result, timed
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "benchmarks" / "_recovery_job.py"
@@ -171,7 +173,8 @@ def full_restarts(trials: int, workdir: Path) -> list[float]:
     return times
 
 
-def checkpoint_cost(trials: int, workdir: Path) -> tuple[float, float, float, float]:
+def checkpoint_cost(rounds: int, workdir: Path, verbose: bool) -> tuple[Spread, Spread, int]:
+    """Per round, a checkpoint's seconds / ``torch.save``'s, and / ``torch.save`` + fsync."""
     import torch
     from torch import nn
 
@@ -183,46 +186,59 @@ def checkpoint_cost(trials: int, workdir: Path) -> tuple[float, float, float, fl
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     directory = workdir / "checkpoints"
     ckpt = Checkpointer(model=model, directory=str(directory), keep=2)
-    ours, plain, synced = [], [], []
-    for step in range(1, trials + 1):
-        start = time.perf_counter()
-        ckpt.save(step)
-        ours.append(time.perf_counter() - start)
-        path = directory / f"torch-{step % 2}.pt"
-        start = time.perf_counter()
-        torch.save(model.state_dict(), path)
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        torch.save(model.state_dict(), path)
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        synced.append(time.perf_counter() - start)
-    return statistics.median(ours), statistics.median(plain), statistics.median(synced), nbytes
+    steps = itertools.count(1)
+
+    def ours() -> float:
+        return timed(lambda: ckpt.save(next(steps)))
+
+    def plain() -> float:
+        return timed(lambda: torch.save(model.state_dict(), directory / "torch-plain.pt"))
+
+    def synced() -> float:
+        def save() -> None:
+            path = directory / "torch-synced.pt"
+            torch.save(model.state_dict(), path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        return timed(save)
+
+    times = alternate({"ours": ours, "plain": plain, "synced": synced}, rounds, verbose=verbose)
+    ms = {name: Spread.of(values).median * 1e3 for name, values in times.items()}
+    print(
+        f"checkpoint of {nbytes / 2**20:.1f} MiB, medians: {ms['ours']:.0f} ms; torch.save "
+        f"{ms['plain']:.0f} ms, with fsync {ms['synced']:.0f} ms",
+        flush=True,
+    )
+    return ratio(times["ours"], times["plain"]), ratio(times["ours"], times["synced"]), nbytes
 
 
 def main() -> None:
     args = parser("recovery", __doc__).parse_args()
-    trials = 3 if args.quick else 7
+    trials = args.rounds or (3 if args.quick else 7)
     with tempfile.TemporaryDirectory(prefix="cf-recovery-") as tmp:
         workdir = Path(tmp)
-        ours, plain, synced, nbytes = checkpoint_cost(8 if args.quick else 20, workdir)
-        print(
-            f"checkpoint of {nbytes / 2**20:.1f} MiB: {ours * 1e3:.0f} ms; torch.save "
-            f"{plain * 1e3:.0f} ms, with fsync {synced * 1e3:.0f} ms",
-            flush=True,
+        # The clusters run detached, outside this process's tree: theirs by their home.
+        load = MachineLoad(lambda p: p.environ().get("CLUSTERFLOW_HOME", "").startswith(tmp))
+        vs_save, vs_synced, _ = checkpoint_cost(
+            max(trials, 8 if args.quick else 20), workdir, args.verbose
         )
         respawn = worker_respawns(trials, workdir)
         print("worker respawn (s): " + " ".join(f"{t:.2f}" for t in respawn), flush=True)
         restart = full_restarts(trials, workdir)
         print("full restart (s):   " + " ".join(f"{t:.2f}" for t in restart), flush=True)
-    result(
-        "recovery",
-        worker_respawn_s=statistics.median(respawn),
-        full_restart_s=statistics.median(restart),
-        checkpoint_vs_torch_save=ours / plain,
-        checkpoint_vs_torch_save_fsync=ours / synced,
-    )
+        described = load.describe()
+    figures = {
+        "worker_respawn_s": Spread.of(respawn),
+        "full_restart_s": Spread.of(restart),
+        "checkpoint_vs_torch_save": vs_save,
+        "checkpoint_vs_torch_save_fsync": vs_synced,
+    }
+    for key, spread in figures.items():
+        print(f"{key}: {spread}")
+    print(described, flush=True)
+    result("recovery", **figures)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ The peers are the thinnest loops pyzmq and the socket module allow:
 Ours: ``RpcClient.call`` to an ``RpcServer`` (plain auth, as on loopback), a no-op
 handler for latency, and a handler that receives the 64 MiB tensor for throughput.
 
-    python -m benchmarks.rpc [--quick]
+Each round times every side once, in an order reversed each round; each ratio is the
+median over rounds of that round's ratio, printed with its smallest and largest.
+
+    python -m benchmarks.rpc [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import socket
 import time
 from multiprocessing.connection import Connection
 
-from benchmarks._common import parser, result
+from benchmarks._common import MachineLoad, Spread, alternate, best_of, parser, ratio, result
 
 PAYLOAD_BYTES = 64 * 1024 * 1024
+BURST = 3
+"""Windows (of 200 calls, or one 64 MiB transfer) per side per round; the best counts."""
 
 
 def _serve_raw_zmq(conn: Connection) -> None:
@@ -77,20 +82,21 @@ def _start(target, *args):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     args = parser("rpc", __doc__).parse_args()
-    calls = 1000 if args.quick else 5000
-    rounds = 6 if args.quick else 12
+    calls = 200
+    rounds = args.rounds or (15 if args.quick else 40)
     import torch
     import zmq
 
     from clusterflow.rpc import Credentials, RpcClient
 
+    load = MachineLoad()
     payload = torch.ones(PAYLOAD_BYTES // 4, dtype=torch.float32)
     raw = memoryview(payload.numpy()).cast("B")
     credentials = Credentials.generate()
 
     # All three peers stay up and are measured in alternating rounds, so a stretch of
     # noise from the other core (this VM's wake-up latency varies several-fold between
-    # stretches) lands on both sides instead of on one; the best round of each counts.
+    # stretches) lands on both sides of a round instead of on one phase.
     zmq_proc, _, zmq_port = _start(_serve_raw_zmq)
     tcp_proc, _, tcp_port = _start(_serve_raw_tcp)
     our_proc, our_pipe, our_port = _start(_serve_ours, credentials.secret)
@@ -124,29 +130,43 @@ def main() -> None:
         client.call("sink", tensors={"t": payload})
         return time.perf_counter() - start
 
-    for warm in (raw_zmq_rtt, ours_rtt, raw_tcp_transfer, ours_transfer):
-        warm()
-    zmq_rtt = our_rtt = tcp_s = our_s = float("inf")
-    for _ in range(rounds):
-        zmq_rtt = min(zmq_rtt, raw_zmq_rtt())
-        our_rtt = min(our_rtt, ours_rtt())
-        tcp_s = min(tcp_s, raw_tcp_transfer())
-        our_s = min(our_s, ours_transfer())
+    try:
+        figures = alternate(
+            {
+                # Each turn is a few short windows and the best counts: a window takes
+                # tens of ms, and the best leaves out the moments a neighbour held a core.
+                "zmq_rtt": lambda: best_of(raw_zmq_rtt, BURST),
+                "our_rtt": lambda: best_of(ours_rtt, BURST),
+                "tcp_s": lambda: best_of(raw_tcp_transfer, BURST),
+                "our_s": lambda: best_of(ours_transfer, BURST),
+            },
+            rounds,
+            verbose=args.verbose,
+        )
+    finally:
+        client.close()
+        dealer.close(0)
+        sock.close()
+        our_pipe.send("done")
+        our_proc.join(5)
+        for proc in (zmq_proc, tcp_proc, our_proc):
+            proc.kill()
 
-    client.close()
-    dealer.close(0)
-    sock.close()
-    our_pipe.send("done")
-    our_proc.join(5)
-    for proc in (zmq_proc, tcp_proc, our_proc):
-        proc.kill()
-
+    med = {key: Spread.of(values).median for key, values in figures.items()}
     gb = PAYLOAD_BYTES / 1e9
+    latency = ratio(figures["our_rtt"], figures["zmq_rtt"])
+    throughput = ratio(figures["tcp_s"], figures["our_s"])
+    print(f"medians over {rounds} rounds:")
     print(
-        f"no-op round trip: raw ZeroMQ {zmq_rtt * 1e6:.0f} us, clusterflow {our_rtt * 1e6:.0f} us"
+        f"no-op round trip: raw ZeroMQ {med['zmq_rtt'] * 1e6:.0f} us, "
+        f"clusterflow {med['our_rtt'] * 1e6:.0f} us; ratio {latency}"
     )
-    print(f"64 MiB transfer: raw TCP {gb / tcp_s:.2f} GB/s, clusterflow {gb / our_s:.2f} GB/s")
-    result("rpc", latency_ratio=our_rtt / zmq_rtt, throughput_ratio=tcp_s / our_s)
+    print(
+        f"64 MiB transfer: raw TCP {gb / med['tcp_s']:.2f} GB/s, "
+        f"clusterflow {gb / med['our_s']:.2f} GB/s; ratio {throughput}"
+    )
+    print(load.describe(), flush=True)
+    result("rpc", latency_ratio=latency, throughput_ratio=throughput)
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ class Controller:
         # a handler thread: room for every task (threads start only when needed).
         self._rpc = RpcServer(
             self.credentials,
-            host="127.0.0.1",
+            host=config.host,
             port=0,
             name="manager",
             workers=len(self.tasks) * max(1, config.replicas_per_host) + 16,
@@ -192,7 +192,9 @@ class Controller:
         self.cluster.append_event("starting", tasks=[str(t) for t in self.tasks])
         self._write_state()
         try:
-            self._store = StoreHost({**os.environ, ENV_CLUSTER_ID: self.cluster.id})
+            self._store = StoreHost(
+                {**os.environ, ENV_CLUSTER_ID: self.cluster.id}, self.config.host
+            )
             restore = self._choose_checkpoint(restore_data=True)
             for task in self.tasks.values():
                 self._launch(task, restore)
@@ -462,7 +464,9 @@ class Controller:
         if self._store is not None:
             # A fresh store: the old one holds the dead incarnation's rendezvous keys.
             self._store.close()
-            self._store = StoreHost({**os.environ, ENV_CLUSTER_ID: self.cluster.id})
+            self._store = StoreHost(
+                {**os.environ, ENV_CLUSTER_ID: self.cluster.id}, self.config.host
+            )
         restore = self._choose_checkpoint(restore_data=True)
         self.cluster.append_event(
             "cluster_restarted",
@@ -577,7 +581,7 @@ class Controller:
                     "GROUP_WORLD_SIZE": "1",
                     "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(world),
-                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_ADDR": self.config.host,
                     "MASTER_PORT": str(self._store.port if self._store else 0),
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": str(self.tasks[task].restarts),

@@ -195,6 +195,8 @@ def effective_status(state: dict[str, Any]) -> str:
     if status in TERMINAL or status == "created":
         return status
     manager = state.get("manager") or {}
+    if manager.get("actor"):
+        return status  # a manager on Ray: its mirror is refreshed from it (ray_host.refresh)
     if not process_alive(manager.get("pid"), manager.get("create_time")):
         return "stale"
     return status
