@@ -332,8 +332,11 @@ def test_tasks_land_on_the_nodes_their_labels_and_resources_select(
     nodes = ray_cluster.nodes
     assert where["ps:0"]["node_id"] == nodes["c"]
     assert where["worker:0"]["node_id"] == where["worker:1"]["node_id"] == nodes["b"]
-    assert where["worker:0"]["resources"] == {"GPU": 0.5, "CPU": 0.5}
-    assert where["ps:0"]["resources"] == {"CPU": 1.0}
+    assert where["worker:0"]["resources"]["GPU"] == 0.5
+    assert where["worker:0"]["resources"]["CPU"] == 0.5
+    assert where["ps:0"]["resources"]["CPU"] == 1.0
+    # Memory sized automatically: never measured in this CLUSTERFLOW_HOME, so 1 GiB.
+    assert where["ps:0"]["memory_requested"] == 2**30
     # Ray's GPU assignment reaches the job as CUDA_VISIBLE_DEVICES.
     assert out.stdout.count("GPUS 0") == 2, out.stdout
 
@@ -379,6 +382,43 @@ def test_a_request_that_does_not_fit_now_fails_within_its_bound(cf: Any, tmp_pat
     assert line.startswith(
         "error: job worker needs GPU=1 for each of its 2 task(s): not free within 3s"
     )
+
+
+MEMORY_JOB = """
+import os, time
+data = b"\\1" * (250 << 20)  # touched, so resident
+time.sleep(0.8)  # several of the actor's samples see it
+print("held", os.environ["CLUSTERFLOW_ATTEMPT"], flush=True)
+"""
+
+
+def test_memory_is_measured_kept_for_the_next_run_and_grown_after_a_kill(cf: Any) -> None:
+    run = ["start", "--backend", "ray", "--address", ADDRESS, "--workers", "1"]
+    job = ["--", sys.executable, "-c", MEMORY_JOB]
+    first = cf(*run, *job)
+    assert first.returncode == 0, first.stderr
+    (cluster,) = (cf.home / "clusters").iterdir()
+    (task,) = _state(cf, cluster.name)["tasks"]
+    assert task["memory_requested"] == 2**30  # the first run's estimate
+    peak = task["memory_peak"]
+    assert peak > 250 << 20  # the job's 250 MiB and the interpreters under it
+
+    # The same command and job again: measured peak x 1.25, not the estimate.
+    second = cf(*run, *job)
+    assert second.returncode == 0, second.stderr
+    (newer,) = [c for c in (cf.home / "clusters").iterdir() if c != cluster]
+    (task,) = _state(cf, newer.name)["tasks"]
+    assert task["memory_requested"] == pytest.approx(peak * 1.25)
+
+    # Asked for less than it uses: killed, and the restart asks 1.5 times as much.
+    too_little = int(peak * 0.8)
+    third = cf(*run, "--resources", f"worker:memory={too_little}", "--max-restarts", "1", *job)
+    assert third.returncode == 0, third.stderr + third.stdout
+    assert "held 0" not in third.stdout and "[worker:0] held 1" in third.stdout, third.stdout
+    (last,) = [c for c in (cf.home / "clusters").iterdir() if c not in (cluster, newer)]
+    state = _state(cf, last.name)
+    assert state["restarts"] == 1
+    assert state["tasks"][0]["memory_requested"] == pytest.approx(too_little * 1.5)
 
 
 def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(

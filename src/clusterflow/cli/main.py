@@ -93,6 +93,7 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "resources",
         "labels",
         "job_dir",
+        "memory",
         "placement_timeout_s",
     }
     unknown = sorted(set(data) - known)
@@ -168,6 +169,10 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 )
 @click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
 @click.option(
+    "--memory",
+    help="Memory per task on Ray where --resources names none: auto (measured) or a size.",
+)
+@click.option(
     "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -190,6 +195,7 @@ def start(
     resources_: tuple[str, ...],
     labels_: tuple[str, ...],
     job_dir: str | None,
+    memory: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -230,6 +236,7 @@ def start(
         "backend": backend,
         "address": address,
         "job_dir": job_dir,
+        "memory": memory,
     }
     if "resources" in settings:
         settings["resources"] = resources_from_file(settings["resources"])
@@ -376,8 +383,16 @@ def _task_placement(task: dict[str, Any]) -> str:
     """Where a task on Ray runs: its node and what Ray gave it."""
     if not task.get("node_id"):
         return ""
-    resources = ",".join(f"{k}={v:g}" for k, v in (task.get("resources") or {}).items())
-    return f"  node {str(task['node_id'])[:12]} ({task.get('node_ip')}) {resources}"
+    resources = ",".join(
+        f"{k}={v:g}" for k, v in (task.get("resources") or {}).items() if k != "memory"
+    )
+    asked, peak = task.get("memory_requested"), task.get("memory_peak")
+    memory = f" memory asked {_mib(asked)}, peak {_mib(peak)}" if asked or peak else ""
+    return f"  node {str(task['node_id'])[:12]} ({task.get('node_ip')}) {resources}{memory}"
+
+
+def _mib(value: Any) -> str:
+    return f"{value / 2**20:.0f}M" if isinstance(value, int | float) and value else "-"
 
 
 @cli.command(name="ps", context_settings=CONTEXT)
