@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -291,12 +292,16 @@ def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
     )
     assert on_ray.returncode == 0, on_ray.stderr + on_ray.stdout
 
-    def final(out: str) -> str:
-        lines = [line for line in out.splitlines() if "final test_accuracy" in line]
-        assert len(lines) == 2, out  # each worker's own view of the model on the ps
-        return "\n".join(sorted(lines))
+    def final(out: str) -> list[tuple[str, float, int]]:
+        found = re.findall(r"\[(worker:\d)\] final test_accuracy ([0-9.]+) global_step (\d+)", out)
+        assert len(found) == 2, out  # each worker's own view of the model on the ps
+        return sorted((task, float(acc), int(step)) for task, acc, step in found)
 
-    assert final(on_ray.stdout) == final(local.stdout)
+    # The same number of sync steps, and the accuracy within what a push dropped at a
+    # step's deadline may change (it can happen in either run: the local one too).
+    for ours, theirs in zip(final(on_ray.stdout), final(local.stdout), strict=True):
+        assert ours[0] == theirs[0] and ours[2] == theirs[2]
+        assert ours[1] == pytest.approx(theirs[1], abs=0.02)
 
 
 def test_tasks_land_on_the_nodes_their_labels_and_resources_select(
@@ -464,22 +469,16 @@ def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
     assert _state(cf, cluster_id)["status"] == "succeeded"
 
     flag.unlink()
-    out = cf(
-        "start",
-        "--backend",
-        "ray",
-        "--address",
-        ADDRESS,
-        "--workers",
-        "1",
-        "--detach",
-        "--",
-        sys.executable,
-        "-c",
-        job,
+    # This one with curve (as between machines), through a cluster file: the manager,
+    # the tasks and the stop request all use it.
+    config = tmp_path / "curve.yaml"
+    config.write_text(
+        f"backend: ray\naddress: '{ADDRESS}'\nworkers: 1\nenv: {{CLUSTERFLOW_AUTH: curve}}\n"
     )
+    out = cf("start", "-c", str(config), "--detach", "--", sys.executable, "-c", job)
     assert out.returncode == 0, out.stderr
     second = out.stdout.strip()
+    wait_until(lambda: "[worker:0] ready 0" in _logs(cf, second), 120, "the curve task")
     ps = cf("ps")
     assert second in ps.stdout and "running" in ps.stdout, ps.stdout
     stopped = cf("stop", second, "--grace", "2")

@@ -154,7 +154,11 @@ class ManagerHost:
         address = (self.cluster.read_state().get("manager") or {}).get("address")
         if self.controller is None or self._ended.is_set() or not address:
             return
-        credentials = Credentials.from_file(self.cluster.secret_file)
+        # As the controller reads them: CLUSTERFLOW_AUTH (plain or curve) may be in env.
+        secret = str(self.cluster.secret_file)
+        environ = {**os.environ, **self.config.env, "CLUSTERFLOW_SECRET_FILE": secret}
+        credentials = Credentials.from_env(environ)
+        assert credentials is not None  # the secret file is given
         with RpcClient(address, credentials, deadline=10.0) as client:
             client.call("manager.stop", {"grace_s": grace_s})
 
