@@ -15,13 +15,16 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.errors import ClusterflowError, ConfigError
+
+if TYPE_CHECKING:
+    from clusterflow.manager.state import ClusterState, TaskState
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 USAGE_EXIT = 2
@@ -268,7 +271,7 @@ def _start_detached(cluster: Any) -> None:
         )
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
-        status = cluster.read_state().get("status")
+        status = cluster.read_state().status
         if status in ("running", *registry.TERMINAL):
             break
         if proc.poll() is not None:
@@ -284,47 +287,47 @@ def _start_detached(cluster: Any) -> None:
 # ps / describe -------------------------------------------------------------------------
 
 
-def _uptime(state: dict[str, Any]) -> str:
-    created = state.get("created")
-    if not created:
+def _uptime(state: ClusterState) -> str:
+    if not state.created:
         return "-"
-    end = state.get("ended") or time.time()
-    seconds = int(max(0.0, end - created))
+    end = state.ended or time.time()
+    seconds = int(max(0.0, end - state.created))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _task_summary(state: dict[str, Any]) -> str:
-    tasks = state.get("tasks") or []
-    running = sum(1 for t in tasks if t.get("exit_code") is None and t.get("status") == "running")
+def _task_summary(state: ClusterState) -> str:
+    tasks = state.tasks
+    running = sum(1 for t in tasks if t.exit_code is None and t.status == "running")
     jobs: dict[str, int] = {}
     for t in tasks:
-        job = str(t.get("task", "?")).split(":")[0]
+        job = t.task.split(":")[0]
         jobs[job] = jobs.get(job, 0) + 1
     shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
     return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
 
 
-def _figures(state: dict[str, Any]) -> tuple[str, str]:
+def _figures(state: ClusterState) -> tuple[str, str]:
     """The cluster's live figures: the furthest step any task reported, and the summed
     samples/s of the tasks still running."""
-    tasks = [t for t in state.get("tasks") or [] if t.get("exit_code") is None]
-    steps = [t["step"] for t in state.get("tasks") or [] if isinstance(t.get("step"), int)]
-    rates = [t["samples_per_s"] for t in tasks if isinstance(t.get("samples_per_s"), int | float)]
+    steps = [t.step for t in state.tasks if t.step is not None]
+    rates = [
+        t.samples_per_s for t in state.tasks if t.exit_code is None and t.samples_per_s is not None
+    ]
     return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
 
 
-def _task_figures(task: dict[str, Any]) -> str:
+def _task_figures(task: TaskState) -> str:
     parts = []
-    if isinstance(task.get("step"), int):
-        parts.append(f"step {task['step']}")
-    if isinstance(task.get("loss"), int | float):
-        parts.append(f"loss {task['loss']:.4g}")
-    if isinstance(task.get("samples_per_s"), int | float):
-        parts.append(f"{task['samples_per_s']:.0f} samples/s")
-    if task.get("restarts"):
-        parts.append(f"restarts {task['restarts']}")
+    if task.step is not None:
+        parts.append(f"step {task.step}")
+    if task.loss is not None:
+        parts.append(f"loss {task.loss:.4g}")
+    if task.samples_per_s is not None:
+        parts.append(f"{task.samples_per_s:.0f} samples/s")
+    if task.restarts:
+        parts.append(f"restarts {task.restarts}")
     return ("  " + ", ".join(parts)) if parts else ""
 
 
@@ -352,7 +355,7 @@ def ps_command(show_all: bool) -> None:
             status = registry.effective_status(state)
             if not show_all and status in registry.TERMINAL:
                 continue
-            command = shlex.join(str(arg) for arg in state.get("command") or [])
+            command = shlex.join(state.command)
             step, rate = _figures(state)
             cells = [cluster.id, status, _task_summary(state), _uptime(state), step, rate, command]
         table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
@@ -370,26 +373,26 @@ def describe(cluster_id: str, as_json: bool) -> None:
     cluster = registry.find(cluster_id)
     state = cluster.read_state()
     if as_json:
-        click.echo(json.dumps(state, indent=2))
+        click.echo(json.dumps(state.to_dict(), indent=2))
         return
     click.echo(f"id:       {cluster.id}")
     click.echo(f"status:   {registry.effective_status(state)}")
-    click.echo(f"command:  {shlex.join(str(arg) for arg in state.get('command') or [])}")
+    click.echo(f"command:  {shlex.join(state.command)}")
     click.echo(f"uptime:   {_uptime(state)}")
-    if state.get("summary"):
-        click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
+    if state.summary:
+        click.echo(f"summary:  {state.summary} (exit code {state.exit_code})")
     click.echo(f"state:    {cluster.path}")
-    if state.get("checkpoint_dir"):
-        click.echo(f"checkpoints: {state['checkpoint_dir']}")
-    if state.get("max_restarts"):
-        click.echo(f"restarts: {state.get('restarts', 0)} of {state['max_restarts']}")
-    click.echo(f"spec (v{state.get('spec_version', 0)}): {json.dumps(state.get('spec'))}")
+    if state.checkpoint_dir:
+        click.echo(f"checkpoints: {state.checkpoint_dir}")
+    if state.max_restarts:
+        click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
+    click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
     click.echo("tasks:")
-    for t in state.get("tasks") or []:
-        code = t.get("exit_code")
+    for t in state.tasks:
+        code = t.exit_code
         click.echo(
-            f"  {t.get('task'):<14} {t.get('status', '?'):<10} {t.get('address') or '-':<22} "
-            f"pid {t.get('pid') or '-':<8} exit {'-' if code is None else code}"
+            f"  {t.task:<14} {t.status:<10} {t.address or '-':<22} "
+            f"pid {t.pid or '-':<8} exit {'-' if code is None else code}"
             f"{_task_figures(t)}"
         )
     click.echo("events:")
@@ -417,7 +420,7 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
     cluster = registry.find(cluster_id)
     if task_name:
         task = TaskId.parse(task_name)
-        known = [t.get("task") for t in cluster.read_state().get("tasks") or []]
+        known = [t.task for t in cluster.read_state().tasks]
         if known and str(task) not in known:
             raise ConfigError(
                 f"cluster {cluster.id} has no task {task_name!r}; "
@@ -443,9 +446,8 @@ def attach(cluster_id: str) -> None:
         follow.print_file(cluster.output_file, lambda: _finished(cluster))
     except KeyboardInterrupt:
         sys.exit(130)
-    state = cluster.read_state()
-    code = state.get("exit_code")
-    sys.exit(int(code) if isinstance(code, int) else 1)
+    code = cluster.read_state().exit_code
+    sys.exit(1 if code is None else code)
 
 
 def _finished(cluster: Any) -> bool:
