@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,9 +136,11 @@ class Counts(nn.Module):
 
 
 def async_ps(out: Path, path: str, records: int, epochs: int) -> None:
+    """A custom loop (``TrainingSession``): the batch's own split keys, no key of ours."""
     from clusterflow.data import distributed_dataset
     from clusterflow.ps.placement import FixedShardsPartitioner
     from clusterflow.strategies.parameter_server import ParameterServerStrategy
+    from clusterflow.train import TrainingSession
 
     strategy = ParameterServerStrategy(mode="async", variable_partitioner=FixedShardsPartitioner(2))
     with strategy.scope():
@@ -153,16 +156,13 @@ def async_ps(out: Path, path: str, records: int, epochs: int) -> None:
         (-model.counts[ids].sum() - model.applied.sum()).backward()
         opt.step()
 
-    for item in strategy.distribute(data):
-        ids = item.data["id"]
-        # One split per batch: its records name it, stable when it is lent again.
-        key = f"{item.epoch}:{int(ids.min())}"
-        compute()
-        strategy.run(add_one, (ids,), lease=key)
-        progress(out, f"lease {key}")
+    with TrainingSession(strategy=strategy, model=model, data=data, report_figures=False) as s:
+        for item in data:
+            compute()
+            s.run_step(add_one, item.data["id"], completes=item)
+            progress(out, f"split {item.keys}")
     data.close()
     if strategy.is_chief:
-        strategy.pull_values()
         stats = strategy.ps_stats()
         (out / "final.json").write_text(
             json.dumps(
@@ -176,6 +176,84 @@ def async_ps(out: Path, path: str, records: int, epochs: int) -> None:
     strategy.close()
 
 
+# Through fit(): a counter per record, SGD at lr 1, a gradient of -1 at counts[id] -------
+
+FIT_CHECKPOINT_EVERY = 3
+
+
+class Counter(nn.Module):
+    """``counts[i]`` is how often record ``i``'s update was applied (times ``scale``)."""
+
+    def __init__(self, records: int) -> None:
+        super().__init__()
+        self.counts = nn.Parameter(torch.zeros(records))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        compute()
+        return self.counts[ids]
+
+
+def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -> None:
+    """``clusterflow.fit`` with a data-service client and a Checkpoint hook, as a user
+    writes it; the chief writes every record's count to ``final.json``."""
+    import clusterflow
+    from clusterflow.data import distributed_dataset
+    from clusterflow.train import Checkpoint, Hook
+
+    strategy: Any
+    if scenario == "fit_allreduce":
+        from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
+
+        strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=30))
+        scale = 2.0  # the all-reduce averages the two replicas' gradients
+    else:
+        from clusterflow.strategies.parameter_server import ParameterServerStrategy
+
+        if scenario == "fit_sync_ps":
+            # Two replicas, one backup: each step takes the first push, the other is late
+            # and its split goes back to the data service.
+            strategy = ParameterServerStrategy(mode="sync", backup_workers=1)
+        else:
+            strategy = ParameterServerStrategy(mode="async")
+        scale = 1.0
+    with strategy.scope():
+        model = Counter(records)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = distributed_dataset(
+        path,
+        batch_size=10,
+        split_size=10,
+        seed=7,
+        epochs=epochs,
+        wait_for_all_acks=scenario != "fit_allreduce",
+        collate_fn=lambda cols: (torch.as_tensor(cols["id"]), torch.as_tensor(cols["id"])),
+    )
+
+    class Logged(Hook):
+        def after_step(self, session: Any, info: Any) -> None:
+            progress(out, f"step {info.step}")
+
+    def loss_fn(outputs: torch.Tensor, _ids: torch.Tensor) -> torch.Tensor:
+        return -outputs.sum() * scale
+
+    clusterflow.fit(
+        model,
+        loss_fn,
+        opt,
+        data,
+        strategy=strategy,
+        epochs=epochs,
+        hooks=[Checkpoint(every_steps=FIT_CHECKPOINT_EVERY), Logged()],
+    )
+    data.close()
+    if strategy.is_chief:
+        (out / "final.json").write_text(json.dumps({"counts": model.counts.detach().tolist()}))
+    if scenario == "fit_allreduce":
+        strategy.shutdown()
+    else:
+        strategy.close()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     scenario, out = sys.argv[1], Path(sys.argv[2])
@@ -185,6 +263,8 @@ def main() -> None:
         allreduce(out)
     elif scenario == "async_ps":
         async_ps(out, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    elif scenario.startswith("fit_"):
+        fit_counts(out, scenario, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -56,10 +56,51 @@ def _job_pid(cf: Clusterflow, cluster_id: str, task: str) -> int | None:
     return None
 
 
+def _running_job(cf: Clusterflow, cluster_id: str, task: str) -> int | None:
+    """``task``'s job pid once the whole cluster runs (not while it restarts)."""
+    if cf.state(cluster_id).get("status") != "running":
+        return None
+    return _job_pid(cf, cluster_id, task)
+
+
+def _handled(cf: Clusterflow, cluster_id: str) -> int:
+    """Task deaths the manager has acted on.
+
+    A kill that hit a standby's zygote still warming up (before its job started) is no
+    task death: that supervisor starts the job cold instead, and says so.
+    """
+    cold = cf.output(cluster_id).count("a task given to it starts cold")
+    return int(cf.state(cluster_id).get("restarts", 0)) + cold
+
+
 def _ended(cf: Clusterflow, cluster_id: str) -> bool:
     from clusterflow.manager.registry import TERMINAL
 
     return cf.state(cluster_id).get("status") in TERMINAL
+
+
+def chaos_seed() -> int:
+    """``CHAOS_SEED`` when set (to replay a run), else a fresh one; printed either way."""
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 16)))
+    print(f"CHAOS_SEED={seed}")
+    return seed
+
+
+def kill_schedule(seed: int, targets: list[str], every: int) -> list[tuple[int, str]]:
+    """``KILLS`` kills as ``(steps logged, task)``: a pure function of the seed.
+
+    Counted in logged steps, not wall time, so one seed gives the same schedule on a
+    fast or a loaded machine. Every target is killed at least once (in a random order),
+    so every assertion about what a kill must cause runs whatever the seed.
+    """
+    rng = random.Random(seed)
+    tasks = list(targets) + [rng.choice(targets) for _ in range(KILLS - len(targets))]
+    rng.shuffle(tasks)
+    schedule, at = [], 0
+    for task in tasks:
+        at += every + rng.randrange(every)
+        schedule.append((at, task))
+    return schedule
 
 
 def run_with_chaos(
@@ -72,52 +113,65 @@ def run_with_chaos(
     seed: int,
     every: int,
 ) -> tuple[str, list[str]]:
-    """Starts the cluster, kills ``KILLS`` random targets, waits for the end.
+    """Starts the cluster, kills as ``kill_schedule`` says, waits for the end.
 
-    A kill waits until ``every`` to ``2 * every`` more steps (chosen at random) were
-    logged since the previous one, so the run gets past a checkpoint between kills and
-    always finishes, and the kills land at random points of it.
+    Kill ``k`` waits until the run logged its step threshold (``every`` to ``2 * every``
+    more than the previous one, so the run gets past a checkpoint between kills and
+    always finishes), then until the chosen task's job runs (it may be respawning), and
+    kills it. Every wait is on a condition; none draws from the RNG again.
     """
-    rng = random.Random(seed)
+    schedule = kill_schedule(seed, targets, every)
     cluster_id = cf.start_detached(
         "--max-restarts", "20", *cluster_args, "--", PY, str(HERE / "chaos_job.py"), *job_args
     )
     kills: list[str] = []
-    mark = 0
-    while len(kills) < KILLS:
-        target = mark + every + rng.randrange(every)
+    for at, task in schedule:
         cf.wait_until(
-            lambda target=target: _steps(out) >= target or _ended(cf, cluster_id),
+            lambda at=at: _steps(out) >= at or _ended(cf, cluster_id),
             120,
-            f"progress after kill {len(kills)} (seed {seed})",
+            f"{at} steps before kill {len(kills) + 1} (seed {seed})",
         )
-        if _ended(cf, cluster_id):
+        pid = cf.wait_until(
+            lambda task=task: _running_job(cf, cluster_id, task) or _ended(cf, cluster_id),
+            120,
+            f"{task}'s job for kill {len(kills) + 1} (seed {seed})",
+        )
+        if _ended(cf, cluster_id) or pid is True:
             break
-        task = rng.choice(targets)
-        pid = _job_pid(cf, cluster_id, task)
-        if pid is None:
-            continue  # that task is being replaced right now: choose again later
         os.kill(pid, signal.SIGKILL)
         kills.append(task)
-        mark = _steps(out)
+        # The manager must have acted on this kill before the next one: else a second
+        # kill could hit a task of the incarnation it is tearing down, and count for none.
+        cf.wait_until(
+            lambda: _handled(cf, cluster_id) >= len(kills) or _ended(cf, cluster_id),
+            120,
+            f"the manager's answer to kill {len(kills)} (seed {seed})",
+        )
     cf.wait_until(lambda: _ended(cf, cluster_id), 240, f"the end of the run (seed {seed})")
     cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
     state = cf.state(cluster_id)
     detail = f"seed {seed}, kills {kills}, state {state.get('summary')}\n{cf.output(cluster_id)}"
     assert len(kills) == KILLS, f"the run ended after {len(kills)} kills; {detail}"
     assert state["status"] == "succeeded", detail
-    # A kill that hit a standby's zygote still warming up (before its job started) is no
-    # task death: that supervisor starts the job cold instead, and says so.
-    cold = cf.output(cluster_id).count("a task given to it starts cold")
-    assert state["restarts"] + cold >= KILLS, detail
+    assert _handled(cf, cluster_id) >= KILLS, detail
     return cluster_id, kills
+
+
+def _events(cf: Clusterflow, cluster_id: str) -> set[str]:
+    return {json.loads(line)["event"] for line in (cf.path(cluster_id) / "events.jsonl").open()}
+
+
+def _records(out: Path, records: int) -> Path:
+    table = pa.table({"id": pa.array(range(records), pa.int64())})
+    pq.write_table(table, out / "records.parquet")
+    return out / "records.parquet"
 
 
 @pytest.mark.timeout(420)
 def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 16)))
+    seed = chaos_seed()
     cluster_id, kills = run_with_chaos(
         cf,
         tmp_path,
@@ -131,22 +185,17 @@ def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
     expected = chaos_job.reference(replicas=2)
     diff = max(abs(a - b) for a, b in zip(final, expected, strict=True))
     assert diff < TOLERANCE, f"seed {seed}, kills {kills}: parameters differ by {diff}"
-    events = [json.loads(line) for line in (cf.path(cluster_id) / "events.jsonl").open()]
-    kinds = {e["event"] for e in events}
-    # A worker is respawned alone; a ps or the chief restarts everyone from the last
-    # checkpoint.
-    if "worker:0" in kills:
-        assert "task_respawned" in kinds
-        assert "standby_took_over" in kinds  # a warm standby, not a cold start
-    if {"chief:0", "ps:0", "ps:1"} & set(kills):
-        assert "cluster_restarted" in kinds
+    kinds = _events(cf, cluster_id)
+    # Every target was killed (kill_schedule): a worker is respawned alone, by a warm
+    # standby; a ps or the chief restarts everyone from the last checkpoint.
+    assert {"task_respawned", "standby_took_over", "cluster_restarted"} <= kinds, kinds
 
 
 @pytest.mark.timeout(420)
 def test_allreduce_killed_at_random_ends_with_the_uninterrupted_parameters(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 16)))
+    seed = chaos_seed()
     _, kills = run_with_chaos(
         cf,
         tmp_path,
@@ -166,16 +215,15 @@ def test_allreduce_killed_at_random_ends_with_the_uninterrupted_parameters(
 def test_async_ps_with_worker_kills_applies_every_record_once_per_epoch_on_every_shard(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 16)))
+    seed = chaos_seed()
     records, epochs = 600, 2
-    table = pa.table({"id": pa.array(range(records), pa.int64())})
-    pq.write_table(table, tmp_path / "records.parquet")
+    path = _records(tmp_path, records)
     _, kills = run_with_chaos(
         cf,
         tmp_path,
         ["worker:0", "worker:1"],
         ["--chief", "--ps", "2", "--workers", "2"],
-        ["async_ps", str(tmp_path), str(tmp_path / "records.parquet"), str(records), str(epochs)],
+        ["async_ps", str(tmp_path), str(path), str(records), str(epochs)],
         seed=seed,
         every=6,
     )
@@ -187,3 +235,71 @@ def test_async_ps_with_worker_kills_applies_every_record_once_per_epoch_on_every
     # Each shard applied every lease (one split of 10 records) of every epoch once.
     assert final["applied"] == [epochs * records / 10] * 2, f"seed {seed}, kills {kills}"
     assert len(final["ps_stats"]) == 2
+
+
+# Through fit(): a user's job, a data-service client, a counter per record -------------
+
+FIT_RECORDS, FIT_EPOCHS = 600, 2
+
+
+def run_fit_with_chaos(
+    cf: Clusterflow, tmp_path: Path, scenario: str, targets: list[str], cluster_args: list[str]
+) -> tuple[str, str]:
+    """Runs ``chaos_job.fit_counts`` under kills; asserts every record's update was
+    applied exactly once per epoch (its counter is the number of epochs)."""
+    seed = chaos_seed()
+    path = _records(tmp_path, FIT_RECORDS)
+    cluster_id, kills = run_with_chaos(
+        cf,
+        tmp_path,
+        targets,
+        cluster_args,
+        [scenario, str(tmp_path), str(path), str(FIT_RECORDS), str(FIT_EPOCHS)],
+        seed=seed,
+        every=2 * chaos_job.FIT_CHECKPOINT_EVERY + 2,
+    )
+    counts = json.loads((tmp_path / "final.json").read_text())["counts"]
+    wrong = {i: c for i, c in enumerate(counts) if c != FIT_EPOCHS}
+    detail = f"seed {seed}, kills {kills}"
+    assert not wrong, f"{detail}: records not applied exactly {FIT_EPOCHS}x: {wrong}"
+    return cluster_id, detail
+
+
+@pytest.mark.timeout(420)
+def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_async_ps",
+        ["chief:0", "worker:0", "worker:1", "ps:0"],
+        ["--chief", "--ps", "1", "--workers", "2"],
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
+
+
+@pytest.mark.timeout(420)
+def test_fit_sync_ps_with_a_backup_worker_under_kills_applies_every_record_once_per_epoch(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_sync_ps",
+        ["chief:0", "worker:0", "ps:0"],
+        ["--chief", "--ps", "1", "--workers", "1"],
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
+
+
+@pytest.mark.timeout(420)
+def test_fit_allreduce_under_kills_applies_every_record_once_per_epoch(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    cluster_id, detail = run_fit_with_chaos(
+        cf, tmp_path, "fit_allreduce", ["worker:0", "worker:1"], ["--workers", "2"]
+    )
+    assert "cluster_restarted" in _events(cf, cluster_id), detail

@@ -11,6 +11,7 @@ run the chief, the ps tasks and the workers as threads of this process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -169,7 +170,8 @@ def running_cluster(
             _stop_everything(proc, home)
             raise
         for cluster in (home / "clusters").glob("*"):
-            _assert_gone(lambda c=cluster.name: cluster_processes(c), f"processes of {cluster}")
+            find = functools.partial(cluster_processes, cluster.name)
+            _assert_gone(find, f"processes of cluster {cluster.name}")
         _stop_everything(proc, home)
 
 
@@ -532,7 +534,7 @@ def local_cluster() -> Iterator[LocalCluster]:
     from clusterflow.ps.service import PSService
     from clusterflow.rpc import Credentials, RpcServer
     from clusterflow.server import Server
-    from clusterflow.strategies.worker_service import WorkerService
+    from clusterflow.strategies.coordinator.worker import WorkerService
 
     credentials = Credentials.generate()
     # Bound first, so the spec holds ports nobody else can take meanwhile.

@@ -60,7 +60,7 @@ REQUESTS = [
         version=4,
         grads={"w": torch.ones(2)},
         buffers={"bn": torch.zeros(1)},
-        lease="7",
+        keys=(("records", 1, 7), ("records", 1, 8)),
         hyper=[{"lr": 0.1}],
         commit=True,
         want_values=True,
@@ -90,6 +90,8 @@ def test_every_request_travels_and_comes_back_equal(request_: Any) -> None:
 def test_replies_travel_and_come_back_equal() -> None:
     push = PushReply(applied=False, version=3, reason="stale", staleness=2, values={})
     assert PushReply.from_wire(*push.to_wire()) == push
+    dup = PushReply(applied=False, version=3, reason="duplicate", duplicates=(("d", 0, 4),))
+    assert PushReply.from_wire(*dup.to_wire()) == dup
     pull = PullReply.from_wire(*PullReply(version=5, values={}).to_wire())
     assert pull.version == 5 and pull.values == {}
 
@@ -100,6 +102,8 @@ def test_replies_travel_and_come_back_equal() -> None:
         ("push", {"version": 0}, {}, "ps.push request lacks 'worker'"),
         ("push", {"worker": "w", "version": "0"}, {}, "'version' must be int"),
         ("push", {"worker": "w", "version": 0}, {"w": torch.ones(2)}, "neither a gradient"),
+        ("push", {"worker": "w", "version": 0, "keys": ["7"]}, {}, "'keys' must be"),
+        ("push", {"worker": "w", "version": 0, "keys": [["d", "0", 1]]}, {}, "'keys' must be"),
         ("pull", {"dtype": "int8"}, {}, "no floating wire dtype 'int8'"),
         ("pull", {"dtype": "__class__"}, {}, "no floating wire dtype"),
         ("pull", [1, 2], {}, "body must be a map"),

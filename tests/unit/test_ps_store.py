@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clusterflow.errors import ConfigError
-from clusterflow.ps.api import PSConfig, PSError, PushRejected
+from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.store import VariableStore
 
@@ -116,12 +116,56 @@ def test_staleness_aware_learning_rate() -> None:
     assert torch.allclose(store.vars["b"], before - 0.1 / 2)
 
 
-def test_a_lease_is_applied_at_most_once() -> None:
+def test_a_split_key_is_applied_at_most_once() -> None:
     store = make_store(PSConfig())
-    assert store.push(worker="worker:0", version=0, grads=grads(1.0), lease="L1").applied
-    again = store.push(worker="worker:1", version=1, grads=grads(1.0), lease="L1")
-    assert not again.applied and again.reason == "duplicate lease"
+    key = ("ds", 0, 7)
+    assert store.push(worker="worker:0", version=0, grads=grads(1.0), keys=[key]).applied
+    again = store.push(worker="worker:1", version=1, grads=grads(1.0), keys=[key])
+    assert not again.applied and again.reason == "duplicate"
+    assert again.duplicates == [key] and store.version == 1
+
+
+def test_a_push_with_one_applied_key_names_it_and_applies_nothing() -> None:
+    store = make_store(PSConfig())
+    store.push(worker="worker:0", version=0, grads=grads(1.0), keys=[("ds", 0, 1)])
+    before = store.vars["w"].clone()
+    mixed = store.push(
+        worker="worker:0", version=1, grads=grads(1.0), keys=[("ds", 0, 2), ("ds", 0, 1)]
+    )
+    assert not mixed.applied and mixed.duplicates == [("ds", 0, 1)]
+    assert torch.equal(store.vars["w"], before)
+    # The other key was not applied: it goes through alone.
+    assert store.push(worker="worker:0", version=1, grads=grads(1.0), keys=[("ds", 0, 2)]).applied
+
+
+def test_a_sync_duplicate_joins_the_step_empty_so_no_step_waits_for_it() -> None:
+    store = make_store(PSConfig(mode="sync", num_replicas=2))
+    key = ("ds", 0, 3)
+    store.push(worker="worker:0", version=0, grads=grads(1.0), keys=[key], commit=True)
+    store.push(worker="worker:1", version=0, grads=grads(1.0), commit=True)
     assert store.version == 1
+    before = store.vars["b"].clone()
+    # worker:0 replays its split (it died before acking); worker:1 pushes a new one.
+    dup = store.push(worker="worker:0", version=1, grads=grads(5.0), keys=[key], commit=True)
+    assert dup.duplicates == [key]
+    store.push(worker="worker:1", version=1, grads=grads(1.0), commit=True)
+    assert store.version == 2  # the step did not wait for another push of worker:0
+    # Only worker:1's gradient, averaged over the step's two parts: b -= 0.1 * 1 / 2.
+    assert torch.allclose(store.vars["b"], before - 0.05)
+
+
+def test_applied_keys_of_a_whole_epoch_collapse_to_one_number() -> None:
+    from clusterflow.ps.applied import AppliedKeys
+
+    keys = AppliedKeys()
+    order = [5, 0, 3, 1, 4, 2]
+    keys.add([("ds", 1, s) for s in order[:3]])
+    assert ("ds", 1, 3) in keys and ("ds", 1, 1) not in keys
+    keys.add([("ds", 1, s) for s in order[3:]])
+    assert keys.to_state() == [["ds", 1, 6, []]]  # bounded: one prefix per epoch
+    assert ("ds", 1, 5) in keys and ("ds", 2, 0) not in keys and ("other", 1, 0) not in keys
+    again = AppliedKeys.from_state(keys.to_state())
+    assert ("ds", 1, 4) in again and len(again) == 6
 
 
 @pytest.mark.parametrize(
@@ -169,7 +213,7 @@ def test_quiesce_holds_pushes_until_resume() -> None:
         store.push(worker="worker:0", version=0, grads=grads(1.0))
         done.set()
 
-    thread = threading.Thread(target=push)
+    thread = threading.Thread(target=push, daemon=True)
     thread.start()
     assert not done.wait(0.3)  # held: the version cannot move while quiesced
     assert store.version == 0
@@ -181,14 +225,21 @@ def test_quiesce_holds_pushes_until_resume() -> None:
         store.push(worker="worker:0", version=1, grads=grads(1.0), timeout=0.2)
 
 
-def test_state_round_trip_restores_values_slots_and_leases() -> None:
+def test_state_round_trip_restores_values_slots_and_applied_keys() -> None:
     store = make_store(PSConfig(), "Adam", betas=[0.9, 0.999])
     for i in range(3):
-        store.push(worker="worker:0", version=i, grads=grads(float(i + 1)), lease=f"L{i}")
+        store.push(worker="worker:0", version=i, grads=grads(float(i + 1)), keys=[("d", 0, i)])
     meta, tensors = store.state()
     restored = VariableStore(0)
     restored.load_state(meta, tensors)
-    assert restored.version == 3 and restored.applied_leases == {"L0", "L1", "L2"}
+    assert restored.version == 3
+    assert restored.applied.applied([("d", 0, i) for i in range(4)]) == [
+        ("d", 0, i) for i in range(3)
+    ]
+    # A restarted ps still refuses a split it applied before the restart.
+    assert not restored.push(
+        worker="worker:1", version=3, grads=grads(1.0), keys=[("d", 0, 1)]
+    ).applied
     for name in ("w", "b", "count"):
         assert torch.equal(restored.vars[name], store.vars[name])
     # Both continue identically: Adam's moments and step counts came back too.
@@ -199,7 +250,7 @@ def test_state_round_trip_restores_values_slots_and_leases() -> None:
 
 def test_pull_waits_for_a_version() -> None:
     store = make_store(PSConfig())
-    with pytest.raises(PSError, match="version 1 did not come"):
+    with pytest.raises(VersionTimeout, match="version 1 did not come"):
         store.pull(None, min_version=1, timeout=0.1)
     threading.Timer(0.1, lambda: store.push(worker="w", version=0, grads=grads(1.0))).start()
     version, values = store.pull(["w"], min_version=1, timeout=10)

@@ -57,7 +57,7 @@ def run_threads(fns: list[Callable[[], None]]) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
     for t in threads:
         t.start()
     for t in threads:
@@ -328,7 +328,7 @@ def test_async_warmup_lets_the_chief_train_alone_first() -> None:
         seen.append(connection.store.version)
         return step_fn(*models[1])(x, y)
 
-    worker = threading.Thread(target=lambda: strategies[1].run(late_step, batch(0, 1)))
+    worker = threading.Thread(target=lambda: strategies[1].run(late_step, batch(0, 1)), daemon=True)
     worker.start()
     for k in range(3):
         strategies[0].run(step_fn(*models[0]), batch(k, 0))
@@ -336,18 +336,61 @@ def test_async_warmup_lets_the_chief_train_alone_first() -> None:
     assert seen and seen[0] >= 3  # worker 1 started only after the chief's 3 steps
 
 
-def test_a_lease_is_applied_once_and_reported() -> None:
+def test_a_split_is_applied_once_and_settled_as_applied() -> None:
+    from clusterflow.data import SplitKey
+
     connection = LocalPS()
     s = ParameterServerStrategy(resolver(0, 1), _connection=connection)
     with s.scope():
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    s.run(step_fn(model, opt), batch(0, 0), lease="split-7")
-    assert s.last_push_applied
-    s.run(step_fn(model, opt), batch(0, 0), lease="split-7")  # a replayed split
-    assert not s.last_push_applied
+    key = SplitKey("ds", 0, 7)
+    s.run(step_fn(model, opt), batch(0, 0), completes=[key])
+    # Under overlap_push the reply may still be on its way: settled(wait=True) waits.
+    assert s.settled(wait=True).applied == (key,)
+    s.run(step_fn(model, opt), batch(0, 0), completes=[key])  # a replayed split
+    replay = s.settled(wait=True)
+    assert replay.applied == (key,) and not replay.dropped  # applied before: ack it
     stats = connection.store.snapshot_stats()
-    assert stats["version"] == 1 and stats["duplicate_leases"] == 1
+    assert stats["version"] == 1 and stats["duplicate_keys"] == 1
+    assert not s.settled()  # each key comes back once
+
+
+def test_a_stale_push_gives_its_split_back() -> None:
+    from clusterflow.data import SplitKey
+
+    connection = LocalPS()
+    strategies = replicas(2, connection, max_staleness=0, overlap_push=False)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    # Both read version 0 when their variables were created; worker 0 moves the ps on,
+    # so worker 1's push comes from values one version old: stale, dropped.
+    strategies[0].run(step_fn(*models[0]), batch(0, 0), completes=[SplitKey("ds", 0, 0)])
+    strategies[1].run(step_fn(*models[1]), batch(0, 1), completes=[SplitKey("ds", 0, 1)])
+    assert strategies[0].settled(wait=True).applied == (SplitKey("ds", 0, 0),)
+    late = strategies[1].settled(wait=True)
+    assert late.dropped == (SplitKey("ds", 0, 1),) and not late.applied
+
+
+def test_sync_keys_settle_when_the_step_commits_and_late_ones_go_back() -> None:
+    from clusterflow.data import SplitKey
+
+    connection = LocalPS()
+    strategies = replicas(2, connection, mode="sync", backup_workers=1)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    first, second = SplitKey("ds", 0, 0), SplitKey("ds", 0, 1)
+    strategies[0].run(step_fn(*models[0]), batch(0, 0), completes=[first])  # the step's one
+    assert strategies[0].settled(wait=True).applied == (first,)
+    strategies[1].run(step_fn(*models[1]), batch(0, 1), completes=[second])  # late for it
+    late = strategies[1].settled(wait=True)
+    assert late.dropped == (second,) and not late.applied
 
 
 def test_distribute_deals_out_an_iterable_but_passes_a_data_client_whole() -> None:

@@ -167,9 +167,9 @@ def test_readers_never_see_a_torn_state_while_writers_race(folder: Path) -> None
                 errors.append(exc)
                 return
 
-    reader = threading.Thread(target=read)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    writers = [threading.Thread(target=write, args=(k * 1000,)) for k in range(3)]
+    writers = [threading.Thread(target=write, args=(k * 1000,), daemon=True) for k in range(3)]
     for w in writers:
         w.start()
     for w in writers:

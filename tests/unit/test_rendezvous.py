@@ -29,7 +29,7 @@ def _never() -> bool:
 def test_the_barrier_holds_until_every_task_registered() -> None:
     rendezvous = Rendezvous([PS, W0, W1], timeout_s=30)
     got: list[tuple[ClusterSpec, int]] = []
-    waiter = threading.Thread(target=lambda: got.append(rendezvous.wait(_never)))
+    waiter = threading.Thread(target=lambda: got.append(rendezvous.wait(_never)), daemon=True)
     assert rendezvous.register(W1, "127.0.0.1:3", respawned=False) == Arrival.WAITING
     waiter.start()
     assert rendezvous.register(PS, "127.0.0.1:1", respawned=False) == Arrival.WAITING
@@ -88,7 +88,7 @@ def test_closing_releases_waiters_and_refuses_registrations() -> None:
         except RegistrationError as exc:
             errors.append(exc)
 
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     rendezvous.close()
     waiter.join(10)

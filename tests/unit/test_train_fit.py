@@ -116,7 +116,7 @@ def _run_threads(fns: list[Callable[[], None]]) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -319,7 +319,7 @@ def test_run_evaluator_evaluates_each_new_checkpoint_until_the_final_one(
             time.sleep(0.15)
             commits.commit(step, final=step == 30)
 
-    trainer = threading.Thread(target=train)
+    trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     results = run_evaluator(
         model, eval_fn, directory=tmp_path / "ckpt", log_dir=tmp_path / "eval", poll_s=0.02

@@ -227,8 +227,12 @@ class FakeStrategy(Strategy):
         fn: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        completes: Any = (),
     ) -> Any:
-        return fn(*args, **(kwargs or {}))
+        result = fn(*args, **(kwargs or {}))
+        self._applied_now(completes)
+        return result
 
     def reduce(self, op: Any, value: Any) -> Any:
         return value

@@ -91,6 +91,12 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "max_restarts",
         "checkpoint_dir",
         "stall_timeout_s",
+        "backend",
+        "address",
+        "resources",
+        "labels",
+        "job_dir",
+        "placement_timeout_s",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -145,6 +151,26 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 @click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
+    "--backend",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where tasks run: local processes, or a Ray cluster [default: local].",
+)
+@click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or local].")
+@click.option(
+    "--resources",
+    "resources_",
+    multiple=True,
+    help="Per job on Ray: JOB:NAME=VALUE,... e.g. worker:GPU=1,CPU=8,memory=4G (repeatable).",
+)
+@click.option(
+    "--label",
+    "labels_",
+    multiple=True,
+    help="Per job on Ray: node labels its tasks need, JOB:KEY=VALUE,... (repeatable).",
+)
+@click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
+@click.option(
     "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -162,6 +188,11 @@ def start(
     ps_cmd: str | None,
     untracked: str | None,
     detach: bool,
+    backend: str | None,
+    address: str | None,
+    resources_: tuple[str, ...],
+    labels_: tuple[str, ...],
+    job_dir: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -172,7 +203,7 @@ def start(
       clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
     """
     from clusterflow.manager import registry
-    from clusterflow.manager.config import RunConfig
+    from clusterflow.manager.config import RunConfig, parse_job_settings, resources_from_file
     from clusterflow.rpc import Credentials
 
     settings: dict[str, Any] = _resumed_settings(resume_id) if resume_id else {}
@@ -199,7 +230,16 @@ def start(
         "max_restarts": max_restarts,
         "checkpoint_dir": checkpoint_dir,
         "stall_timeout_s": stall_timeout,
+        "backend": backend,
+        "address": address,
+        "job_dir": job_dir,
     }
+    if "resources" in settings:
+        settings["resources"] = resources_from_file(settings["resources"])
+    if resources_:
+        settings["resources"] = parse_job_settings(resources_, "resources")
+    if labels_:
+        settings["labels"] = parse_job_settings(labels_, "labels")
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if command:
         settings["command"] = tuple(command)
@@ -214,6 +254,10 @@ def start(
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
     registry.write_json_atomic(cluster.config_file, config.to_dict())
+    if config.backend == "ray":
+        from clusterflow.cli import ray_start
+
+        sys.exit(ray_start.run(cluster, config, detach=detach))
     if detach:
         _start_detached(cluster)
         return
@@ -331,6 +375,14 @@ def _task_figures(task: TaskState) -> str:
     return ("  " + ", ".join(parts)) if parts else ""
 
 
+def _task_placement(task: TaskState) -> str:
+    """Where a task on Ray runs: its node and what Ray gave it."""
+    if not task.node_id:
+        return ""
+    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items())
+    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}"
+
+
 @cli.command(name="ps", context_settings=CONTEXT)
 @click.option("-a", "--all", "show_all", is_flag=True, help="Include finished clusters.")
 def ps_command(show_all: bool) -> None:
@@ -348,6 +400,7 @@ def ps_command(show_all: bool) -> None:
         table.add_column(column, no_wrap=True, overflow="ellipsis")
     for cluster in registry.all_clusters():
         try:
+            _refresh(cluster)
             state = cluster.read_state()
         except ClusterflowError as exc:
             cells = [cluster.id, "unreadable", str(exc), "-", "-", "-", "-"]
@@ -371,6 +424,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     state = cluster.read_state()
     if as_json:
         click.echo(json.dumps(state.to_dict(), indent=2))
@@ -393,7 +447,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
         click.echo(
             f"  {t.task:<14} {t.status:<10} {t.address or '-':<22} "
             f"pid {t.pid or '-':<8} exit {'-' if code is None else code}"
-            f"{_task_figures(t)}"
+            f"{_task_figures(t)}{_task_placement(t)}"
         )
     click.echo("events:")
     for event in cluster.read_events():
@@ -418,6 +472,7 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     if task_name:
         task = TaskId.parse(task_name)
         known = [t.task for t in cluster.read_state().tasks]
@@ -439,6 +494,7 @@ def attach(cluster_id: str) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     status = registry.effective_status(cluster.read_state())
     if status in registry.TERMINAL or status == "stale":
         raise ConfigError(f"cluster {cluster.id} is not running ({status}); see `clusterflow logs`")
@@ -450,9 +506,18 @@ def attach(cluster_id: str) -> None:
     sys.exit(1 if code is None else code)
 
 
+def _refresh(cluster: Any) -> None:
+    """A cluster whose manager runs elsewhere (on Ray) has its local folder brought up
+    to date from it; a local cluster's folder is the manager's own."""
+    from clusterflow.manager import ray_host
+
+    ray_host.refresh(cluster)
+
+
 def _finished(cluster: Any) -> bool:
     from clusterflow.manager import registry
 
+    _refresh(cluster)
     return registry.effective_status(cluster.read_state()) in (*registry.TERMINAL, "stale")
 
 
@@ -469,7 +534,12 @@ def stop(cluster_id: str, grace: float) -> None:
     from clusterflow.manager import registry, stopper
 
     cluster = registry.find(cluster_id)
-    outcome = stopper.stop_cluster(cluster, grace)
+    if cluster.read_config().get("backend") == "ray":
+        from clusterflow.manager import ray_host
+
+        outcome = ray_host.stop(cluster, grace)
+    else:
+        outcome = stopper.stop_cluster(cluster, grace)
     click.echo(f"{cluster.id}: {outcome}")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from clusterflow.errors import ClusterflowError, ConfigError
 
@@ -192,6 +192,27 @@ class Lease:
     def from_wire(cls, item: Any) -> Lease:
         lease_id, epoch, start, stop = item
         return cls(int(lease_id), int(epoch), int(start), int(stop))
+
+
+class SplitKey(NamedTuple):
+    """The stable name of one split of one epoch: ``(dataset, epoch, split)``.
+
+    A lease id names one lending; a split lent again (its worker died) gets a new lease
+    id but keeps its key. A parameter server applies an update at most once per key,
+    which is what makes a re-lent split's second delivery harmless (failure-semantics.md).
+    """
+
+    dataset: str
+    epoch: int
+    split: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.dataset, self.epoch, self.split]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> SplitKey:
+        dataset, epoch, split = item
+        return cls(str(dataset), int(epoch), int(split))
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

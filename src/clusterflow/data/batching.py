@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterflow.data.api import CollateError, Columns, Lease
+from clusterflow.data.api import CollateError, Columns, Lease, SplitKey
 from clusterflow.data.collate import Collate, find_bad_record
 
 
@@ -30,6 +30,8 @@ class ReadSplit:
     """Record ``i`` of ``columns`` is record ``lease.start + order[i]`` of the source."""
     pos: int = 0
     """Records already cut into batches."""
+    key: SplitKey | None = None
+    """The split's stable key (``None`` where the reader did not say which split)."""
 
     @property
     def remaining(self) -> int:
@@ -55,6 +57,10 @@ class Batch:
     """Records in the batch."""
     index: int
     """Position in this client's stream of batches, from 0."""
+    keys: tuple[SplitKey, ...] = ()
+    """The stable keys of the splits in ``completes`` (same order): what a training
+    step passes on (``strategy.run(..., completes=batch.keys)``) so that each split's
+    update is applied at most once, however often the split is lent."""
 
     def __len__(self) -> int:
         return self.size
@@ -120,15 +126,19 @@ class Batcher:
         }
         data = self._collate(columns, pieces)
         leases = tuple(dict.fromkeys(p.split.lease.lease_id for p in pieces))
-        completes = tuple(p.split.lease.lease_id for p in pieces if p.hi == len(p.split.lease))
-        return self._batch(data, leases, completes, pieces[0].split.lease.epoch, size)
+        done = [p.split for p in pieces if p.hi == len(p.split.lease)]
+        completes = tuple(s.lease.lease_id for s in done)
+        keys = tuple(s.key for s in done if s.key is not None)
+        return self._batch(data, leases, completes, pieces[0].split.lease.epoch, size, keys)
 
     def _single(self, split: ReadSplit, lo: int, hi: int) -> Batch:
         columns = {name: values[lo:hi] for name, values in split.columns.items()}
         data = self._collate(columns, None, split, lo, hi)
         lease_id = split.lease.lease_id
-        completes = (lease_id,) if hi == len(split.lease) else ()
-        return self._batch(data, (lease_id,), completes, split.lease.epoch, hi - lo)
+        done = hi == len(split.lease)
+        completes = (lease_id,) if done else ()
+        keys = (split.key,) if done and split.key is not None else ()
+        return self._batch(data, (lease_id,), completes, split.lease.epoch, hi - lo, keys)
 
     def _batch(
         self,
@@ -137,8 +147,9 @@ class Batcher:
         completes: tuple[int, ...],
         epoch: int,
         size: int,
+        keys: tuple[SplitKey, ...] = (),
     ) -> Batch:
-        batch = Batch(data, leases, completes, epoch, size, self.next_index)
+        batch = Batch(data, leases, completes, epoch, size, self.next_index, keys)
         self.next_index += 1
         return batch
 

@@ -19,7 +19,7 @@ import socket
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from clusterflow.data.api import (
     LocatedSource,
     Source,
     SourceError,
+    SplitKey,
     describe_source,
 )
 from clusterflow.data.batching import Batch, Batcher, ReadSplit
@@ -232,6 +233,9 @@ class DataClient:
         self._reader: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: set[int] = set()
+        self._lease_of: dict[SplitKey, int] = {}  # held leases by their split's key
+        self._auto = config.auto_ack
+        self._on_wait: Callable[[], None] | None = None
         self._delivered: deque[tuple[int, tuple[int, ...]]] = deque()
         self._auto_acks: list[int] = []  # the simple mode's, sent with the next lease call
         self._split: ReadSplit | None = None  # being cut into batches
@@ -258,7 +262,7 @@ class DataClient:
         """
         if self._closed:
             raise DataError(f"data client of {self.spec.name!r} is closed")
-        if self.config.auto_ack:
+        if self._auto:
             self._mark_delivered_done()
         if self._done:
             raise StopIteration
@@ -301,6 +305,55 @@ class DataClient:
         self._wake.set()
         return reply
 
+    def manual_acks(self, on_wait: Callable[[], None] | None = None) -> None:
+        """From now on ``next()`` acks nothing: the training loop acks each split once
+        its update is applied (``ack_keys``), or gives it back (``release_keys``).
+
+        ``fit`` and ``TrainingSession`` call it when they take a step's keys, whatever
+        ``auto_ack`` says: acking on ``next()`` would ack a split whose update a parameter
+        server may still drop or lose.
+
+        Args:
+            on_wait: called on the training loop's thread when ``next()`` is about to
+                wait at the end of the data for splits still out: the loop settles its
+                own last steps there (their acks may be what the wait is for).
+        """
+        self._auto = False
+        if on_wait is not None:
+            self._on_wait = on_wait
+
+    def ack_keys(self, keys: Iterable[SplitKey]) -> dict[str, int]:
+        """Acks the splits named by ``keys`` (``Batch.keys``): their update is applied.
+
+        Keys of splits this client no longer holds (acked already) are skipped.
+
+        Raises:
+            RemoteError: the dispatcher does not know a lease (it took it back).
+        """
+        with self._lock:
+            ids = [self._lease_of[k] for k in keys if k in self._lease_of]
+        reply = self.ack(ids)
+        with self._lock:  # batches whose every lease is settled need no ack_through
+            while self._delivered and not self._held.intersection(self._delivered[0][1]):
+                self._delivered.popleft()
+        return reply
+
+    def release_keys(self, keys: Iterable[SplitKey]) -> int:
+        """Gives the splits named by ``keys`` back to the dispatcher, for any worker.
+
+        Call when their update was dropped (a late or backup replica's push in a sync
+        step, or one over ``max_staleness``): acking would lose their records.
+        Returns how many went back.
+        """
+        with self._lock:
+            ids = [self._lease_of[k] for k in keys if k in self._lease_of]
+        if not ids:
+            return 0
+        released = self.dispatcher.release(self.spec.name, self.worker, ids)
+        self._acked(ids)  # no longer held: the dispatcher lends them again
+        self._wake.set()
+        return released
+
     def ack_through(self, batch: Batch) -> dict[str, int]:
         """Acks every lease completed by ``batch`` or by a batch handed out before it.
 
@@ -309,6 +362,8 @@ class DataClient:
         ids: list[int] = []
         while self._delivered and self._delivered[0][0] <= batch.index:
             ids.extend(self._delivered.popleft()[1])
+        with self._lock:  # not those acked or given back by key meanwhile
+            ids = [i for i in ids if i in self._held]
         return self.ack(ids)
 
     def status(self) -> dict[str, Any]:
@@ -389,7 +444,10 @@ class DataClient:
             held_back = batcher.flush()
             if item is _WAIT:
                 if held_back is not None:
+                    self._pushback = _WAIT  # settle after the held-back batch, not before
                     return held_back
+                if self._on_wait is not None:
+                    self._on_wait()
                 continue
             if held_back is not None:
                 self._pushback = item
@@ -423,8 +481,13 @@ class DataClient:
         return ids
 
     def _acked(self, ids: list[int]) -> None:
+        if not ids:
+            return
         with self._lock:
             self._held.difference_update(ids)
+            gone = set(ids)
+            for key in [k for k, lid in self._lease_of.items() if lid in gone]:
+                del self._lease_of[key]
 
     # The background threads -----------------------------------------------------------
 
@@ -472,6 +535,7 @@ class DataClient:
                     lease = Lease.from_wire(reply["lease"])
                     with self._lock:
                         self._held.add(lease.lease_id)
+                        self._lease_of[self._key(lease)] = lease.lease_id
                     wait_s, waiting = 0.0, False
                     self._leases.put(lease)  # the slot is released when it is taken
                     continue
@@ -527,8 +591,11 @@ class DataClient:
             split = lease.start // self.spec.split_size
             rng = split_seed(self.spec.seed, lease.epoch, split)
             order = shuffle_buffer_order(len(lease), self.config.shuffle_buffer, rng)
-            return ReadSplit(lease, take(columns, order), order)
-        return ReadSplit(lease, writable(columns), None)
+            return ReadSplit(lease, take(columns, order), order, key=self._key(lease))
+        return ReadSplit(lease, writable(columns), None, key=self._key(lease))
+
+    def _key(self, lease: Lease) -> SplitKey:
+        return SplitKey(self.spec.name, lease.epoch, lease.start // self.spec.split_size)
 
 
 def _locations(source: Source, spec: DatasetSpec) -> list[list[Any]]:

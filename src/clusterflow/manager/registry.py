@@ -202,6 +202,8 @@ def effective_status(state: ClusterState | Mapping[str, Any]) -> str:
     if state.status in TERMINAL or state.status == "created":
         return state.status
     manager = state.manager
+    if manager is not None and manager.actor:
+        return state.status  # a manager on Ray: its mirror is refreshed from it (ray_host)
     if manager is None or not process_alive(manager.pid, manager.create_time):
         return "stale"
     return state.status

@@ -22,6 +22,8 @@ TERMINAL = frozenset({"succeeded", "failed", "stopped"})
 """Statuses after which nothing runs; every other status needs a live manager."""
 FIGURES = ("step", "loss", "samples_per_s")
 """The live figures a task's job reports (``task.report``)."""
+PLACEMENT = ("node_id", "node_ip", "resources")
+"""Where the Ray backend placed a task (docs/ray.md)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +45,11 @@ class TaskState:
     step: int | None = None
     loss: float | None = None
     samples_per_s: float | None = None
+    node_id: str | None = None
+    """Ray backend: the node the task runs on (None for local tasks)."""
+    node_ip: str | None = None
+    resources: dict[str, float] | None = None
+    """Ray backend: what Ray gave the task (CPU, GPU, memory, custom)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -54,7 +61,7 @@ class TaskState:
             "exit_code": self.exit_code,
             "restarts": self.restarts,
         }
-        for name in FIGURES:  # only what its job reported
+        for name in (*FIGURES, *PLACEMENT):  # only what its job reported, where placed
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
@@ -73,6 +80,9 @@ class TaskState:
             step=_typed(data, "step", int, None),
             loss=_number(data.get("loss")),
             samples_per_s=_number(data.get("samples_per_s")),
+            node_id=_typed(data, "node_id", str, None),
+            node_ip=_typed(data, "node_ip", str, None),
+            resources=_numbers(data.get("resources")),
         )
 
 
@@ -85,9 +95,23 @@ class ManagerProcess:
     """Tells the manager from a later process that reuses its pid."""
     address: str | None = None
     """Its RPC server (``manager.stop``, ``manager.status``)."""
+    actor: str | None = None
+    """Ray backend: the detached actor hosting the manager; its mirror here is refreshed
+    from it, so its pid says nothing on this machine."""
+    node_id: str | None = None
+    folder: str | None = None
+    """Ray backend: the cluster's folder on the manager's node."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "create_time": self.create_time, "address": self.address}
+        data: dict[str, Any] = {
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "address": self.address,
+        }
+        for name in ("actor", "node_id", "folder"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ManagerProcess:
@@ -95,6 +119,9 @@ class ManagerProcess:
             pid=_typed(data, "pid", int, None),
             create_time=_number(data.get("create_time")),
             address=_typed(data, "address", str, None),
+            actor=_typed(data, "actor", str, None),
+            node_id=_typed(data, "node_id", str, None),
+            folder=_typed(data, "folder", str, None),
         )
 
 
@@ -208,6 +235,12 @@ def _typed(data: Mapping[str, Any], key: str, kind: type[Any], default: Any) -> 
     return default
 
 
+def _numbers(value: Any) -> dict[str, float] | None:
+    if not isinstance(value, Mapping):
+        return None
+    return {str(k): v for k, v in value.items() if _number(v) is not None}
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return value
@@ -216,6 +249,7 @@ def _number(value: Any) -> float | None:
 
 __all__ = [
     "FIGURES",
+    "PLACEMENT",
     "TERMINAL",
     "ClusterState",
     "ManagerProcess",

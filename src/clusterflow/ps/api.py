@@ -26,6 +26,14 @@ class PushRejected(PSError):
     """A push carried a wrong shape, dtype, unknown variable or a non-finite value."""
 
 
+class VersionTimeout(PSError):
+    """A wait for a version (a pull's ``min_version``, warm-up) ran out of time.
+
+    Typed so a caller that waits in bounded rounds tells a round that ran out from a
+    real failure without reading the message.
+    """
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PSConfig:
     """How a parameter server applies pushes. Every worker must send the same one."""

@@ -54,6 +54,28 @@ def _field(method: str, body: Mapping[str, Any], key: str, kind: type[_T], defau
     return value
 
 
+SplitKeyWire = tuple[str, int, int]
+"""``clusterflow.data.SplitKey`` on the wire: ``(dataset, epoch, split)``."""
+
+
+def _split_keys(method: str, value: Any) -> tuple[SplitKeyWire, ...]:
+    """A list of ``[dataset, epoch, split]`` triples, or ``MalformedRequest``."""
+    if value is None:
+        return ()
+    ok = isinstance(value, list | tuple) and all(
+        isinstance(k, list | tuple)
+        and len(k) == 3
+        and isinstance(k[0], str)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in k[1:])
+        for k in value
+    )
+    if not ok:
+        raise MalformedRequest(
+            f"ps.{method}: 'keys' must be [dataset, epoch, split] triples, got {value!r:.80}"
+        )
+    return tuple((str(d), int(e), int(s)) for d, e, s in value)
+
+
 def _body(method: str, body: Any) -> Mapping[str, Any]:
     if body is None:
         return {}
@@ -170,8 +192,9 @@ class PushRequest:
     grads: Tensors = field(default_factory=dict)
     buffers: Tensors = field(default_factory=dict)
     """Values of non-trainable variables (the chief's batch-norm statistics)."""
-    lease: str | None = None
-    """The data lease this update completes, applied with it exactly once."""
+    keys: tuple[SplitKeyWire, ...] = ()
+    """The ``(dataset, epoch, split)`` keys of the data splits this update completes:
+    a ps applies an update at most once per key."""
     hyper: list[dict[str, Any]] | None = None
     """The optimizer's param-group hyperparameters at this step (lr schedules)."""
     commit: bool = False
@@ -187,7 +210,7 @@ class PushRequest:
         body = {
             "worker": self.worker,
             "version": self.version,
-            "lease": self.lease,
+            "keys": [list(k) for k in self.keys],
             "hyper": self.hyper,
             "commit": self.commit,
             "want_values": self.want_values,
@@ -216,7 +239,7 @@ class PushRequest:
             version=_field(cls.METHOD, b, "version", int, _REQUIRED),
             grads=grads,
             buffers=buffers,
-            lease=_field(cls.METHOD, b, "lease", str, None),
+            keys=_split_keys(cls.METHOD, b.get("keys")),
             hyper=_field(cls.METHOD, b, "hyper", list, None),
             commit=_field(cls.METHOD, b, "commit", bool, False),
             want_values=_field(cls.METHOD, b, "want_values", bool, False),
@@ -303,7 +326,7 @@ class PSState:
 
     METHOD: ClassVar[str] = "load_state"
     meta: dict[str, Any]
-    """Version, applied leases, config, optimizer and its scalar slots (``VariableStore.state``)."""
+    """Version, applied keys, config, optimizer and its scalar slots (``VariableStore.state``)."""
     tensors: Tensors
     """``var/<name>`` values and ``slot/<name>/<key>`` optimizer slots."""
 
@@ -337,7 +360,7 @@ class PullReply:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PushReply:
     applied: bool
-    """False: the push was dropped (stale, late for its sync step, or a duplicate lease)."""
+    """False: the push was dropped (stale, late for its sync step, or a duplicate key)."""
     version: int
     """The ps's version after the push."""
     reason: str = ""
@@ -345,6 +368,8 @@ class PushReply:
     staleness: int = 0
     values: Tensors = field(default_factory=dict)
     """The values after the push, when the request wanted them."""
+    duplicates: tuple[SplitKeyWire, ...] = ()
+    """Keys of the push this ps applied before: its gradients were not applied again."""
 
     def to_wire(self) -> Wire:
         body = {
@@ -352,6 +377,7 @@ class PushReply:
             "version": self.version,
             "reason": self.reason,
             "staleness": self.staleness,
+            "duplicates": [list(k) for k in self.duplicates],
         }
         return body, self.values
 
@@ -363,6 +389,7 @@ class PushReply:
             reason=str(body.get("reason") or ""),
             staleness=int(body.get("staleness") or 0),
             values=tensors,
+            duplicates=_split_keys("push reply", body.get("duplicates")),
         )
 
 
@@ -401,7 +428,7 @@ class PSHandler:
             version=request.version,
             grads=request.grads,
             buffers=request.buffers,
-            lease=request.lease,
+            keys=request.keys,
             hyper=request.hyper,
             commit=request.commit,
             want_values=request.want_values,
@@ -415,6 +442,7 @@ class PSHandler:
             reason=result.reason,
             staleness=result.staleness,
             values=wire_cast(result.values, request.values_dtype),
+            duplicates=tuple(result.duplicates),
         )
 
     def apply(self, request: ApplyRequest) -> int:

@@ -1,7 +1,7 @@
 """The variables of one ps task, their optimizer, and the rules that apply pushes.
 
 Pure of networking: ``service.py`` maps RPC methods onto this class, so every rule
-(sync aggregation, staleness, lease de-duplication, quiescing) is tested in-process.
+(sync aggregation, staleness, split-key de-duplication, quiescing) is tested in-process.
 
 Sync mode with several ps tasks needs one decision per step about *which* replicas'
 gradients form the step, or shards could average different sets (TensorFlow's
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from clusterflow.ps import optimizer as optim_bridge
-from clusterflow.ps.api import PSConfig, PSError, PushRejected
+from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
+from clusterflow.ps.applied import AppliedKeys, Key
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.rpc.codec import DTYPES
 from clusterflow.rpc.pool import RECEIVE_POOL
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Pending:
     grads: dict[str, torch.Tensor]
-    lease: str | None
+    keys: list[Key]
     hyper: list[dict[str, Any]]
 
 
@@ -49,6 +50,9 @@ class PushResult:
     commit: dict[str, Any] | None = None
     """sync, ps 0: the step this push completed ({"version", "workers"}), to fan out."""
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    duplicates: list[Key] = field(default_factory=list)
+    """Keys of the push applied before: its gradients are not applied (async: the push
+    is refused; sync: it joins the step as an empty part, so no step waits for it)."""
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
@@ -88,7 +92,8 @@ class VariableStore:
         self.group_of: dict[str, int] = {}
         self._opt_group: dict[int, int] = {}
         self.version = 0
-        self.applied_leases: set[str] = set()
+        self.applied = AppliedKeys()
+        """Split keys whose update this shard applied: each is applied at most once."""
         self._pending: dict[int, dict[str, _Pending]] = {}
         self._commits: dict[int, list[str]] = {}
         self.stats: Counter[str] = Counter()
@@ -180,13 +185,14 @@ class VariableStore:
         Blocks until then, at most ``timeout`` seconds.
 
         Raises:
-            PSError: unknown variable names, or the version did not come in time.
+            PSError: unknown variable names.
+            VersionTimeout: the version did not come in time.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             while self.version < min_version:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise PSError(
+                    raise VersionTimeout(
                         f"ps:{self.ps_index} is at version {self.version}; version "
                         f"{min_version} did not come within {timeout:g}s"
                     )
@@ -215,13 +221,17 @@ class VariableStore:
         version: int,
         grads: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor] | None = None,
-        lease: str | None = None,
+        keys: list[Any] | tuple[Any, ...] = (),
         hyper: list[dict[str, Any]] | None = None,
         commit: bool = False,
         want_values: bool = False,
         timeout: float = 60.0,
     ) -> PushResult:
         """Applies (async) or buffers and maybe commits (sync) one worker's gradients.
+
+        ``keys`` are the ``(dataset, epoch, split)`` keys of the splits the push
+        completes. A push naming a key this shard applied before is not applied again:
+        the result lists those keys in ``duplicates``.
 
         Raises:
             PushRejected: an unknown variable, a wrong shape or dtype, or a non-finite
@@ -237,14 +247,22 @@ class VariableStore:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
                     raise PSError(f"ps:{self.ps_index} stayed quiesced for {timeout:g}s")
             self.stats["pushes"] += 1
-            if lease is not None and lease in self.applied_leases:
-                self.stats["duplicate_leases"] += 1
-                return PushResult(False, self.version, "duplicate lease")
+            self._departed.discard(worker)  # a respawned replica takes part again
+            keyed = [(str(d), int(e), int(s)) for d, e, s in keys]
+            duplicates = self.applied.applied(keyed)
+            if duplicates:
+                self.stats["duplicate_keys"] += 1
+            if duplicates and config.mode == "async":
+                return PushResult(False, self.version, "duplicate", duplicates=duplicates)
             for name, value in checked_buffers.items():
                 self.vars[name].copy_(value)
             if config.mode == "async":
-                return self._apply_async(config, version, checked, lease, hyper, want_values)
-            return self._buffer_sync(config, worker, version, checked, lease, hyper, commit)
+                return self._apply_async(config, version, checked, keyed, hyper, want_values)
+            if duplicates:  # an empty part: the step neither waits for it nor applies it
+                checked, keyed = {}, []
+            result = self._buffer_sync(config, worker, version, checked, keyed, hyper, commit)
+            result.duplicates = duplicates
+            return result
 
     def _ready(self) -> PSConfig:
         if self.config is None:
@@ -324,7 +342,7 @@ class VariableStore:
         config: PSConfig,
         version: int,
         grads: dict[str, torch.Tensor],
-        lease: str | None,
+        keys: list[Key],
         hyper: list[dict[str, Any]] | None,
         want_values: bool,
     ) -> PushResult:
@@ -339,8 +357,7 @@ class VariableStore:
         if config.staleness_aware_lr:
             scale = min(scale, 1.0 / max(1, staleness))
         self._step(grads, hyper, scale)
-        if lease is not None:
-            self.applied_leases.add(lease)
+        self.applied.add(keys)
         self.version += 1
         self.stats["applied"] += 1
         self._cond.notify_all()
@@ -353,7 +370,7 @@ class VariableStore:
         worker: str,
         version: int,
         grads: dict[str, torch.Tensor],
-        lease: str | None,
+        keys: list[Key],
         hyper: list[dict[str, Any]] | None,
         commit: bool,
     ) -> PushResult:
@@ -364,7 +381,7 @@ class VariableStore:
             raise PSError(
                 f"push for version {version}, but ps:{self.ps_index} is at {self.version}"
             )
-        self._pending.setdefault(version, {})[worker] = _Pending(grads, lease, hyper or [])
+        self._pending.setdefault(version, {})[worker] = _Pending(grads, keys, hyper or [])
         if not commit:
             return PushResult(True, self.version, "buffered")
         commits = self._commits.setdefault(version, [])
@@ -432,6 +449,10 @@ class VariableStore:
     def _apply_sync_locked(self, version: int, workers: list[str]) -> None:
         pending = self._pending.pop(version, {})
         parts = [pending[w] for w in workers]
+        for p in parts:
+            if p.keys and self.applied.applied(p.keys):
+                # Applied before (ps 0 said so at the commit): an empty part here too.
+                p.grads, p.keys = {}, []
         names = set().union(*(p.grads for p in parts))
         averaged = {}
         for name in names:
@@ -442,8 +463,7 @@ class VariableStore:
             averaged[name] = total.div_(len(parts))
         self._step(averaged, parts[0].hyper if parts else None, 1.0)
         for p in parts:
-            if p.lease is not None:
-                self.applied_leases.add(p.lease)
+            self.applied.add(p.keys)
         dropped = len(pending) - len(parts)
         if dropped > 0:
             self.stats["dropped_late"] += dropped
@@ -482,13 +502,13 @@ class VariableStore:
             self._cond.notify_all()
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Everything needed to resume: variables, optimizer slots, version, leases."""
+        """Everything needed to resume: variables, optimizer slots, version, applied split keys."""
         with self._cond:
             tensors = {f"var/{n}": t.clone() for n, t in self.vars.items()}
             meta: dict[str, Any] = {
                 "ps_index": self.ps_index,
                 "version": self.version,
-                "applied_leases": sorted(self.applied_leases),
+                "applied_keys": self.applied.to_state(),
                 "config": self.config.to_dict() if self.config else None,
                 "optimizer": self.optimizer_spec.to_dict() if self.optimizer_spec else None,
                 "group_of": dict(self.group_of),
@@ -515,7 +535,7 @@ class VariableStore:
             self.vars = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("var/")}
             self.trainable = {str(k): bool(v) for k, v in meta["trainable"].items()}
             self.version = int(meta["version"])
-            self.applied_leases = set(meta.get("applied_leases") or [])
+            self.applied = AppliedKeys.from_state(meta.get("applied_keys"))
             self.optimizer = None
             self.optimizer_spec = None
             self._pending.clear()

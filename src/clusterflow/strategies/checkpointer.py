@@ -279,12 +279,14 @@ class Checkpointer:
         parts = [own]
         if self.is_chief:
             parts.append(self._write_model(writer))
-            parts += self._write_shared(writer)
         strategy = self.strategy
         if self.replicas > 1 and isinstance(strategy, CollectiveAllReduceStrategy):
             strategy.barrier()  # every replica's part is written
         if not self.is_chief:
             return None
+        # After the barrier: every replica acked its splits of this step before it came
+        # to save, so the cursor holds exactly the records the model has learned from.
+        parts += self._write_shared(writer)
         others = [worker_part(r) for r in range(self.replicas) if r != self.rank]
         parts += writer.collect(others)
         writer.commit(parts, {"kind": self._kind, "replicas": self.replicas})

@@ -53,6 +53,7 @@ from clusterflow.collective import (
 )
 from clusterflow.collective.group import CollectiveGroup, select_device
 from clusterflow.collective.hooks import register_compression
+from clusterflow.data.api import SplitKey
 from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
 from clusterflow.strategies.batches import batch_to_device, distribute_batches, is_data_client
 from clusterflow.strategies.module_scope import (
@@ -225,8 +226,14 @@ class CollectiveAllReduceStrategy(Strategy):
         fn: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        completes: Sequence[SplitKey] = (),
     ) -> Any:
         """Runs ``fn(*args, **kwargs)`` as one step of this replica and returns its result.
+
+        The update is applied when ``fn`` returns, so the splits in ``completes`` settle
+        as applied at once (``settled()``): the data cursor and the model move together,
+        and a checkpoint holds both (the cut in ``train/``).
 
         The backward pass inside ``fn`` all-reduces the gradients (their mean over the
         replicas), so ``optimizer.step()`` inside ``fn`` applies the same update on every
@@ -241,7 +248,9 @@ class CollectiveAllReduceStrategy(Strategy):
         """
         with forward_check(self._describe_unmirrored):
             try:
-                return fn(*args, **(kwargs or {}))
+                result = fn(*args, **(kwargs or {}))
+                self._applied_now(completes)
+                return result
             except (StrategyError, CollectiveError):
                 raise
             except Exception as exc:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from clusterflow.data.api import SplitKey
 from clusterflow.errors import ConfigError
 from clusterflow.ps.api import (
     Mode,
@@ -47,6 +49,7 @@ from clusterflow.ps.api import (
     Shard,
     StalePolicy,
     VariableSpec,
+    VersionTimeout,
     WireDtype,
 )
 from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
@@ -54,7 +57,13 @@ from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
 from clusterflow.ps.placement import Partitioner, place
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.server.manager_link import ManagerLink
-from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
+from clusterflow.strategies.api import (
+    ReduceOp,
+    Settled,
+    Strategy,
+    StrategyError,
+    parse_reduce_op,
+)
 from clusterflow.strategies.batches import is_data_client
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
@@ -85,8 +94,8 @@ class ParameterServerStrategy(Strategy):
         value_wire_dtype: ``bfloat16`` halves the bytes of every pull.
         reject_nonfinite: the ps refuses NaN/Inf gradients.
         overlap_push: async only; a push travels while the next step computes (at most
-            one in flight; the step uses the newest values that have arrived). Steps
-            given a data ``lease`` always wait for their push, so an ack follows the update.
+            one in flight; the step uses the newest values that have arrived). The keys
+            a step completes settle when its push's reply arrives (``settled()``).
         deadline_s: every call to a ps must answer within this many seconds.
     """
 
@@ -152,8 +161,13 @@ class ParameterServerStrategy(Strategy):
         self.steps = 0
         self.dropped_pushes = 0
         self.last_push_applied = False
-        """Whether the last ``run``'s update was applied on every ps task."""
-        self._lease: str | None = None
+        """Whether the last answered push was applied on every ps task."""
+        self._keys: tuple[SplitKey, ...] = ()
+        # Decided keys, written by the push thread too: (applied, dropped) batches.
+        self._decided: list[tuple[tuple[SplitKey, ...], tuple[SplitKey, ...]]] = []
+        self._decided_lock = threading.Lock()
+        # sync: keys counted into step v, settled once ps 0 reached v + 1.
+        self._in_step: list[tuple[int, tuple[SplitKey, ...]]] = []
         self._left = False
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
@@ -201,7 +215,7 @@ class ParameterServerStrategy(Strategy):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
         *,
-        lease: str | None = None,
+        completes: Sequence[SplitKey] = (),
     ) -> Any:
         """Pull, run ``fn`` (which calls ``optimizer.step()``), push.
 
@@ -209,10 +223,11 @@ class ParameterServerStrategy(Strategy):
             fn: the step; it computes gradients and calls ``optimizer.step()``.
             args: positional arguments of ``fn`` (this replica's batch).
             kwargs: keyword arguments of ``fn``.
-            lease: the data lease the batch came from; each ps task applies a lease at
-                most once. After the call, ``last_push_applied`` says whether the update
-                was applied (a sync step may drop a late replica's push: hand its lease
-                back to the data service then).
+            completes: the keys of the data splits this batch completes
+                (``Batch.keys``). Each ps task applies a key's update at most once; the
+                keys come back from ``settled()`` as applied (async: the push's reply
+                said so; sync: the step holding the push committed) or dropped (a late
+                or backup replica's push, or a stale one: give them back).
 
         Raises:
             StrategyError: no variables were created in ``scope()``, or ``fn`` computed
@@ -223,8 +238,7 @@ class ParameterServerStrategy(Strategy):
         self._wait_warmup()
         self._load_values()
         self._in_run, self._pushed = True, False
-        self._lease = lease
-        self.last_push_applied = False
+        self._keys = tuple(completes)
         try:
             result = fn(*args, **(kwargs or {}))
         finally:
@@ -234,8 +248,49 @@ class ParameterServerStrategy(Strategy):
                 "the step computed gradients but did not call optimizer.step(); under "
                 "ParameterServerStrategy the update is applied on the ps when it is called"
             )
+        if not self._pushed and self._keys:
+            self._decide(self._keys, ())  # no gradients: nothing to apply, nothing to lose
         self.steps += 1
         return result
+
+    def settled(self, *, wait: bool = False) -> Settled:
+        """Keys given to ``run`` whose update was applied or dropped since the last call.
+
+        Async: a push's keys are decided by its reply, which under ``overlap_push``
+        arrives while the next step computes; nothing here waits for it unless ``wait``.
+        Sync: a counted push's keys are applied once ps 0 reached the next version (the
+        step committed); this replica's next ``run`` sees that, or ``wait`` waits for it.
+
+        Raises:
+            PSError, RpcError: with ``wait``, the push in flight or the pull failed.
+        """
+        if wait:
+            self.flush()
+            if self._in_step and self._next is not None:
+                self._load_values()  # the step's commit: ps 0 moved past it
+        else:
+            self._collect_inflight(wait=False)
+        self._settle_steps()
+        with self._decided_lock:
+            decided, self._decided = self._decided, []
+        applied = tuple(k for a, _ in decided for k in a)
+        dropped = tuple(k for _, d in decided for k in d)
+        return Settled(applied=applied, dropped=dropped)
+
+    def _decide(self, applied: Sequence[SplitKey], dropped: Sequence[SplitKey]) -> None:
+        if applied or dropped:
+            with self._decided_lock:
+                self._decided.append((tuple(applied), tuple(dropped)))
+
+    def _settle_steps(self) -> None:
+        """sync: the keys of every step ps 0 has moved past are applied."""
+        if not self._in_step:
+            return
+        reached = self._versions[0]
+        done = [keys for version, keys in self._in_step if version < reached]
+        self._in_step = [(v, k) for v, k in self._in_step if v >= reached]
+        for keys in done:
+            self._decide(keys, ())
 
     def reduce(self, op: ReduceOp | str, value: Any) -> Any:
         """Each worker runs one replica: the reduction over this worker's replicas is the value."""
@@ -535,7 +590,6 @@ class ParameterServerStrategy(Strategy):
         """
         if self._warm:
             return
-        from clusterflow.ps.api import PSError
         from clusterflow.rpc import RemoteError
 
         body = {"version": self.config.warmup_steps, "timeout": self._deadline / 2}
@@ -543,8 +597,10 @@ class ParameterServerStrategy(Strategy):
             try:
                 self._ps.call(0, "wait_version", body)
                 break
-            except (RemoteError, PSError) as exc:
-                if "did not come" not in str(exc):  # not a round that ran out: a real error
+            except VersionTimeout:
+                continue  # in process (CentralStorage): a round that ran out
+            except RemoteError as exc:
+                if exc.error_type != VersionTimeout.__name__:  # a real error, not a round
                     raise
         self._warm = True
 
@@ -609,7 +665,8 @@ class ParameterServerStrategy(Strategy):
         # sync: one step version on every shard; if the pull was mixed, the push is late
         # at ps 0 (which decides), so it is never counted with gradients missing.
         step_version = min(self._versions)
-        versions, lease = list(self._versions), self._lease
+        versions, keys = list(self._versions), self._keys
+        wire_keys = tuple((k.dataset, k.epoch, k.split) for k in keys)
 
         def push(index: int, commit: bool = False) -> PushReply:
             request = PushRequest(
@@ -619,7 +676,7 @@ class ParameterServerStrategy(Strategy):
                 buffers=buffers[index],
                 hyper=hyper,
                 commit=commit,
-                lease=lease,
+                keys=wire_keys,
                 want_values=not sync,
                 values_dtype=self._value_dtype,
                 timeout=self._deadline,
@@ -631,18 +688,15 @@ class ParameterServerStrategy(Strategy):
             replies = self._ps.map(push, others)
             replies.insert(0, push(0, commit=True))
             # ps 0 decides the step: a commit it counted is in the step on every shard.
-            self.last_push_applied = replies[0].applied
-            if not self.last_push_applied:
-                self.dropped_pushes += 1
+            decision = replies[0]
+            self._settle_sync(keys, decision, step_version)
             targets = [step_version + 1] * self._ps.num_ps
             self._next = self._prefetcher.submit(self._pull, targets)
             return
 
         def push_all() -> None:
             replies = self._ps.map(push, range(self._ps.num_ps))
-            self.last_push_applied = all(r.applied for r in replies)
-            if not self.last_push_applied:
-                self.dropped_pushes += 1
+            self._settle_async(keys, replies)
             if all(r.values or not self.placement.on_ps(i) for i, r in enumerate(replies)):
                 values: dict[str, torch.Tensor] = {}
                 for reply in replies:
@@ -650,11 +704,42 @@ class ParameterServerStrategy(Strategy):
                 self._bg_values = ([r.version for r in replies], values)
 
         self._collect_inflight(wait=True)  # at most one push in flight
-        if self._overlap and self._lease is None:
+        if self._overlap:
+            # The keys settle when the reply arrives (settled()), not here: acking after
+            # the apply must not make the step wait for its push.
             self._inflight = self._prefetcher.submit(push_all)
         else:
             push_all()
             self._staged, self._bg_values = self._bg_values, None
+
+    def _settle_async(self, keys: tuple[SplitKey, ...], replies: list[PushReply]) -> None:
+        """A key is applied once every shard applied it, now or before (a duplicate)."""
+        self.last_push_applied = all(r.applied for r in replies)
+        if not self.last_push_applied:
+            self.dropped_pushes += 1
+        if not keys:
+            return
+        done = [set(keys) if r.applied else {SplitKey(*d) for d in r.duplicates} for r in replies]
+        applied = [k for k in keys if all(k in d for d in done)]
+        self._decide(applied, [k for k in keys if k not in applied])
+
+    def _settle_sync(
+        self, keys: tuple[SplitKey, ...], decision: PushReply, step_version: int
+    ) -> None:
+        """ps 0's reply: counted in step ``step_version``, a duplicate, or late."""
+        duplicates = {SplitKey(*d) for d in decision.duplicates}
+        counted = decision.applied and not duplicates
+        self.last_push_applied = counted
+        if not counted:
+            self.dropped_pushes += 1
+        if not keys:
+            return
+        if counted:
+            self._in_step.append((step_version, keys))
+            return
+        # Duplicates were applied in an earlier step; with them the push added nothing,
+        # so the rest of its keys go back, as a late push's keys do.
+        self._decide([k for k in keys if k in duplicates], [k for k in keys if k not in duplicates])
 
 
 def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:

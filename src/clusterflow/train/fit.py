@@ -217,16 +217,15 @@ class _Loop:
         all-reduce the replicas agree before every step whether all of them have one
         (as ``strategy.distribute`` does with a client), and all stop together, so no
         replica waits in a collective its peers never join. The epochs' figures are
-        summed across replicas once, at the end. Batches read but not trained on are
-        never acked: their records go back to the data service.
+        summed across replicas once, at the end. Each step names the splits its batch
+        completes; the session acks them once the strategy applied the update and gives
+        back those it dropped. Batches read but not trained on are never acked: their
+        records go back to the data service.
         """
-        client = feeder.data
-        acks_each_step = not getattr(getattr(client, "config", None), "auto_ack", True)
         lockstep = feeder.replicas.collective and feeder.replicas.count > 1
         sums: dict[int, torch.Tensor] = {}
         epoch, totals = -1, Totals(self.metrics)
         counted = session.step  # steps toward steps_per_epoch epochs
-        last: Any = None
         batches = feeder.client_batches()
         while not session.should_stop():
             item = next(batches, None)
@@ -243,15 +242,10 @@ class _Loop:
                 if epoch >= 0:
                     sums[epoch] = self._end_client_epoch(session, epoch, totals)
                 epoch, totals = number, Totals(self.metrics)
-            self._step(session, totals, feed)
+            self._step(session, totals, feed, completes=batch)
             counted += 1
-            last = batch
-            if acks_each_step:
-                client.ack_through(batch)
         if epoch >= 0:
             sums[epoch] = self._end_client_epoch(session, epoch, totals)
-        if last is not None and not acks_each_step:
-            client.ack_through(last)  # its update is applied; the next() that acks never came
         self._client_history(sums, epochs)
 
     def _end_client_epoch(
@@ -281,12 +275,11 @@ class _Loop:
 
     # One step, one validation ---------------------------------------------------------
 
-    def _step(self, session: TrainingSession, totals: Totals, feed: Feed) -> None:
+    def _step(
+        self, session: TrainingSession, totals: Totals, feed: Feed, completes: Any = None
+    ) -> None:
         args = (feed.inputs, feed.targets, feed.loss_scale)
-        if self.strategy is not None:
-            loss, outputs = self.strategy.run(self._train_step, args)
-        else:
-            loss, outputs = self._train_step(*args)
+        loss, outputs = session.run(self._train_step, args, completes=completes)
         values = totals.add(loss, outputs, feed.targets, feed.rows)
         session.step_done(loss=loss, samples=feed.rows, metrics=values)
 

@@ -16,6 +16,14 @@ strategy go, also when the loop raised::
             x, y = next(batches)
             session.run_step(train_step, x, y)  # strategy.run, then the hooks
 
+With a data-service client, give it to the session (``data=client``) and pass each
+batch as ``completes=batch``: the session then acks each split once its update is
+applied and gives back the splits whose update was dropped (docs/failure-semantics.md)::
+
+    with TrainingSession(strategy=strategy, model=model, data=client, hooks=hooks) as s:
+        for batch in client:
+            s.run_step(train_step, batch.data["x"], batch.data["y"], completes=batch)
+
 Every task runs the same loop and calls the same hooks in the same order: checkpoints
 are cut across tasks, so a hook that acts on the chief alone decides that itself.
 """
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -32,7 +40,8 @@ import torch
 from torch import nn
 
 from clusterflow.cluster import TFConfig
-from clusterflow.strategies.api import Strategy
+from clusterflow.data.api import SplitKey
+from clusterflow.strategies.api import Settled, Strategy
 from clusterflow.strategies.batches import batch_size_of
 from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
 from clusterflow.train.evaluate import Evaluate, Evaluation, is_evaluator
@@ -55,7 +64,8 @@ class TrainingSession:
             ``Checkpoint`` and evaluated by ``Evaluate``.
         optimizer: its optimizer; checkpointed with it.
         hooks: called in order (restoring hooks begin first).
-        data: a data-service client, whose cursor goes into checkpoints.
+        data: a data-service client, whose cursor goes into checkpoints. Steps given
+            ``completes=`` ack its splits through it once their update is applied.
         state: more objects with ``state_dict``/``load_state_dict`` to checkpoint
             (an lr scheduler, a step counter of your own).
         max_steps: the run's length when known: shown by ``Progress``. ``StopAtStep``
@@ -107,6 +117,8 @@ class TrainingSession:
         self._state = "new"
         self._begun: list[Hook] = []
         self._meter = Throughput()
+        self._keyed = False  # a step named the splits it completes: the session acks
+        self._local_keys: list[SplitKey] = []  # applied without a strategy
 
     # Who and where -------------------------------------------------------------------
 
@@ -148,22 +160,26 @@ class TrainingSession:
         self._stop = True
 
     def run_step(
-        self, fn: Callable[..., Any], *args: Any, samples: int | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        samples: int | None = None,
+        completes: Any = None,
+        **kwargs: Any,
     ) -> Any:
         """Runs one step ``fn(*args, **kwargs)`` (through ``strategy.run``), then ``step_done``.
 
         The step's loss, for the hooks, is ``fn``'s result when that is a number or a
         one-element tensor (or the first element of a tuple, or ``result["loss"]``).
         ``samples`` defaults to the leading size of the first tensor argument.
+        ``completes``: the data-service ``Batch`` the step trains on (or its ``keys``);
+        see :meth:`run`.
 
         Returns:
             what ``fn`` returned.
         """
         self._require_open("run_step")
-        if self.strategy is not None:
-            result = self.strategy.run(fn, args, kwargs)
-        else:
-            result = fn(*args, **kwargs)
+        result = self.run(fn, args, kwargs, completes=completes)
         if samples is None and args:
             try:
                 samples = batch_size_of(args[0])
@@ -171,6 +187,65 @@ class TrainingSession:
                 samples = None
         self.step_done(loss=_loss_of(result), samples=samples)
         return result
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        completes: Any = None,
+    ) -> Any:
+        """Runs ``fn`` as one step through the strategy (or directly), without the hooks.
+
+        Call ``step_done`` after it. ``completes`` is the data-service ``Batch`` whose
+        records the step trains on (or the ``SplitKey`` values it completes): the
+        session acks those splits through ``data`` once the update is applied, and
+        gives back those whose update was dropped. Acking is then the session's, not
+        ``next()``'s.
+
+        Raises:
+            TrainConfigError: ``completes`` is given but the session has no ``data``.
+        """
+        self._require_open("run")
+        keys = _keys_of(completes)
+        if keys and not self._keyed:
+            self._take_over_acks()
+        if self.strategy is not None:
+            if keys:
+                return self.strategy.run(fn, args, kwargs, completes=keys)
+            return self.strategy.run(fn, args, kwargs)
+        result = fn(*args, **(kwargs or {}))
+        self._local_keys.extend(keys)
+        return result
+
+    def _take_over_acks(self) -> None:
+        if self.data is None or not hasattr(self.data, "ack_keys"):
+            raise TrainConfigError(
+                "a step completes data-service splits, but the TrainingSession has no "
+                "data client to ack them: pass data=client to TrainingSession"
+            )
+        self._keyed = True
+        self.data.manual_acks(on_wait=self._settle_all)
+
+    def _settle_all(self) -> None:
+        """Waits until every step run so far is decided, then acks or gives back."""
+        self._settle(wait=True)
+
+    def _settle(self, *, wait: bool) -> None:
+        """Acks the splits whose update is applied; gives back those dropped."""
+        if not self._keyed:
+            return
+        settled = (
+            self.strategy.settled(wait=wait)
+            if self.strategy is not None
+            else Settled(applied=tuple(self._local_keys))
+        )
+        self._local_keys = []
+        if settled.applied:
+            self.data.ack_keys(settled.applied)
+        if settled.dropped:
+            self.data.release_keys(settled.dropped)
 
     def step_done(
         self,
@@ -189,6 +264,8 @@ class TrainingSession:
             metrics: per-step metrics, name -> float or tensor (written by ``Summary``).
         """
         self._require_open("step_done")
+        # Before the hooks: a checkpoint cut at this step holds the acks of its updates.
+        self._settle(wait=False)
         self._step += 1
         rate = self._meter.add(samples) if samples is not None else None
         info = StepInfo(self._step, samples, rate, loss, dict(metrics or {}))
@@ -263,6 +340,14 @@ class TrainingSession:
         except Exception as exc:
             if failure is None:
                 failure = exc
+        try:
+            # The last steps' splits: acked once applied, so no record is lost or redone.
+            self._settle(wait=error is None and failure is None)
+        except Exception as exc:
+            if error is None and failure is None:
+                failure = exc
+            else:
+                _log.warning("could not settle the last steps' data splits: %s", exc)
         self._state = "closed"
         if failure is not None and error is None:
             raise failure
@@ -280,6 +365,18 @@ class TrainingSession:
     def _require_open(self, what: str) -> None:
         if self._state != "open":
             raise TrainError(f"{what}() is called inside `with TrainingSession(...)` only")
+
+
+def _keys_of(completes: Any) -> tuple[SplitKey, ...]:
+    """The split keys of a ``Batch``, or the keys as given."""
+    if completes is None:
+        return ()
+    keys = getattr(completes, "keys", completes)
+    if not isinstance(keys, Sequence) or isinstance(keys, str):
+        raise TrainConfigError(
+            f"completes takes a data-service Batch or its keys, got {type(completes).__name__}"
+        )
+    return tuple(keys)
 
 
 def _loss_of(result: Any) -> Any:

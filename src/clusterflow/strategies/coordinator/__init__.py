@@ -41,12 +41,13 @@ The function and its arguments are pickled with cloudpickle and travel only over
 cluster's authenticated RPC channel. A function is pickled once, at its first
 ``schedule``, and sent once per worker; later calls send its content hash and the
 arguments. The strategy's variables inside it travel as references, bound on the
-worker to its own strategy (see ``worker_service``).
+worker to its own strategy (see ``worker``).
 
-The pieces: ``api`` (what the user holds: ``RemoteValue``, the errors, the counts),
-``graph`` (the dataflow rule, pure), ``pickling`` (what travels), ``dispatch`` (one
-worker as the chief sees it), ``scheduler`` (``ClusterCoordinator``); the worker's
-side is ``clusterflow.strategies.worker_service``.
+The pieces, in import order: ``api`` (what the user holds: ``RemoteValue``, the
+errors, the counts), ``graph`` (the dataflow rule, pure), ``protocol`` (the
+``worker.*`` wire contract, one definition for both ends), ``worker`` (the worker's
+side: ``serve_worker``), ``pickling`` (what the chief sends), ``dispatch`` (one worker
+as the chief sees it), ``scheduler`` (``ClusterCoordinator``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from clusterflow.strategies.coordinator.api import (
     WorkerFailure,
 )
 from clusterflow.strategies.coordinator.scheduler import ClusterCoordinator
-from clusterflow.strategies.worker_service import serve_worker
+from clusterflow.strategies.coordinator.worker import serve_worker
 
 __all__ = [
     "ClusterCoordinator",

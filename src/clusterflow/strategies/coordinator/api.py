@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,3 +189,19 @@ class RemoteValue:
         """Settles it with the error ``fetch`` raises."""
         self._error = error
         self._finished.set()
+
+
+def map_structure(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to each leaf inside lists, tuples and dicts.
+
+    Named tuples and dict subclasses keep their type: what a function returns comes
+    back to the chief as it was built.
+    """
+    if isinstance(value, list):
+        return [map_structure(fn, v) for v in value]
+    if isinstance(value, tuple):
+        items = [map_structure(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, dict):
+        return type(value)((k, map_structure(fn, v)) for k, v in value.items())
+    return fn(value)

@@ -22,11 +22,18 @@ from clusterflow.rpc import Credentials, RemoteError, RpcClient, RpcError
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.coordinator.api import FunctionError, RemoteValue
 from clusterflow.strategies.coordinator.pickling import PickledFunction
-from clusterflow.strategies.worker_service import (
+from clusterflow.strategies.coordinator.protocol import (
     METHOD_INFO,
     METHOD_RESULT,
     METHOD_RUN,
     METHOD_STOP,
+    CallReply,
+    CallState,
+    ErrorReport,
+    MalformedMessage,
+    ResultRequest,
+    RunRequest,
+    WorkerInfo,
 )
 
 log = logging.getLogger(__name__)
@@ -101,15 +108,14 @@ class WorkerLink:
     def probe(self) -> bool:
         """Whether the worker serves the coordinator now; notes a restarted worker."""
         try:
-            info = self.call(METHOD_INFO, None)
-        except WorkerLost as exc:
+            info = WorkerInfo.from_wire(self.call(METHOD_INFO, None))
+        except (WorkerLost, MalformedMessage) as exc:
             log.debug("%s not serving yet: %s", self.name, exc)
             return False
-        incarnation = str(info.get("incarnation"))
-        if incarnation != self.incarnation:
+        if info.incarnation != self.incarnation:
             if self.incarnation is not None:
-                log.info("%s is a new process (pid %s)", self.name, info.get("pid"))
-            self.incarnation = incarnation
+                log.info("%s is a new process (pid %s)", self.name, info.pid)
+            self.incarnation = info.incarnation
             self.sent.clear()
         self.up = True
         return True
@@ -152,32 +158,37 @@ class WorkerLink:
         inputs = [rv.pickled() for rv in closure.inputs]
         for resend in range(2):
             call = f"{caller}.{closure.index}.{closure.attempts}.{resend}"
-            body: dict[str, Any] = {
-                "call": call,
-                "fn": function.digest,
-                "args": closure.args,
-                "inputs": inputs,
-                "wait": POLL_S,
-            }
-            if function.digest not in self.sent:
-                body["payload"] = function.payload
-            reply = self.call(METHOD_RUN, body, POLL_S)
-            if reply.get("state") != "need_function":
+            run = RunRequest(
+                call=call,
+                fn=function.digest,
+                args=closure.args,
+                inputs=inputs,
+                wait=POLL_S,
+                payload=None if function.digest in self.sent else function.payload,
+            )
+            reply = self._reply(METHOD_RUN, run.to_wire())
+            if reply.state is not CallState.NEED_FUNCTION:
                 self.sent.add(function.digest)
-            while reply.get("state") == "running":
+            while reply.state is CallState.RUNNING:
                 if closing.is_set():
                     raise Abandoned
-                reply = self.call(METHOD_RESULT, {"call": call, "wait": POLL_S}, POLL_S)
-            state = reply.get("state")
-            if state == "need_function":  # evicted from the worker's cache: send it again
+                reply = self._reply(METHOD_RESULT, ResultRequest(call=call, wait=POLL_S).to_wire())
+            if reply.state is CallState.NEED_FUNCTION:  # evicted from its cache: send it again
                 self.sent.discard(function.digest)
                 continue
-            if state == "done" and isinstance(reply.get("value"), bytes):
-                return reply["value"], None
-            if state == "failed" and isinstance(reply.get("error"), dict):
-                return None, self._function_error(closure, reply["error"])
-            raise WorkerLost(f"{self.name} lost call {call} (it answered {state!r})")
+            if reply.state is CallState.DONE and reply.value is not None:
+                return reply.value, None
+            if reply.state is CallState.FAILED and reply.error is not None:
+                return None, self._function_error(closure, reply.error)
+            raise WorkerLost(f"{self.name} lost call {call} (it answered {reply.state.value!r})")
         raise WorkerLost(f"{self.name} keeps asking for {closure.name}")
+
+    def _reply(self, method: str, body: dict[str, Any]) -> CallReply:
+        """A ``worker.run`` or ``worker.result`` call; a reply off the contract loses it."""
+        try:
+            return CallReply.from_wire(self.call(method, body, POLL_S))
+        except MalformedMessage as exc:
+            raise WorkerLost(f"{self.name} answered {method} off the contract: {exc}") from exc
 
     def stop(self) -> None:
         """Asks the worker's ``serve_worker`` to return; waits ``STOP_DEADLINE_S`` at most.
@@ -191,18 +202,16 @@ class WorkerLink:
         except RpcError as exc:
             log.debug("%s did not take the stop: %s", self.name, exc)
 
-    def _function_error(self, closure: Closure, info: dict[str, Any]) -> FunctionError:
-        error_type = str(info.get("type", "Exception"))
+    def _function_error(self, closure: Closure, report: ErrorReport) -> FunctionError:
         error = FunctionError(
-            f"{closure.name} raised {error_type} on {self.name}: {info.get('message', '')}",
-            error_type=error_type,
-            remote_traceback=str(info.get("traceback", "")),
+            f"{closure.name} raised {report.type} on {self.name}: {report.message}",
+            error_type=report.type,
+            remote_traceback=report.traceback,
             worker=self.name,
         )
-        pickled = info.get("exception")
-        if isinstance(pickled, bytes):
+        if report.exception is not None:
             try:
-                original = pickle.loads(pickled)
+                original = pickle.loads(report.exception)
             except Exception:
                 original = None
             if isinstance(original, BaseException):

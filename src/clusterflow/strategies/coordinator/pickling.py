@@ -3,7 +3,7 @@
 cloudpickle, because a scheduled function is usually a closure or a lambda of the
 user's script, which the standard pickle refuses. What it makes travels only over the
 cluster's authenticated RPC channel (the worker unpickles nothing else; see
-``worker_service``).
+``worker``).
 
 Two things are not pickled by value:
 
@@ -36,13 +36,9 @@ from clusterflow.strategies.coordinator.api import (
     RemoteValue,
     SerializationError,
 )
+from clusterflow.strategies.coordinator.protocol import StrategySettings, digest_of
+from clusterflow.strategies.coordinator.worker import bound_strategy, bound_variable
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
-from clusterflow.strategies.worker_service import (
-    StrategySettings,
-    bound_strategy,
-    bound_variable,
-    digest_of,
-)
 
 __all__ = ["FUNCTION_CACHE", "Packer", "PickledFunction"]
 

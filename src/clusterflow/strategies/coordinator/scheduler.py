@@ -30,6 +30,7 @@ from clusterflow.strategies.coordinator.api import (
     FunctionError,
     RemoteValue,
     WorkerFailure,
+    map_structure,
 )
 from clusterflow.strategies.coordinator.dispatch import (
     POLL_S,
@@ -224,7 +225,7 @@ class ClusterCoordinator:
 
         Blocks until each is ready; raises what ``RemoteValue.fetch`` raises.
         """
-        return _map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, values)
+        return map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, values)
 
     def pull_variables(self) -> None:
         """Copies the variables' current values from the ps tasks into the chief's tensors.
@@ -413,14 +414,3 @@ class ClusterCoordinator:
                 return
             self._retried += 1
             self._enqueue(closure, front=True, avoid=worker.index)
-
-
-def _map_structure(fn: Callable[[Any], Any], value: Any) -> Any:
-    if isinstance(value, list):
-        return [_map_structure(fn, v) for v in value]
-    if isinstance(value, tuple):
-        items = [_map_structure(fn, v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, dict):
-        return type(value)((k, _map_structure(fn, v)) for k, v in value.items())
-    return fn(value)

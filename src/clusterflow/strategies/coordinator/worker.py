@@ -22,7 +22,6 @@ function's model on this worker shares those tensors.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
@@ -43,44 +42,35 @@ import torch
 
 from clusterflow.cluster import TFConfig
 from clusterflow.errors import ConfigError
-from clusterflow.ps.api import Placement, Shard, VariableSpec
+from clusterflow.ps.api import Placement
 from clusterflow.rpc import Credentials, Request
 from clusterflow.server import Server
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import StrategyError
+from clusterflow.strategies.coordinator.api import map_structure
+from clusterflow.strategies.coordinator.protocol import (
+    METHOD_INFO,
+    METHOD_RESULT,
+    METHOD_RUN,
+    METHOD_STOP,
+    CallReply,
+    CallState,
+    ErrorReport,
+    ResultRequest,
+    RunRequest,
+    StrategySettings,
+    WorkerInfo,
+    digest_of,
+)
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.strategies.resolver import ClusterResolver
 
 log = logging.getLogger(__name__)
 
-METHOD_RUN = "worker.run"
-"""Starts a call (sending the function too when this worker lacks it); waits a little."""
-METHOD_RESULT = "worker.result"
-"""Waits a little for a started call; the chief polls it while the call runs."""
-METHOD_INFO = "worker.info"
-"""Whether this task serves the coordinator, and which incarnation of it answers."""
-METHOD_STOP = "worker.stop"
-"""The coordinator closed: ``serve_worker`` returns and the task can exit 0."""
-
 FUNCTION_CACHE = 64
 """Unpickled functions kept per worker; a training loop schedules a handful."""
 FINISHED_CALLS = 64
 """Finished calls kept so a chief whose poll was lost can still collect the result."""
-
-
-def digest_of(payload: bytes) -> str:
-    """The content hash a function is cached under on every worker."""
-    return hashlib.sha256(payload).hexdigest()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StrategySettings:
-    """What a worker needs to rebuild the chief's strategy: options and placement, no sockets."""
-
-    options: tuple[tuple[str, Any], ...]
-    """Keyword arguments of ``ParameterServerStrategy`` (mode, wire dtypes, deadline, ...)."""
-    variables: tuple[tuple[VariableSpec, tuple[Shard, ...]], ...]
-    """Every variable of the chief's strategy and its shards, in creation order."""
 
 
 # Unpickling binds variables to the worker whose service is unpickling, on this thread.
@@ -223,7 +213,7 @@ class WorkerStrategy(ParameterServerStrategy):
 class _Call:
     id: str
     finished: threading.Event = field(default_factory=threading.Event)
-    reply: dict[str, Any] | None = None
+    reply: CallReply | None = None
 
 
 class _NeedFunction(Exception):
@@ -296,38 +286,32 @@ class WorkerService:
     # Handlers ----------------------------------------------------------------------
 
     def _on_run(self, request: Request) -> dict[str, Any]:
-        body = request.body or {}
-        call_id, digest = str(body["call"]), str(body["fn"])
-        payload, args, inputs = body.get("payload"), body.get("args"), body.get("inputs") or []
-        if not isinstance(args, bytes) or not all(isinstance(b, bytes) for b in inputs):
-            raise StrategyError("worker.run needs pickled args and inputs as bytes")
-        if payload is not None and not isinstance(payload, bytes):
-            raise StrategyError("worker.run needs the pickled function as bytes")
+        run = RunRequest.from_wire(request.body)
         with self._lock:
-            call = self._calls.get(call_id)
+            call = self._calls.get(run.call)
             if call is None:
-                if payload is None and digest not in self._functions:
-                    return {"state": "need_function"}
-                call = _Call(call_id)
-                self._calls[call_id] = call
-                self._queue.put((call, digest, payload, args, list(inputs)))
-        return self._await(call, float(body.get("wait", 1.0)))
+                if run.payload is None and run.fn not in self._functions:
+                    return CallReply(state=CallState.NEED_FUNCTION).to_wire()
+                call = _Call(run.call)
+                self._calls[run.call] = call
+                self._queue.put((call, run))
+        return self._await(call, run.wait)
 
     def _on_result(self, request: Request) -> dict[str, Any]:
-        body = request.body or {}
+        poll = ResultRequest.from_wire(request.body)
         with self._lock:
-            call = self._calls.get(str(body["call"]))
-        if call is None:
-            return {"state": "unknown"}  # a new incarnation: the call died with the old one
-        return self._await(call, float(body.get("wait", 1.0)))
+            call = self._calls.get(poll.call)
+        if call is None:  # a new incarnation: the call died with the old one
+            return CallReply(state=CallState.UNKNOWN).to_wire()
+        return self._await(call, poll.wait)
 
     def _on_info(self, request: Request) -> dict[str, Any]:
-        return {
-            "incarnation": self.incarnation,
-            "task": str(self.server.task),
-            "pid": os.getpid(),
-            "executed": self.executed,
-        }
+        return WorkerInfo(
+            incarnation=self.incarnation,
+            task=str(self.server.task),
+            pid=os.getpid(),
+            executed=self.executed,
+        ).to_wire()
 
     def _on_stop(self, request: Request) -> dict[str, Any]:
         log.info("the coordinator closed; %s stops serving", self.server.task)
@@ -338,8 +322,8 @@ class WorkerService:
 
     def _await(self, call: _Call, wait: float) -> dict[str, Any]:
         if not call.finished.wait(max(0.0, min(wait, 30.0))) or call.reply is None:
-            return {"state": "running"}
-        return call.reply
+            return CallReply(state=CallState.RUNNING).to_wire()
+        return call.reply.to_wire()
 
     # Running a call ----------------------------------------------------------------
 
@@ -347,28 +331,27 @@ class WorkerService:
         while (item := self._queue.get()) is not None:
             self._execute(*item)
 
-    def _execute(
-        self, call: _Call, digest: str, payload: bytes | None, args: bytes, inputs: list[bytes]
-    ) -> None:
-        reply: dict[str, Any]
+    def _execute(self, call: _Call, run: RunRequest) -> None:
+        reply: CallReply
         try:
-            fn = self._function(digest, payload)
-            values = [pickle.loads(blob) for blob in inputs]
-            call_args, call_kwargs = self._loads(args, values)
+            fn = self._function(run.fn, run.payload)
+            values = [pickle.loads(blob) for blob in run.inputs]
+            call_args, call_kwargs = self._loads(run.args, values)
             self.executed += 1
             strategy = self._strategy
             if strategy is not None and strategy.bound:
                 result = strategy.run(fn, tuple(call_args), call_kwargs)
             else:
                 result = fn(*call_args, **call_kwargs)
-            reply = {"state": "done", "value": cloudpickle.dumps(_detached(result))}
+            value = cloudpickle.dumps(map_structure(_detached, result))
+            reply = CallReply(state=CallState.DONE, value=value)
         except _NeedFunction:
             with self._lock:
                 self._calls.pop(call.id, None)  # the resent call starts afresh
-            reply = {"state": "need_function"}
+            reply = CallReply(state=CallState.NEED_FUNCTION)
         except BaseException as exc:  # the function's own error, reported to the chief
             log.info("call %s failed: %s: %s", call.id, type(exc).__name__, exc)
-            reply = {"state": "failed", "error": _describe(exc)}
+            reply = CallReply(state=CallState.FAILED, error=_describe(exc))
         call.reply = reply
         call.finished.set()
         with self._lock:
@@ -404,32 +387,25 @@ class WorkerService:
 
 
 def _detached(value: Any) -> Any:
-    """The result without autograd history: a tensor with a graph cannot cross processes."""
-    if isinstance(value, torch.Tensor):
-        return value.detach() if value.requires_grad else value
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    if isinstance(value, tuple):
-        items = [_detached(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, dict):
-        return type(value)((k, _detached(v)) for k, v in value.items())
+    """Without autograd history: a tensor with a graph cannot cross processes."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach()
     return value
 
 
-def _describe(exc: BaseException) -> dict[str, Any]:
+def _describe(exc: BaseException) -> ErrorReport:
     """An error as the chief re-raises it: type, message, traceback and, if it pickles, itself."""
     try:
         pickled: bytes | None = cloudpickle.dumps(exc)
     except Exception:
         pickled = None
     kind = type(exc)
-    return {
-        "type": f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        "exception": pickled,
-    }
+    return ErrorReport(
+        type=f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins."),
+        message=str(exc),
+        traceback="".join(traceback.format_exception(exc)),
+        exception=pickled,
+    )
 
 
 def serve_worker(environ: Mapping[str, str] | None = None) -> None:
