@@ -208,7 +208,12 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     secret = cluster.secret_file.read_text()
     actor = (
         _host_class()
-        .options(name=actor_name(cluster.id), namespace=NAMESPACE, lifetime="detached")
+        .options(
+            name=actor_name(cluster.id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=_on_head_node(),
+        )
         .remote(cluster.id, config.to_dict(), secret)
     )
     handle = ManagerHandle(cluster, actor)
@@ -221,6 +226,18 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
         handle.end()
         raise PlacementError(error)
     return handle
+
+
+def _on_head_node() -> Any:
+    """The manager goes to the head node when it can: the Ray cluster ends with that
+    node anyway, while any other node may be a spot machine that goes away."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+    return "DEFAULT"
 
 
 class ManagerHandle:
