@@ -40,14 +40,12 @@ from typing import IO, Any
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
-ENV_SECRET_FILE = "CLUSTERFLOW_SECRET_FILE"
-ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
-ENV_STANDBY = "CLUSTERFLOW_STANDBY"
 NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES"})
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0

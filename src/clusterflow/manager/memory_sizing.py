@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from clusterflow.cluster import TaskId
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig, parse_size
+from clusterflow.manager.state import ClusterState
 
 ESTIMATE = float(1 << 30)
 """A first run's request per task: a small PyTorch job's processes (the interpreter,
@@ -61,14 +61,13 @@ def measured(config: RunConfig, job: str) -> float | None:
     return float(peak) if isinstance(peak, int | float) and peak > 0 else None
 
 
-def record(config: RunConfig, state: Mapping[str, Any]) -> None:
+def record(config: RunConfig, state: ClusterState) -> None:
     """Keeps each job's measured peak (the largest of its tasks') from a run's state."""
     peaks: dict[str, float] = {}
-    for task in state.get("tasks") or []:
-        peak = task.get("memory_peak")
-        if isinstance(peak, int | float) and peak > 0:
-            job = str(task.get("task", "")).split(":")[0]
-            peaks[job] = max(peaks.get(job, 0.0), float(peak))
+    for task in state.tasks:
+        if task.memory_peak:
+            job = task.task.split(":")[0]
+            peaks[job] = max(peaks.get(job, 0.0), task.memory_peak)
     if not peaks:
         return
     data = _read()

@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
+from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.registry import TERMINAL, ClusterDir
+from clusterflow.manager.state import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +131,11 @@ class ManagerHost:
     def pull(self, offsets: dict[str, int]) -> dict[str, Any]:
         """The state (with each task's node and resources) and every mirrored file's
         bytes after ``offsets`` (file name relative to the cluster folder: offset)."""
-        state = self.cluster.read_state()
+        state = self.cluster.read_state().to_dict()
         placements = self.backend.placements() if self.backend is not None else {}
-        for task in state.get("tasks") or []:
-            task.update(placements.get(task.get("task"), {}))
-        manager = dict(state.get("manager") or {})
+        for task in state["tasks"]:
+            task.update(placements.get(task["task"], {}))
+        manager = dict(state["manager"] or {})
         manager.update({"actor": actor_name(self.cluster.id), "node_id": self.node_id})
         manager["folder"] = str(self.cluster.path)
         state["manager"] = manager
@@ -151,16 +153,17 @@ class ManagerHost:
         """Asks the controller to stop, as ``clusterflow stop`` asks a local manager."""
         from clusterflow.rpc import Credentials, RpcClient
 
-        address = (self.cluster.read_state().get("manager") or {}).get("address")
+        manager = self.cluster.read_state().manager
+        address = manager.address if manager else None
         if self.controller is None or self._ended.is_set() or not address:
             return
         # As the controller reads them: CLUSTERFLOW_AUTH (plain or curve) may be in env.
         secret = str(self.cluster.secret_file)
-        environ = {**os.environ, **self.config.env, "CLUSTERFLOW_SECRET_FILE": secret}
+        environ = {**os.environ, **self.config.env, ENV_SECRET_FILE: secret}
         credentials = Credentials.from_env(environ)
         assert credentials is not None  # the secret file is given
         with RpcClient(address, credentials, deadline=10.0) as client:
-            client.call("manager.stop", {"grace_s": grace_s})
+            client.call(ManagerMethod.STOP, {"grace_s": grace_s})
 
     def release(self) -> None:
         """The CLI has the final state: the manager may end now."""
@@ -274,7 +277,7 @@ class ManagerHandle:
             return None
         return cls(cluster, actor)
 
-    def refresh(self) -> dict[str, Any] | None:
+    def refresh(self) -> ClusterState | None:
         """Pulls the manager's state and new output into the local folder; the state,
         or None if the manager is gone. A final state is collected once: the manager
         is then told it may end."""
@@ -295,12 +298,12 @@ class ManagerHandle:
             if data:
                 with open(self.cluster.path / name, "ab") as f:
                     f.write(data)
-        state: dict[str, Any] = dict(reply["state"])
+        state = ClusterState.from_dict(reply["state"], cluster_id=self.cluster.id)
         full = any(len(d) >= PULL_LIMIT for d in reply["files"].values())
-        if full and state.get("status") in TERMINAL:
-            state = {**state, "status": "running"}  # not final until every byte is here
+        if full and state.status in TERMINAL:
+            state = replace(state, status="running")  # not final until every byte is here
         self.cluster.write_state(state)
-        if state.get("status") in TERMINAL:
+        if state.status in TERMINAL:
             from clusterflow.manager.memory_sizing import record
 
             # Kept for the next run of the same command and job (--memory auto).
@@ -339,15 +342,14 @@ def refresh(cluster: ClusterDir) -> None:
         if cluster.read_config().get("backend") != "ray":
             return
     state = cluster.read_state()
-    if state.get("status") in TERMINAL:
+    if state.status in TERMINAL:
         return
     handle = ManagerHandle.find(cluster)
     if handle is not None and handle.refresh() is not None:
         return
-    if state.get("status") not in TERMINAL and state.get("manager"):
-        state["status"] = "stale"
-        state["summary"] = "the manager actor is gone; its node's folder holds its last state"
-        cluster.write_state(state)
+    if state.status not in TERMINAL and state.manager:
+        summary = "the manager actor is gone; its node's folder holds its last state"
+        cluster.write_state(replace(state, status="stale", summary=summary))
 
 
 def stop(cluster: ClusterDir, grace_s: float) -> str:
@@ -357,12 +359,12 @@ def stop(cluster: ClusterDir, grace_s: float) -> str:
     handle = ManagerHandle.find(cluster)
     if handle is None:
         refresh(cluster)
-        return f"not running ({cluster.read_state().get('status')})"
+        return f"not running ({cluster.read_state().status})"
     handle.stop(grace_s)
     deadline = time.monotonic() + grace_s + 60.0
     while time.monotonic() < deadline:
         state = handle.refresh()
-        if state is None or state.get("status") in TERMINAL:
+        if state is None or state.status in TERMINAL:
             return "stopped"
         time.sleep(0.2)
     handle.end()
