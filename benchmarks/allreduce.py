@@ -95,7 +95,9 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
 
-    def looped(model: Any, steps: int, run: Any = None) -> Any:
+    def looped(model: Any, steps: int, shares: list[float], run: Any = None) -> Any:
+        """The side's window: samples/s of both workers; this rank's share of a core
+        (its CPU time over the window's wall time) goes to ``shares``."""
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step() -> None:
@@ -105,6 +107,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
 
         def window(n: int) -> float:
             dist.barrier()
+            cpu = time.process_time()
             start = time.perf_counter()
             for _ in range(n):
                 if run is None:
@@ -112,39 +115,44 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
                 else:
                     run(step)
             dist.barrier()
-            return WORKERS * BATCH * n / (time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            shares.append((time.process_time() - cpu) / elapsed)
+            return WORKERS * BATCH * n / elapsed
 
         window(plan.warmup)
+        shares.clear()
         return lambda: window(steps)
 
     figures: dict[str, dict[str, list[float]]] = {}
+    shares: dict[str, dict[str, list[float]]] = {}
     strategies: list[Any] = []
     for size, hidden, steps, rounds in (
         ("small", 512, plan.small_steps, plan.small_rounds),
         ("large", 4096, plan.large_steps, plan.large_rounds),
     ):
+        share = shares[size] = {name: [] for name in ("alone", "raw", "ours", "bf16")}
         sides = {
             # No all-reduce at all: each worker trains alone. The ceiling, to show how much
             # of a step the communication costs.
-            "alone": looped(_mlp(hidden), steps),
-            "raw": looped(DistributedDataParallel(_mlp(hidden)), steps),
+            "alone": looped(_mlp(hidden), steps, share["alone"]),
+            "raw": looped(DistributedDataParallel(_mlp(hidden)), steps, share["raw"]),
         }
         strategy = MultiWorkerMirroredStrategy()
         strategies.append(strategy)
         with strategy.scope():
             model = _mlp(hidden)
-        sides["ours"] = looped(model, steps, strategy.run)
+        sides["ours"] = looped(model, steps, share["ours"], strategy.run)
         if size == "large":
             bf16 = MultiWorkerMirroredStrategy(CommunicationOptions(compression=Compression.BF16))
             strategies.append(bf16)
             with bf16.scope():
                 compressed = _mlp(hidden)
-            sides["bf16"] = looped(compressed, steps, bf16.run)
+            sides["bf16"] = looped(compressed, steps, share["bf16"], bf16.run)
         # Both workers run the same sequence of windows (every window starts and ends
         # with a barrier); each side was warmed up when it was made.
         figures[size] = alternate(sides, rounds, warmup=False)
     if conn is not None:
-        conn.send(figures)
+        conn.send((figures, shares))
     for strategy in strategies:
         strategy.shutdown()  # they adopted the group: this stops only their heartbeats
     dist.destroy_process_group()
@@ -177,7 +185,7 @@ def main() -> None:
     try:
         for proc in procs:
             proc.start()
-        figures: dict[str, dict[str, list[float]]] = parent.recv()
+        figures, shares = parent.recv()
         for proc in procs:
             proc.join(60)
     finally:
@@ -191,6 +199,16 @@ def main() -> None:
             f"{best['ours']:,.0f}"
             + (f", strategy bf16 {best['bf16']:,.0f}" if "bf16" in best else "")
             + f" (no all-reduce at all: {best['alone']:,.0f})"
+        )
+        # Where a ratio moves with the load, this shows whether the sides got the same
+        # CPU: under contention a rank waiting in an all-reduce loses its core.
+        print(
+            "  median share of a core rank 0 used in its windows: "
+            + ", ".join(
+                f"{name} {Spread.of(v[-len(figures[size][name]) :]).median:.0%}"
+                for name, v in shares[size].items()
+                if v
+            )
         )
     spreads = {
         "vs_ddp": ratio(figures["small"]["ours"], figures["small"]["raw"]),

@@ -20,21 +20,24 @@ the reading threads and their hand-offs; every thread of the process counted). T
 wall-time difference is printed too.
 
 This machine is shared, and its speed moves by 2x within seconds when neighbours run.
-So each round (9 with --quick, 15 without) times every variant back to back, in an order
-reversed each round; ratios are taken within a round, and their median is reported with
-the smallest and largest (``key=median key_min=... key_max=...``). "2 processes, each
-all" (two processes reading the whole file at once) shows how far two processes can
-scale on the cores free at the time: the ceiling for the two workers.
+So each round (9 with --quick, 15 without) times every variant back to back (the best of
+3 passes each), in an order reversed each round; ratios are taken within a round, and
+their median is reported with the smallest and largest (``key=median key_min=...
+key_max=...``). "2 processes, each all" (two processes reading the whole file at once)
+shows how far two processes can scale on the cores free at the time: the ceiling for the
+two workers.
 
     python -m benchmarks.data [--quick] [--rounds N] [--verbose]
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing as mp
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,8 @@ SPLIT = 16384
 """64 batches per lease: one dispatcher call (a lease, carrying the last one's ack) per
 64 batches."""
 PREFETCH = 64
+BURST = 3
+"""Passes per side per round; the best counts."""
 """Batches' worth read ahead: one split (1 MiB of these small records)."""
 
 
@@ -228,14 +233,17 @@ def main() -> None:
             _direct(path)  # warm the page cache and torch
             iter_s = _iter_batches(path)
             _through_service(conns, "warmup")
+            sides: dict[str, Callable[[], float]] = {
+                "direct": lambda: rows / _direct(path)[1],
+                "one": one,
+                "inline": inline,
+                "two_direct": lambda: 2 * rows / _through_service(conns, "", "direct")[1],
+                "service": lambda: rows / _through_service(conns, f"two-{next(fresh)}")[1],
+            }
+            # A pass takes tens of milliseconds with --quick: a side's turn is the best of
+            # a few passes, which leaves out the moments a neighbour held the core.
             rates = alternate(
-                {
-                    "direct": lambda: rows / _direct(path)[1],
-                    "one": one,
-                    "inline": inline,
-                    "two_direct": lambda: 2 * rows / _through_service(conns, "", "direct")[1],
-                    "service": lambda: rows / _through_service(conns, f"two-{next(fresh)}")[1],
-                },
+                {name: functools.partial(_best, fn) for name, fn in sides.items()},
                 rounds,
                 verbose=verbose,
             )
@@ -246,8 +254,8 @@ def main() -> None:
                 proc.kill()
             server.stop()
 
-    # The warm-up round's calls come first in the lists: skip them.
-    pairs = list(zip(one_cpu[-rounds:], inline_cpu[-rounds:], strict=True))
+    # The warm-up turn's passes come first in the lists: skip them.
+    pairs = list(zip(one_cpu[-rounds * BURST :], inline_cpu[-rounds * BURST :], strict=True))
     cpu_us = Spread.of((o[2] - i[1]) / o[0] * 1e6 for o, i in pairs)
     wall_us = Spread.of((o[1] - i[0]) / o[0] * 1e6 for o, i in pairs)
     vs_direct = ratio(rates["service"], rates["direct"])
@@ -275,8 +283,17 @@ def main() -> None:
         f"{wall_us.median:.1f} us of wall time"
     )
     print(f"vs_direct: {vs_direct}")
+    # Two processes against one: on a busy machine the pair also wins a bigger share of
+    # the cores. Against two processes reading directly, both sides are two processes.
+    pairwise = ratio(rates["service"], rates["two_direct"])
+    print(f"service vs 2 processes reading directly (a diagnostic): {pairwise}")
     print(load.describe(), flush=True)
     result("data", vs_direct=vs_direct, overhead_ms=overhead_ms)
+
+
+def _best(fn: Callable[[], float]) -> float:
+    """The best (highest) of BURST back-to-back rates."""
+    return max(fn() for _ in range(BURST))
 
 
 def _ask_inline(conn: Connection) -> tuple[int, float, float]:

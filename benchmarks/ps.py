@@ -25,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import multiprocessing as mp
+import os
 import socket
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+import psutil
 
 from benchmarks._common import (
     MachineLoad,
@@ -48,6 +51,7 @@ BATCH = 128
 WORKERS = 2
 BURST = 3
 """64 MiB round trips per side per round; the best counts."""
+CORES = os.cpu_count() or 1
 REPLY_TIMEOUT_S = 300.0
 """A side that does not answer within this fails the run instead of hanging it."""
 
@@ -244,6 +248,7 @@ def _train_worker(
     i = 0
     while (n := conn.recv()) is not None:
         barrier.wait()
+        cpu = time.process_time()  # every thread of this process
         start = time.perf_counter()
         for _ in range(n):
             if strategy is None:
@@ -253,7 +258,7 @@ def _train_worker(
             i += 1
         if strategy is not None:
             strategy.flush()  # the window's last push counts (async overlaps it)
-        conn.send((start, time.perf_counter()))
+        conn.send((start, time.perf_counter(), time.process_time() - cpu))
     if strategy is not None:
         strategy.close()
     else:
@@ -265,8 +270,11 @@ def _train_worker(
 class _Side:
     """The worker processes of one side, idle on their pipes between windows."""
 
-    def __init__(self, kind: str, hidden: int, where: Any) -> None:
+    def __init__(self, kind: str, hidden: int, where: Any, ps_pid: int | None = None) -> None:
         ctx = mp.get_context("spawn")
+        self.ps = psutil.Process(ps_pid) if ps_pid is not None else None
+        self.shares: list[float] = []
+        """Per window, the share of the machine's cores this side's processes used."""
         # Held here: a barrier the parent drops is unlinked before the children attach.
         self.barrier = barrier = ctx.Barrier(WORKERS)
         self.kind = kind
@@ -290,11 +298,20 @@ class _Side:
 
     def window(self, steps: int) -> float:
         """Samples/s of both workers over ``steps`` steps each."""
+        ps_cpu = self._ps_cpu()
         for pipe in self.pipes:
             pipe.send(steps)
         spans = [_recv(pipe, f"{self.kind} window") for pipe in self.pipes]
-        elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+        elapsed = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+        cpu = sum(c for _, _, c in spans) + self._ps_cpu() - ps_cpu
+        self.shares.append(cpu / (elapsed * CORES))
         return WORKERS * steps * BATCH / elapsed
+
+    def _ps_cpu(self) -> float:
+        if self.ps is None:
+            return 0.0
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
 
     def stop(self) -> None:
         for pipe in self.pipes:
@@ -329,14 +346,28 @@ def training(hidden: int, steps: int, rounds: int, verbose: bool) -> dict[str, l
                     "worker": ["127.0.0.1:1", "127.0.0.1:2"],
                 }
                 where = (spec, credentials.secret)
-            sides[kind] = _Side(kind, hidden, where)
+            sides[kind] = _Side(kind, hidden, where, ps_tasks[-1][0].pid if ps_tasks else None)
         for side in sides.values():
             side.ready()
-        return alternate(
+        rates = alternate(
             {kind: (lambda s=side: s.window(steps)) for kind, side in sides.items()},
             rounds,
             verbose=verbose,
         )
+        # Where a ratio moves with the load, this shows why: a side whose processes got
+        # less of the cores than in a quiet run was waiting (a preempted peer) or starved.
+        shares = {kind: side.shares[-rounds:] for kind, side in sides.items()}
+        print(
+            "median share of the cores used by each side's processes in its windows: "
+            + ", ".join(f"{kind} {Spread.of(v).median:.0%}" for kind, v in shares.items())
+        )
+        for kind in ("async", "sync"):
+            per_cpu = ratio(
+                [r / c for r, c in zip(rates[kind], shares[kind], strict=True)],
+                [r / c for r, c in zip(rates["ddp"], shares["ddp"], strict=True)],
+            )
+            print(f"{kind}_vs_ddp per share of the cores used (a diagnostic): {per_cpu}")
+        return rates
     finally:
         for side in sides.values():
             side.stop()

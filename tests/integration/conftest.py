@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -202,6 +203,29 @@ class Clusterflow:
 
     def _env(self, extra: dict[str, str] | None) -> dict[str, str]:
         return {**os.environ, **(extra or {})}
+
+
+@pytest.fixture
+def reserve() -> Iterator[Callable[[], str]]:
+    """``reserve()`` gives a loopback address whose port this test holds until it ends.
+
+    The socket is bound with SO_REUSEADDR and never listens, as a supervisor reserves a
+    task's port (docs/architecture.md section 3): it receives no connections, nothing else
+    can take the port meanwhile, and a server (ZeroMQ, torch's TCPStore) binds it
+    beside the held socket. No port is bound, released and bound again.
+    """
+    held: list[socket.socket] = []
+
+    def make() -> str:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        held.append(sock)
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+    yield make
+    for sock in held:
+        sock.close()
 
 
 @pytest.fixture

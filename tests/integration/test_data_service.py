@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,14 +95,12 @@ def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def consume(client: DataClient, pace_s: float = 0.0) -> list[Any]:
+def consume(client: DataClient) -> list[Any]:
     """Every batch of the client, acked as the simple mode does; closes the client."""
     batches = []
     with client:
         for batch in client:
             batches.append(batch)
-            if pace_s:
-                time.sleep(pace_s)
     return batches
 
 
@@ -132,26 +129,29 @@ def run_threads(targets: list[Any]) -> list[Any]:
     return results
 
 
-PACED = """\
-import json, sys, time
+LOCKSTEP = """\
+import json, sys
 from clusterflow.data import ArrowSource, DataClient, DataConfig, numpy_collate
 from clusterflow.rpc import Credentials
 
-address, path, name, pace = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+address, path, name = sys.argv[1], sys.argv[2], sys.argv[3]
 client = DataClient(
     ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1),
     dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
     worker=name,
 )
-client.start()  # read ahead before the common start
+client.start()  # read ahead before the first round
 print("ready", flush=True)
-start = float(sys.stdin.readline())  # one clock for all: batch k is taken at start + k * pace
 ids, leases = [], set()
 with client:
-    for k, batch in enumerate(client):
+    batches = iter(client)
+    while sys.stdin.readline():  # one batch per round; the test starts each round
+        batch = next(batches, None)
+        if batch is None:
+            break
         ids.extend(int(i) for i in batch.data["id"])
         leases.update(batch.leases)
-        time.sleep(max(0.0, start + (k + 1) * pace - time.time()))
+        print("took", flush=True)
 print(json.dumps({"ids": ids, "splits": len(leases)}), flush=True)
 """
 
@@ -160,15 +160,14 @@ print(json.dumps({"ids": ids, "splits": len(leases)}), flush=True)
 def test_every_record_once_and_workers_balanced(
     dispatcher: Dispatcher, parquet: Path, workers: int
 ) -> None:
-    # Equally fast workers, even on a loaded machine: processes (threads of one process
-    # share the GIL unfairly), one split per batch, one batch read ahead, and batches
-    # taken on a common clock (batch k at start + k * pace) rather than after a sleep
-    # that would add each worker's own latencies.
-    pace = "0.1" if workers > 1 else "0"
+    # Equally fast workers, whatever the load: processes (threads of one process share
+    # the GIL unfairly), one split per batch, one batch read ahead, and every worker
+    # takes its next batch only when all of them took the previous one (rounds the
+    # test starts), so no clock decides who gets more.
     env = {**os.environ, "CLUSTERFLOW_SECRET": dispatcher.credentials.to_hex()}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", PACED, dispatcher.address, str(parquet), f"w{i}", pace],
+            [sys.executable, "-c", LOCKSTEP, dispatcher.address, str(parquet), f"w{i}"],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -176,30 +175,47 @@ def test_every_record_once_and_workers_balanced(
         )
         for i in range(workers)
     ]
+    results: dict[int, dict[str, Any]] = {}
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        running = list(range(workers))
+        while running:
+            for i in running:
+                stdin = procs[i].stdin
+                assert stdin is not None
+                stdin.write("next\n")
+                stdin.flush()
+            for i in list(running):
+                stdout = procs[i].stdout
+                assert stdout is not None
+                line = stdout.readline().strip()
+                if line != "took":  # its data ran out: the line is its result
+                    results[i] = json.loads(line)
+                    running.remove(i)
         for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(f"{time.time() + 0.5}\n")
-            proc.stdin.flush()
-        results = [json.loads(proc.communicate(timeout=60)[0]) for proc in procs]
+            proc.communicate(timeout=60)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=10)
     assert all(proc.returncode == 0 for proc in procs)
-    assert Counter(i for r in results for i in r["ids"]) == Counter(range(RECORDS))
+    assert Counter(i for r in results.values() for i in r["ids"]) == Counter(range(RECORDS))
     status = dispatcher.service.status("default")
     assert status["finished"] and status["outstanding"] == 0
-    splits = [r["splits"] for r in results]
+    splits = [r["splits"] for r in results.values()]
     assert sum(splits) == RECORDS // SPLIT
-    assert max(splits) - min(splits) <= 1, splits
+    # A worker's data ends in the round it finds the queue empty and its read-ahead used
+    # up; a peer takes a batch in that round and may still hold its own read-ahead: one
+    # split queued (prefetch=1 batch of one split), one being read, one lease fetched
+    # ahead (data/client.py). So equal workers end at most 1 + 3 splits apart, whatever
+    # the machine's load; a dispatcher that favoured one worker would break this.
+    assert max(splits) - min(splits) <= 4, splits
 
 
 VICTIM = """\
-import os, sys, time
+import os, signal, sys
 from clusterflow.data import ArrowSource, DataClient, DataConfig, numpy_collate
 from clusterflow.rpc import Credentials
 
@@ -217,7 +233,7 @@ with open(out, "a") as log:
         if acked == 2:  # holding an unacked split, and more read ahead: wait for the kill
             log.write("READY\\n")
             log.flush()
-            time.sleep(600)
+            signal.pause()  # hung, holding its leases, until the test kills it
         if batch.completes:
             client.ack(batch.completes)
             for lease in batch.completes:
@@ -376,7 +392,9 @@ def test_corrupt_record_fails_its_worker_not_the_dispatcher(dispatcher: Dispatch
         dispatcher.client(NullAt(64, 37), "good", collate=lambda c: numpy_collate({"id": c["id"]}))
     )
     assert dispatcher.service.status("default")["finished"]
-    assert set(ids_of(good)) | {0} >= set(range(32, 64))
+    # Exactly that split, once: the bad worker's first split was acked when it asked
+    # for the next batch (auto-ack), so it is not lent again.
+    assert sorted(ids_of(good)) == list(range(32, 64))
 
 
 class TwoHosts:

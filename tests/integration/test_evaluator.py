@@ -1,4 +1,4 @@
-"""The evaluator never blocks training (ARCHITECTURE.md's vocabulary; docs/concepts.md).
+"""The evaluator never blocks training (docs/architecture.md section 1; docs/concepts.md).
 
 Two evaluators that could only hold training back if training waited for them: one
 whose first evaluation does not return until training has ended (a slow evaluator, made

@@ -312,11 +312,23 @@ def replica_main(scenario: str, out: Path) -> None:
 # The tests' side
 
 
-def _free_port() -> int:
-    # Only for TensorFlow's manual mode, whose store must bind a port named in TF_CONFIG.
-    with socket.socket() as sock:
+@pytest.fixture(scope="module")
+def worker_addresses() -> Iterator[list[str]]:
+    """TF_CONFIG's worker addresses, each port held for the module by a bound socket.
+
+    The sockets never listen (SO_REUSEADDR): in TensorFlow's manual mode worker 0's
+    replica binds its store beside the held socket, and no other process can take the
+    port in between, as it could were the port found free, released and bound again.
+    """
+    held = []
+    for _ in range(WORLD):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        held.append(sock)
+    yield [f"127.0.0.1:{sock.getsockname()[1]}" for sock in held]
+    for sock in held:
+        sock.close()
 
 
 def _clean_env() -> dict[str, str]:
@@ -384,9 +396,11 @@ def agent_store() -> Iterator[int]:
     del store
 
 
-def _agent_envs(port: int) -> list[dict[str, str]]:
-    """The variables the manager gives worker tasks (manager/controller.py ``_job_env``)."""
-    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(WORLD)]  # unused in this mode
+def _agent_envs(port: int, addresses: list[str]) -> list[dict[str, str]]:
+    """The variables the manager gives worker tasks (manager/controller.py ``_job_env``).
+
+    ``addresses`` go into TF_CONFIG; with the agent's store nothing binds them.
+    """
     return [
         {
             "TF_CONFIG": _tf_config(addresses, rank),
@@ -404,14 +418,14 @@ def _agent_envs(port: int) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def trained(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, worker_addresses: list[str]
 ) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
     """Runs the ``train`` scenario once for the tests that read its results."""
     out = tmp_path_factory.mktemp("train")
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False
     )
-    replicas = Replicas("train", out, _agent_envs(int(store.port)))
+    replicas = Replicas("train", out, _agent_envs(int(store.port), worker_addresses))
     try:
         outputs = [replicas.wait(rank, 100) for rank in range(WORLD)]
         for rank, proc in enumerate(replicas.procs):
@@ -521,10 +535,11 @@ def _assert_names_lost_worker(result: dict[str, Any], within_s: float) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_replica_makes_the_other_raise_naming_it(tmp_path: Path) -> None:
+def test_a_killed_replica_makes_the_other_raise_naming_it(
+    tmp_path: Path, worker_addresses: list[str]
+) -> None:
     # TensorFlow's manual mode: TF_CONFIG alone; worker:0's address hosts the store.
-    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(WORLD)]
-    envs = [{"TF_CONFIG": _tf_config(addresses, rank)} for rank in range(WORLD)]
+    envs = [{"TF_CONFIG": _tf_config(worker_addresses, rank)} for rank in range(WORLD)]
     replicas = Replicas("kill", tmp_path, envs)
     try:
         output = replicas.wait(0, 90)
@@ -539,9 +554,9 @@ def test_a_killed_replica_makes_the_other_raise_naming_it(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(120)
 def test_a_hung_replica_makes_the_other_raise_within_the_timeout(
-    tmp_path: Path, agent_store: int
+    tmp_path: Path, agent_store: int, worker_addresses: list[str]
 ) -> None:
-    replicas = Replicas("stop", tmp_path, _agent_envs(agent_store))
+    replicas = Replicas("stop", tmp_path, _agent_envs(agent_store, worker_addresses))
     try:
         output = replicas.wait(0, 90)
         assert replicas.procs[0].returncode == 0, output

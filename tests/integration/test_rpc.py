@@ -56,6 +56,13 @@ class Service:
     def __init__(self) -> None:
         self.notes: queue.Queue[Request] = queue.Queue()
         self.barrier = threading.Barrier(2, timeout=5)
+        self._gates: dict[str, threading.Event] = {}
+        self._gates_lock = threading.Lock()
+
+    def gate(self, name: str) -> threading.Event:
+        """An event tests and ``hold`` handlers share by name."""
+        with self._gates_lock:
+            return self._gates.setdefault(name, threading.Event())
 
     def register(self, server: RpcServer) -> None:
         server.register("echo", lambda request: request.body)
@@ -69,7 +76,7 @@ class Service:
             "fail.dtype",
             lambda request: Response(tensors={"z": torch.zeros(2, dtype=torch.complex64)}),
         )
-        server.register("sleep", self.sleep, blocking=True)
+        server.register("hold", self.hold, blocking=True)
         server.register("meet", self.meet, blocking=True)
 
     @staticmethod
@@ -86,10 +93,20 @@ class Service:
     def fail_internal(request: Request) -> None:
         raise KeyError("lost")
 
-    @staticmethod
-    def sleep(request: Request) -> Any:
-        time.sleep(request.body["s"])
-        return request.body["tag"]
+    def hold(self, request: Request) -> Any:
+        """Opens the gates named in ``open``, says it started (gate ``<tag>-started``),
+        waits for gate ``<tag>``, then says it returned (gate ``<tag>-returned``)."""
+        body = request.body
+        for name in body.get("open", ()):
+            self.gate(name).set()
+        for name in body.get("after", ()):
+            if not self.gate(name).wait(10):
+                raise TimeoutError(f"gate {name!r} never opened")
+        self.gate(f"{body['tag']}-started").set()
+        if not self.gate(body["tag"]).wait(10):
+            raise TimeoutError(f"gate {body['tag']!r} never opened")
+        self.gate(f"{body['tag']}-returned").set()
+        return body["tag"]
 
     def meet(self, request: Request) -> Any:
         return self.barrier.wait()
@@ -170,11 +187,20 @@ def raw_dealer(
     return make
 
 
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """An address nothing listens on: its port held by a bound socket that never listens."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{held.getsockname()[1]}"
+
+
+def reuse_port_socket(port: int = 0) -> socket.socket:
+    """A bound, non-listening socket with SO_REUSEPORT: many may share one port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
 
 
 def raw_request(method: str, request_id: int, body: Any = None, **extra: Any) -> bytes:
@@ -274,7 +300,7 @@ def test_calls_from_many_threads_on_one_client_each_get_their_own_answer(
             if got != value:
                 wrong.append((value, got))
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -563,9 +589,9 @@ def test_client_without_credentials_gets_no_service(
 
 @integration
 def test_call_to_a_port_with_nothing_listening_exceeds_its_deadline(
-    connect: Callable[..., RpcClient],
+    connect: Callable[..., RpcClient], silent: str
 ) -> None:
-    client = connect(f"127.0.0.1:{free_port()}")
+    client = connect(silent)
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         client.call("echo", 1, deadline=0.5)
@@ -573,27 +599,32 @@ def test_call_to_a_port_with_nothing_listening_exceeds_its_deadline(
 
 
 @integration
-def test_deadline_exceeded_is_a_timeout_error(connect: Callable[..., RpcClient]) -> None:
+def test_deadline_exceeded_is_a_timeout_error(
+    connect: Callable[..., RpcClient], silent: str
+) -> None:
     with pytest.raises(TimeoutError):
-        connect(f"127.0.0.1:{free_port()}", deadline=0.2).call("echo")
+        connect(silent, deadline=0.2).call("echo")
 
 
 @integration
 def test_stopped_server_exceeds_the_deadline_and_its_successor_is_reached(
     make_server: Callable[..., RpcServer], connect: Callable[..., RpcClient]
 ) -> None:
-    server = make_server()
-    port = server.port
-    client = connect(server)
-    assert client.call("echo", "before").body == "before"
-    server.stop()
-    start = time.monotonic()
-    with pytest.raises(DeadlineExceeded):
-        client.call("echo", "while down", deadline=0.5)
-    assert time.monotonic() - start < 0.5 + HANG_MARGIN_S
-    successor = make_server(port=port)
-    assert successor.port == port
-    assert client.call("echo", "after", deadline=5).body == "after"
+    # The port stays reserved by a socket that never listens, for the whole test: the
+    # successor binds beside it (SO_REUSEPORT), and no one else can take the port.
+    with reuse_port_socket() as held:
+        port = held.getsockname()[1]
+        server = make_server(listen_fd=reuse_port_socket(port).detach())
+        client = connect(server)
+        assert client.call("echo", "before").body == "before"
+        server.stop()
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            client.call("echo", "while down", deadline=0.5)
+        assert time.monotonic() - start < 0.5 + HANG_MARGIN_S
+        successor = make_server(listen_fd=reuse_port_socket(port).detach())
+        assert successor.port == port
+        assert client.call("echo", "after", deadline=5).body == "after"
 
 
 @integration
@@ -602,9 +633,11 @@ def test_late_reply_never_answers_the_next_call(
 ) -> None:
     client = connect(server)
     with pytest.raises(DeadlineExceeded):
-        client.call("sleep", {"s": 0.8, "tag": "first"}, deadline=0.3)
-    # In flight while the first reply comes back, late.
-    assert client.call("sleep", {"s": 1.0, "tag": "second"}).body == "second"
+        client.call("hold", {"tag": "first"}, deadline=0.3)  # held until the next call
+    # The second call lets the first handler return, and answers only once it has: the
+    # first reply comes back, late, while the second call waits for its own.
+    second = {"tag": "second", "open": ["first", "second"], "after": ["first-returned"]}
+    assert client.call("hold", second).body == "second"
     assert client.call("echo", "third").body == "third"
 
 
@@ -620,7 +653,7 @@ def test_blocking_handlers_run_concurrently(
         except Exception as exc:
             results.put(exc)
 
-    threads = [threading.Thread(target=meet) for _ in range(2)]
+    threads = [threading.Thread(target=meet, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -631,14 +664,27 @@ def test_blocking_handlers_run_concurrently(
 
 @integration
 def test_quick_handlers_are_served_while_a_blocking_one_waits(
-    server: RpcServer, connect: Callable[..., RpcClient]
+    server: RpcServer, connect: Callable[..., RpcClient], service: Service
 ) -> None:
-    slow = threading.Thread(target=lambda: connect(server).call("sleep", {"s": 1.0, "tag": "slow"}))
-    slow.start()
+    results: queue.Queue[Any] = queue.Queue()
+
+    def slow() -> None:
+        try:
+            results.put(connect(server).call("hold", {"tag": "slow"}, deadline=20).body)
+        except Exception as exc:
+            results.put(exc)
+
+    thread = threading.Thread(target=slow, daemon=True)
+    thread.start()
     try:
-        assert connect(server).call("echo", "quick", deadline=0.9).body == "quick"
+        # The blocking handler runs, and stays blocked until the quick call was served.
+        assert service.gate("slow-started").wait(10)
+        assert connect(server).call("echo", "quick", deadline=10).body == "quick"
+        assert not service.gate("slow-returned").is_set()
     finally:
-        slow.join(10)
+        service.gate("slow").set()
+        thread.join(10)
+    assert results.get_nowait() == "slow"
 
 
 @integration
@@ -784,7 +830,7 @@ def test_exit_while_a_handler_runs_torch_ops_is_clean() -> None:
     # interpreter finalizes, the process would abort with std::terminate's message.
     result = run_python(
         """
-        import threading, time
+        import threading
         import torch
         from clusterflow.rpc import Credentials, RpcClient, RpcServer
 
@@ -792,8 +838,10 @@ def test_exit_while_a_handler_runs_torch_ops_is_clean() -> None:
         credentials = Credentials.generate()
         server = RpcServer(credentials)
         a = torch.randn(200, 200)
+        inside = threading.Event()
 
         def work(request):
+            inside.set()
             for _ in range(20):
                 a @ a
 
@@ -808,8 +856,9 @@ def test_exit_while_a_handler_runs_torch_ops_is_clean() -> None:
                 started.set()
 
         threading.Thread(target=hammer, daemon=True).start()
-        assert started.wait(60)
-        time.sleep(0.2)
+        assert started.wait(60)  # one whole round trip
+        inside.clear()
+        assert inside.wait(60)  # a handler has just begun its torch ops: exit now
         print("done")
         """,
         timeout=90,

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -29,24 +29,14 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def creds() -> Credentials:
     return Credentials.generate()
 
 
 @pytest.fixture
-def spec() -> dict[str, list[str]]:
-    return {
-        "ps": [f"127.0.0.1:{_free_port()}"],
-        "worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"],
-    }
+def spec(reserve: Callable[[], str]) -> dict[str, list[str]]:
+    return {"ps": [reserve()], "worker": [reserve(), reserve()]}
 
 
 @pytest.fixture
@@ -82,7 +72,11 @@ def test_server_serves_its_task_and_registered_methods(
     finally:
         server.stop()
     assert server.join(timeout=5) is True
-    # stop() freed the port: the same task can be served again at once.
+    # stop() closed the listening socket (only the test's reservation, which never
+    # listens, holds the port), and the same task can be served again at once.
+    host, port = spec["worker"][1].rsplit(":", 1)
+    with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect((host, int(port)))
     Server(spec, "worker", 1, credentials=creds).stop()
 
 
@@ -102,13 +96,16 @@ def test_server_refuses_another_clusters_secret(
 
 @pytest.mark.timeout(30)
 def test_server_reads_credentials_and_defaults_from_the_environment(
-    tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, creds: Credentials
+    tmp_path: os.PathLike[str],
+    monkeypatch: pytest.MonkeyPatch,
+    creds: Credentials,
+    reserve: Callable[[], str],
 ) -> None:
     secret = os.path.join(tmp_path, "secret")
     creds.to_file(secret)
     monkeypatch.setenv("CLUSTERFLOW_SECRET_FILE", secret)
     monkeypatch.delenv("CLUSTERFLOW_AUTH", raising=False)
-    address = f"127.0.0.1:{_free_port()}"
+    address = reserve()
     # One job of one task: job_name and task_index may be left out, as in TensorFlow.
     with Server({"ps": [address]}) as server:
         assert server.task == TaskId("ps", 0)
@@ -188,12 +185,12 @@ def test_server_on_a_taken_port_is_a_config_error_naming_the_address(creds: Cred
 
 
 @pytest.mark.timeout(60)
-def test_manual_mode_server_from_the_cli(cf: Clusterflow) -> None:
+def test_manual_mode_server_from_the_cli(cf: Clusterflow, reserve: Callable[[], str]) -> None:
     secret = cf.workdir / "cluster.secret"
     made = cf.run("secret", str(secret))
     assert made.returncode == 0, made.stderr
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    ps_address = f"127.0.0.1:{_free_port()}"
+    ps_address = reserve()
     spec_file = cf.workdir / "spec.json"
     spec_file.write_text(json.dumps({"ps": [ps_address], "worker": ["127.0.0.1:1"]}))
 

@@ -3,7 +3,7 @@ choice, failure recognition, and the heartbeats that name a lost peer. No proces
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -180,12 +180,21 @@ class FakeStore:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.failure: Exception | None = None
+        self.callers: set[threading.Thread] = set()
+        self._added = threading.Condition()
 
     def add(self, key: str, value: int, /) -> int:
         if self.failure is not None:
             raise self.failure
-        self.counts[key] = self.counts.get(key, 0) + value
-        return self.counts[key]
+        with self._added:
+            self.callers.add(threading.current_thread())
+            self.counts[key] = self.counts.get(key, 0) + value
+            self._added.notify_all()
+            return self.counts[key]
+
+    def wait_for(self, key: str, count: int, timeout: float = 10.0) -> bool:
+        with self._added:
+            return self._added.wait_for(lambda: self.counts.get(key, 0) >= count, timeout)
 
 
 class FakeClock:
@@ -229,15 +238,15 @@ def test_heartbeat_thread_starts_and_stops() -> None:
     me = Liveness(store, rank=0, world_size=2, interval_s=0.01)
     me.start()
     try:
-        deadline = time.monotonic() + 10
-        while store.counts.get("beat/0", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert store.counts["beat/0"] >= 3
+        assert store.wait_for("beat/0", 3)
     finally:
         me.stop()
+    (beater,) = store.callers - {threading.current_thread()}  # the heartbeat thread
+    beater.join(10)  # stop() waits a few intervals for it; a loaded machine may need more
+    assert not beater.is_alive()
     stopped = store.counts["beat/0"]
-    time.sleep(0.05)
-    assert store.counts["beat/0"] == stopped
+    me.beat()  # a beat by hand still counts: only the thread has stopped
+    assert store.counts["beat/0"] == stopped + 1
 
 
 # Naming the lost peer ---------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_a_remote_value_gives_its_result_once_set_and_unpickles_it_once() -> Non
     with pytest.raises(CoordinatorTimeout):
         rv.fetch(timeout=0.01)
     got: list[object] = []
-    reader = threading.Thread(target=lambda: got.append(rv.fetch(timeout=10)))
+    reader = threading.Thread(target=lambda: got.append(rv.fetch(timeout=10)), daemon=True)
     reader.start()
     rv.set_result(pickle.dumps({"loss": 0.5}))
     reader.join(10)

@@ -213,7 +213,7 @@ def test_quiesce_holds_pushes_until_resume() -> None:
         store.push(worker="worker:0", version=0, grads=grads(1.0))
         done.set()
 
-    thread = threading.Thread(target=push)
+    thread = threading.Thread(target=push, daemon=True)
     thread.start()
     assert not done.wait(0.3)  # held: the version cannot move while quiesced
     assert store.version == 0

@@ -57,7 +57,7 @@ def run_threads(fns: list[Callable[[], None]]) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
     for t in threads:
         t.start()
     for t in threads:
@@ -328,7 +328,7 @@ def test_async_warmup_lets_the_chief_train_alone_first() -> None:
         seen.append(connection.store.version)
         return step_fn(*models[1])(x, y)
 
-    worker = threading.Thread(target=lambda: strategies[1].run(late_step, batch(0, 1)))
+    worker = threading.Thread(target=lambda: strategies[1].run(late_step, batch(0, 1)), daemon=True)
     worker.start()
     for k in range(3):
         strategies[0].run(step_fn(*models[0]), batch(k, 0))

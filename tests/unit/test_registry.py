@@ -18,6 +18,7 @@ import pytest
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.state import ClusterState
 
 
 @pytest.fixture(autouse=True)
@@ -93,13 +94,13 @@ def test_all_clusters_newest_first_by_creation_not_by_last_write() -> None:
     for cluster, when in ((old, 1_000_000), (new, 2_000_000)):
         cluster.config_file.write_text("{}")
         os.utime(cluster.config_file, (when, when))
-    old.write_state({"status": "running"})  # a state rewrite must not reorder them
+    old.write_state(ClusterState(id=old.id, status="running"))  # must not reorder them
     assert [c.id for c in registry.all_clusters()] == ["new0000000", "old0000000"]
 
 
 def test_read_state_of_a_new_cluster_reads_created() -> None:
     cluster = registry.create("abc")
-    assert cluster.read_state() == {"id": "abc", "status": "created", "tasks": []}
+    assert cluster.read_state() == ClusterState(id="abc", status="created", tasks=())
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
@@ -149,33 +150,55 @@ def test_readers_never_see_a_torn_state_while_writers_race(folder: Path) -> None
     big = {"tasks": [{"task": f"worker:{i}", "log": "x" * 200} for i in range(200)]}
     registry.write_json_atomic(path, {**big, "n": -1})
     stop = threading.Event()
+    writing = threading.Event()
     errors: list[BaseException] = []
+    progress = threading.Condition()
+    reads: list[int] = []  # what each read saw, for the reads made while writers ran
 
     def write(offset: int) -> None:
         try:
+            assert writing.wait(10)
             for n in range(50):
                 registry.write_json_atomic(path, {**big, "n": offset + n})
+                # Paced by the reader: every write is followed by a read that overlaps
+                # the other writers' writes, however the threads are scheduled.
+                with progress:
+                    seen = len(reads)
+                    progress.wait_for(lambda seen=seen: len(reads) > seen or errors, 10)  # type: ignore[misc]
         except BaseException as exc:
             errors.append(exc)
 
     def read() -> None:
         while not stop.is_set():
             try:
-                assert len(json.loads(path.read_text())["tasks"]) == 200
+                state = json.loads(path.read_text())
+                assert len(state["tasks"]) == 200
             except BaseException as exc:
-                errors.append(exc)
+                with progress:
+                    errors.append(exc)
+                    progress.notify_all()
                 return
+            if writing.is_set():
+                with progress:
+                    reads.append(state["n"])
+                    progress.notify_all()
 
-    reader = threading.Thread(target=read)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    writers = [threading.Thread(target=write, args=(k * 1000,)) for k in range(3)]
+    writers = [threading.Thread(target=write, args=(k * 1000,), daemon=True) for k in range(3)]
     for w in writers:
         w.start()
+    writing.set()
     for w in writers:
-        w.join()
+        w.join(60)
     stop.set()
-    reader.join()
+    reader.join(10)
     assert not errors
+    assert not reader.is_alive() and not any(w.is_alive() for w in writers)
+    # The reads raced the writes: one at least after each write, and they saw the
+    # writers' values change under them (not one file read over and over).
+    assert len(reads) >= 3 * 50, len(reads)
+    assert len({n for n in reads if n >= 0}) >= 50, sorted(set(reads))
     assert [p.name for p in folder.iterdir()] == ["state.json"]
 
 

@@ -65,3 +65,22 @@ def test_every_skip_gives_a_reason() -> None:
         if "reason" not in keywords and not positional_reason:
             silent.append(f"{path.relative_to(ROOT)}:{call.lineno}")
     assert not silent, f"skips without a reason: {silent}"
+
+
+def test_every_thread_a_test_starts_is_a_daemon() -> None:
+    # A hung replica thread that is not a daemon keeps the interpreter from exiting:
+    # pytest-timeout fails the test, then the run itself hangs at exit.
+    plain = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "Thread"
+            ):
+                daemon = [k for k in node.keywords if k.arg == "daemon"]
+                if not daemon or not (
+                    isinstance(daemon[0].value, ast.Constant) and daemon[0].value.value is True
+                ):
+                    plain.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not plain, f"threads that are not daemons: {plain}"

@@ -116,7 +116,7 @@ def _run_threads(fns: list[Callable[[], None]]) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -418,6 +418,7 @@ def test_two_sync_ps_replicas_fed_unevenly_by_the_data_service_both_finish() -> 
 
     try:
         _run_threads([replica(0), replica(1)])
+        (stats,) = strategies[0].ps_stats()
     finally:
         for strategy in strategies:
             strategy.close()
@@ -426,3 +427,9 @@ def test_two_sync_ps_replicas_fed_unevenly_by_the_data_service_both_finish() -> 
         server.stop()
     assert sum(steps) == 11  # every split trained on once, by one replica or the other
     assert all(steps)
+    # ... and every push reached the store and went into a step: the steps both replicas
+    # made together took two pushes each, the rest one, so the store's version is the
+    # longer replica's step count. A dropped or lost push would leave it short.
+    assert stats["pushes"] == 11, stats
+    assert stats["version"] == stats["applied"] == max(steps), (stats, steps)
+    assert sum(s.dropped_pushes for s in strategies) == 0

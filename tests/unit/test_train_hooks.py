@@ -287,22 +287,29 @@ def test_run_evaluator_evaluates_each_new_checkpoint_until_the_final_one(
     monkeypatch.setattr(evaluate_module, "load_into", commits.load)
     model = nn.Linear(1, 1)
     modes: list[bool] = []
+    evaluated = threading.Condition()
 
     def eval_fn(m: nn.Module) -> dict[str, float]:
-        modes.append(m.training)
+        with evaluated:
+            modes.append(m.training)
+            evaluated.notify_all()
         return {"w": float(m.weight.detach())}
 
     def train() -> None:
-        for step in (10, 20, 30):
-            time.sleep(0.15)
+        # Each checkpoint once the evaluator took the one before: it sees every one,
+        # however slowly either thread runs (it may skip ahead only when it lags).
+        for n, step in enumerate((10, 20, 30)):
+            with evaluated:
+                assert evaluated.wait_for(lambda n=n: len(modes) >= n, 10)  # type: ignore[misc]
             commits.commit(step, final=step == 30)
 
-    trainer = threading.Thread(target=train)
+    trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     results = run_evaluator(
         model, eval_fn, directory=tmp_path / "ckpt", log_dir=tmp_path / "eval", poll_s=0.02
     )
-    trainer.join()
+    trainer.join(10)
+    assert not trainer.is_alive()
     assert [r.step for r in results] == [10, 20, 30]
     assert [r.metrics["w"] for r in results] == [10.0, 20.0, 30.0]
     assert modes == [False, False, False] and model.training

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 import time
@@ -126,21 +127,47 @@ def test_a_manager_without_the_method_is_logged_once_and_left_alone(
 def test_an_unreachable_manager_never_raises_and_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Nothing listens on port 9.
-    reporter = Reporter(
-        "127.0.0.1:9", Credentials.generate(), "worker:0", interval_s=0.01, deadline_s=0.3
-    )
-    try:
-        with caplog.at_level(logging.WARNING, logger="clusterflow.train.report"):
-            started = time.monotonic()
-            for step in range(3):
-                reporter.offer(step, float("nan"), None)  # returns at once
-            assert time.monotonic() - started < 0.5
-            deadline = time.monotonic() + 10
-            while "could not report" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
-            reporter.offer(9, 1.0, None)
-            time.sleep(0.2)
-        assert caplog.text.count("could not report live figures") == 1
-    finally:
-        reporter.close()
+    # A socket bound but not listening: held for the whole test, so nobody else can
+    # listen there, and every send runs into its deadline.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        reporter = Reporter(
+            address, Credentials.generate(), "worker:0", interval_s=0.01, deadline_s=0.3
+        )
+        release = threading.Event()
+        finished = threading.Condition()
+        attempts: list[BaseException | None] = []
+        send = reporter._link.report
+
+        def counted(**figures: Any) -> None:
+            release.wait(10)  # the first send is held until the offers below returned
+            try:
+                send(**figures)
+            except BaseException as exc:
+                with finished:
+                    attempts.append(exc)
+                    finished.notify_all()
+                raise
+            with finished:
+                attempts.append(None)
+                finished.notify_all()
+
+        reporter._link.report = counted  # type: ignore[method-assign]
+        try:
+            with caplog.at_level(logging.WARNING, logger="clusterflow.train.report"):
+                for step in range(3):
+                    reporter.offer(step, float("nan"), None)
+                # offer() returned three times while the send was held: it never waits.
+                assert attempts == []
+                release.set()
+                with finished:
+                    assert finished.wait_for(lambda: len(attempts) == 1, 10)
+                reporter.offer(9, 1.0, None)
+                with finished:  # the second send ran into its deadline too
+                    assert finished.wait_for(lambda: len(attempts) == 2, 10)
+            assert all(isinstance(exc, Exception) for exc in attempts), attempts
+            assert caplog.text.count("could not report live figures") == 1
+        finally:
+            release.set()
+            reporter.close()

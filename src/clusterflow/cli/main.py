@@ -15,13 +15,16 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.errors import ClusterflowError, ConfigError
+
+if TYPE_CHECKING:
+    from clusterflow.manager.state import ClusterState, TaskState
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 USAGE_EXIT = 2
@@ -88,6 +91,12 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "max_restarts",
         "checkpoint_dir",
         "stall_timeout_s",
+        "backend",
+        "address",
+        "resources",
+        "labels",
+        "job_dir",
+        "placement_timeout_s",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -142,6 +151,26 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 @click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
+    "--backend",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where tasks run: local processes, or a Ray cluster [default: local].",
+)
+@click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or local].")
+@click.option(
+    "--resources",
+    "resources_",
+    multiple=True,
+    help="Per job on Ray: JOB:NAME=VALUE,... e.g. worker:GPU=1,CPU=8,memory=4G (repeatable).",
+)
+@click.option(
+    "--label",
+    "labels_",
+    multiple=True,
+    help="Per job on Ray: node labels its tasks need, JOB:KEY=VALUE,... (repeatable).",
+)
+@click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
+@click.option(
     "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -159,6 +188,11 @@ def start(
     ps_cmd: str | None,
     untracked: str | None,
     detach: bool,
+    backend: str | None,
+    address: str | None,
+    resources_: tuple[str, ...],
+    labels_: tuple[str, ...],
+    job_dir: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -169,7 +203,7 @@ def start(
       clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
     """
     from clusterflow.manager import registry
-    from clusterflow.manager.config import RunConfig
+    from clusterflow.manager.config import RunConfig, parse_job_settings, resources_from_file
     from clusterflow.rpc import Credentials
 
     settings: dict[str, Any] = _resumed_settings(resume_id) if resume_id else {}
@@ -196,7 +230,16 @@ def start(
         "max_restarts": max_restarts,
         "checkpoint_dir": checkpoint_dir,
         "stall_timeout_s": stall_timeout,
+        "backend": backend,
+        "address": address,
+        "job_dir": job_dir,
     }
+    if "resources" in settings:
+        settings["resources"] = resources_from_file(settings["resources"])
+    if resources_:
+        settings["resources"] = parse_job_settings(resources_, "resources")
+    if labels_:
+        settings["labels"] = parse_job_settings(labels_, "labels")
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if command:
         settings["command"] = tuple(command)
@@ -211,6 +254,10 @@ def start(
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
     registry.write_json_atomic(cluster.config_file, config.to_dict())
+    if config.backend == "ray":
+        from clusterflow.cli import ray_start
+
+        sys.exit(ray_start.run(cluster, config, detach=detach))
     if detach:
         _start_detached(cluster)
         return
@@ -268,7 +315,7 @@ def _start_detached(cluster: Any) -> None:
         )
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
-        status = cluster.read_state().get("status")
+        status = cluster.read_state().status
         if status in ("running", *registry.TERMINAL):
             break
         if proc.poll() is not None:
@@ -284,48 +331,56 @@ def _start_detached(cluster: Any) -> None:
 # ps / describe -------------------------------------------------------------------------
 
 
-def _uptime(state: dict[str, Any]) -> str:
-    created = state.get("created")
-    if not created:
+def _uptime(state: ClusterState) -> str:
+    if not state.created:
         return "-"
-    end = state.get("ended") or time.time()
-    seconds = int(max(0.0, end - created))
+    end = state.ended or time.time()
+    seconds = int(max(0.0, end - state.created))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _task_summary(state: dict[str, Any]) -> str:
-    tasks = state.get("tasks") or []
-    running = sum(1 for t in tasks if t.get("exit_code") is None and t.get("status") == "running")
+def _task_summary(state: ClusterState) -> str:
+    tasks = state.tasks
+    running = sum(1 for t in tasks if t.exit_code is None and t.status == "running")
     jobs: dict[str, int] = {}
     for t in tasks:
-        job = str(t.get("task", "?")).split(":")[0]
+        job = t.task.split(":")[0]
         jobs[job] = jobs.get(job, 0) + 1
     shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
     return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
 
 
-def _figures(state: dict[str, Any]) -> tuple[str, str]:
+def _figures(state: ClusterState) -> tuple[str, str]:
     """The cluster's live figures: the furthest step any task reported, and the summed
     samples/s of the tasks still running."""
-    tasks = [t for t in state.get("tasks") or [] if t.get("exit_code") is None]
-    steps = [t["step"] for t in state.get("tasks") or [] if isinstance(t.get("step"), int)]
-    rates = [t["samples_per_s"] for t in tasks if isinstance(t.get("samples_per_s"), int | float)]
+    steps = [t.step for t in state.tasks if t.step is not None]
+    rates = [
+        t.samples_per_s for t in state.tasks if t.exit_code is None and t.samples_per_s is not None
+    ]
     return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
 
 
-def _task_figures(task: dict[str, Any]) -> str:
+def _task_figures(task: TaskState) -> str:
     parts = []
-    if isinstance(task.get("step"), int):
-        parts.append(f"step {task['step']}")
-    if isinstance(task.get("loss"), int | float):
-        parts.append(f"loss {task['loss']:.4g}")
-    if isinstance(task.get("samples_per_s"), int | float):
-        parts.append(f"{task['samples_per_s']:.0f} samples/s")
-    if task.get("restarts"):
-        parts.append(f"restarts {task['restarts']}")
+    if task.step is not None:
+        parts.append(f"step {task.step}")
+    if task.loss is not None:
+        parts.append(f"loss {task.loss:.4g}")
+    if task.samples_per_s is not None:
+        parts.append(f"{task.samples_per_s:.0f} samples/s")
+    if task.restarts:
+        parts.append(f"restarts {task.restarts}")
     return ("  " + ", ".join(parts)) if parts else ""
+
+
+def _task_placement(task: TaskState) -> str:
+    """Where a task on Ray runs: its node and what Ray gave it."""
+    if not task.node_id:
+        return ""
+    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items())
+    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}"
 
 
 @cli.command(name="ps", context_settings=CONTEXT)
@@ -345,6 +400,7 @@ def ps_command(show_all: bool) -> None:
         table.add_column(column, no_wrap=True, overflow="ellipsis")
     for cluster in registry.all_clusters():
         try:
+            _refresh(cluster)
             state = cluster.read_state()
         except ClusterflowError as exc:
             cells = [cluster.id, "unreadable", str(exc), "-", "-", "-", "-"]
@@ -352,7 +408,7 @@ def ps_command(show_all: bool) -> None:
             status = registry.effective_status(state)
             if not show_all and status in registry.TERMINAL:
                 continue
-            command = shlex.join(str(arg) for arg in state.get("command") or [])
+            command = shlex.join(state.command)
             step, rate = _figures(state)
             cells = [cluster.id, status, _task_summary(state), _uptime(state), step, rate, command]
         table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
@@ -368,29 +424,30 @@ def describe(cluster_id: str, as_json: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     state = cluster.read_state()
     if as_json:
-        click.echo(json.dumps(state, indent=2))
+        click.echo(json.dumps(state.to_dict(), indent=2))
         return
     click.echo(f"id:       {cluster.id}")
     click.echo(f"status:   {registry.effective_status(state)}")
-    click.echo(f"command:  {shlex.join(str(arg) for arg in state.get('command') or [])}")
+    click.echo(f"command:  {shlex.join(state.command)}")
     click.echo(f"uptime:   {_uptime(state)}")
-    if state.get("summary"):
-        click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
+    if state.summary:
+        click.echo(f"summary:  {state.summary} (exit code {state.exit_code})")
     click.echo(f"state:    {cluster.path}")
-    if state.get("checkpoint_dir"):
-        click.echo(f"checkpoints: {state['checkpoint_dir']}")
-    if state.get("max_restarts"):
-        click.echo(f"restarts: {state.get('restarts', 0)} of {state['max_restarts']}")
-    click.echo(f"spec (v{state.get('spec_version', 0)}): {json.dumps(state.get('spec'))}")
+    if state.checkpoint_dir:
+        click.echo(f"checkpoints: {state.checkpoint_dir}")
+    if state.max_restarts:
+        click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
+    click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
     click.echo("tasks:")
-    for t in state.get("tasks") or []:
-        code = t.get("exit_code")
+    for t in state.tasks:
+        code = t.exit_code
         click.echo(
-            f"  {t.get('task'):<14} {t.get('status', '?'):<10} {t.get('address') or '-':<22} "
-            f"pid {t.get('pid') or '-':<8} exit {'-' if code is None else code}"
-            f"{_task_figures(t)}"
+            f"  {t.task:<14} {t.status:<10} {t.address or '-':<22} "
+            f"pid {t.pid or '-':<8} exit {'-' if code is None else code}"
+            f"{_task_figures(t)}{_task_placement(t)}"
         )
     click.echo("events:")
     for event in cluster.read_events():
@@ -415,9 +472,10 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     if task_name:
         task = TaskId.parse(task_name)
-        known = [t.get("task") for t in cluster.read_state().get("tasks") or []]
+        known = [t.task for t in cluster.read_state().tasks]
         if known and str(task) not in known:
             raise ConfigError(
                 f"cluster {cluster.id} has no task {task_name!r}; "
@@ -436,6 +494,7 @@ def attach(cluster_id: str) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
+    _refresh(cluster)
     status = registry.effective_status(cluster.read_state())
     if status in registry.TERMINAL or status == "stale":
         raise ConfigError(f"cluster {cluster.id} is not running ({status}); see `clusterflow logs`")
@@ -443,14 +502,22 @@ def attach(cluster_id: str) -> None:
         follow.print_file(cluster.output_file, lambda: _finished(cluster))
     except KeyboardInterrupt:
         sys.exit(130)
-    state = cluster.read_state()
-    code = state.get("exit_code")
-    sys.exit(int(code) if isinstance(code, int) else 1)
+    code = cluster.read_state().exit_code
+    sys.exit(1 if code is None else code)
+
+
+def _refresh(cluster: Any) -> None:
+    """A cluster whose manager runs elsewhere (on Ray) has its local folder brought up
+    to date from it; a local cluster's folder is the manager's own."""
+    from clusterflow.manager import ray_host
+
+    ray_host.refresh(cluster)
 
 
 def _finished(cluster: Any) -> bool:
     from clusterflow.manager import registry
 
+    _refresh(cluster)
     return registry.effective_status(cluster.read_state()) in (*registry.TERMINAL, "stale")
 
 
@@ -467,7 +534,12 @@ def stop(cluster_id: str, grace: float) -> None:
     from clusterflow.manager import registry, stopper
 
     cluster = registry.find(cluster_id)
-    outcome = stopper.stop_cluster(cluster, grace)
+    if cluster.read_config().get("backend") == "ray":
+        from clusterflow.manager import ray_host
+
+        outcome = ray_host.stop(cluster, grace)
+    else:
+        outcome = stopper.stop_cluster(cluster, grace)
     click.echo(f"{cluster.id}: {outcome}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,6 +53,19 @@ class RunConfig:
     """Where consistent checkpoints go (a path or fsspec URL); None: the cluster's folder."""
     stall_timeout_s: float | None = None
     """A task whose reported step stops advancing this long is dead (hung); None: never."""
+    backend: str = "local"
+    """Where tasks run: ``local`` processes, or actors on a ``ray`` cluster."""
+    address: str | None = None
+    """The Ray cluster's ``HOST:PORT`` (``ray`` backend); None: ``RAY_ADDRESS`` or a local one."""
+    resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Per job, what each of its tasks needs on Ray: ``CPU``, ``GPU``, ``memory`` (bytes),
+    custom resources. A job left out asks for one CPU."""
+    labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Per job, the node labels its tasks' nodes must carry (Ray label selectors)."""
+    job_dir: str | None = None
+    """A folder or .zip shipped to every node (Ray's runtime environment); jobs run in it."""
+    placement_timeout_s: float = 60.0
+    """How long a Ray cluster may take to place the whole cluster before the start fails."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -101,7 +114,14 @@ class RunConfig:
             isinstance(stall, bool) or not isinstance(stall, int | float) or not stall > 0
         ):
             raise ConfigError(f"--stall-timeout must be a positive number, got {stall!r}")
-        for name in ("grace_s", "register_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
+        check_placement(self)
+        for name in (
+            "grace_s",
+            "register_timeout_s",
+            "heartbeat_s",
+            "heartbeat_timeout_s",
+            "placement_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
@@ -136,6 +156,8 @@ class RunConfig:
         data["ps_command"] = list(self.ps_command) if self.ps_command else None
         data["untracked"] = sorted(self.untracked)
         data["env"] = dict(self.env)
+        data["resources"] = {job: dict(r) for job, r in self.resources.items()}
+        data["labels"] = {job: dict(r) for job, r in self.labels.items()}
         return data
 
     @classmethod
@@ -154,7 +176,117 @@ class RunConfig:
             raise ConfigError(f"invalid cluster configuration: {exc}") from exc
 
 
+BACKENDS = ("local", "ray")
+RAY_ONLY = {
+    "address": "--address",
+    "resources": "--resources",
+    "labels": "--label",
+    "job_dir": "--job-dir",
+}
+"""Settings that mean something only where tasks are placed on many machines."""
+
+
+def check_placement(config: RunConfig) -> None:
+    """Validates the backend and the per-job placement settings (resources, labels)."""
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    if config.backend == "local":
+        for name, flag in RAY_ONLY.items():
+            if getattr(config, name):
+                raise ConfigError(f"{flag} needs --backend ray (local tasks share this machine)")
+    for what in ("resources", "labels"):
+        per_job = getattr(config, what)
+        if not isinstance(per_job, Mapping):
+            raise ConfigError(f"{what} must map job names to settings, got {per_job!r}")
+        for job, values in per_job.items():
+            if job not in KNOWN_JOBS:
+                raise ConfigError(
+                    f"{RAY_ONLY[what]} names unknown job {job!r}; jobs are {', '.join(JOB_ORDER)}"
+                )
+            if not isinstance(values, Mapping) or not values:
+                raise ConfigError(f"{what} of job {job} must be NAME=VALUE pairs, got {values!r}")
+            for key, value in values.items():
+                if not isinstance(key, str) or not key:
+                    raise ConfigError(f"{what} of job {job}: bad name {key!r}")
+                if what == "labels" and not isinstance(value, str):
+                    raise ConfigError(f"label {key} of job {job} must be a string, got {value!r}")
+                if what == "resources" and (
+                    isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+                ):
+                    raise ConfigError(
+                        f"resource {key} of job {job} must be a non-negative number, got {value!r}"
+                    )
+    if config.job_dir is not None and (
+        not isinstance(config.job_dir, str) or not config.job_dir.strip()
+    ):
+        raise ConfigError(f"--job-dir must be a folder or a .zip, got {config.job_dir!r}")
+
+
 def _as_tuple(value: Any, name: str) -> tuple[Any, ...]:
     if isinstance(value, str) or not isinstance(value, list | tuple | set | frozenset):
         raise ConfigError(f"{name} must be a list, got {value!r}")
     return tuple(value)
+
+
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str, what: str) -> int:
+    """``4G``, ``512M``, ``2GiB`` or plain bytes, as bytes (binary units, as Ray's)."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and raw[-1:].isalpha() else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{what}: {text!r} is not a size such as 4G, 512M or 1073741824")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def parse_job_settings(items: Sequence[str], what: str) -> dict[str, dict[str, Any]]:
+    """``["worker:GPU=1,CPU=8", "ps:CPU=2"]`` as ``{job: {name: value}}``.
+
+    ``what`` is ``resources`` (numbers; ``memory`` may be a size such as ``4G``) or
+    ``labels`` (strings).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    flag = RAY_ONLY[what]
+    for item in items:
+        job, sep, pairs = item.partition(":")
+        if not sep or not job or not pairs:
+            raise ConfigError(f"{flag} {item!r}: expected JOB:NAME=VALUE[,NAME=VALUE...]")
+        settings = out.setdefault(job.strip(), {})
+        for pair in pairs.split(","):
+            name, eq, value = (part.strip() for part in pair.partition("="))
+            if not eq or not name or not value:
+                raise ConfigError(f"{flag} {item!r}: {pair!r} is not NAME=VALUE")
+            settings[name] = _resource_value(name, value, item) if what == "resources" else value
+    return out
+
+
+def _resource_value(name: str, value: str, item: str) -> float:
+    if name == "memory":
+        return float(parse_size(value, f"--resources {item!r}"))
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--resources {item!r}: {name}={value!r} is not a number") from None
+
+
+def resources_from_file(value: Any) -> dict[str, dict[str, Any]]:
+    """A cluster file's ``resources`` (``{job: {name: value}}``), sizes such as ``4G``
+    allowed for ``memory``; anything else is left for ``RunConfig`` to judge."""
+    if not isinstance(value, Mapping):
+        return value  # type: ignore[no-any-return]
+    out: dict[str, dict[str, Any]] = {}
+    for job, settings in value.items():
+        if not isinstance(settings, Mapping):
+            return dict(value)
+        out[job] = {
+            k: parse_size(v, f"resources of job {job}")
+            if k == "memory" and isinstance(v, str)
+            else v
+            for k, v in settings.items()
+        }
+    return out

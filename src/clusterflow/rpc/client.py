@@ -133,8 +133,8 @@ class RpcClient:
             sock = self._socket()
             request_id = next(_ids)
             frames = codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors)
-            sock.send_multipart(frames, copy=False)
             try:
+                self._send_before(sock, frames, method, end, timeout)
                 return self._await_reply(sock, request_id, method, end, timeout)
             except RemoteError:
                 raise  # a well-formed answer: the connection is as good as before
@@ -197,6 +197,26 @@ class RpcClient:
                 self._poller.unregister(self._monitor)
             self._monitor.close(linger=0)
             self._monitor = None
+
+    def _send_before(
+        self, sock: zmq.Socket[bytes], frames: list[Any], method: str, end: float, timeout: float
+    ) -> None:
+        """Queues the request, waiting for a connection no longer than the call's deadline.
+
+        A DEALER's send blocks while it has no connection to send on: after a peer
+        refused our credentials (its connection is dropped, even between the frames of
+        one message), or while it is unreachable. Without a bound the call would hang
+        there, before its deadline is ever looked at.
+        """
+        sock.sndtimeo = max(1, int((end - time.monotonic()) * 1000))
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            if self._monitor is not None:
+                self._read_monitor(method)  # raises AuthenticationError if it was that
+            raise DeadlineExceeded(
+                f"{method} to {self.endpoint}: could not even send within {timeout:g}s"
+            ) from None
 
     def _await_reply(
         self, sock: zmq.Socket[bytes], request_id: int, method: str, end: float, timeout: float

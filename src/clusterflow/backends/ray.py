@@ -1,0 +1,336 @@
+"""The Ray backend: each task's supervisor runs under a Ray actor on the node Ray chose.
+
+The actor (``SupervisorHost``) holds the task's resources (a bundle of the cluster's
+placement group, see ``ray_placement``) and starts the same supervisor the local
+backend starts (``python -m clusterflow.backends.supervisor``) as its child, so the
+manager's contract is unchanged: registration, heartbeats and exit go over clusterflow's
+RPC; the actor only carries what a local process gives for free: the output stream, the
+exit code and signals. Ray's own calls carry them, each with a deadline.
+
+On the node, the supervisor:
+
+* binds the node's own address (``CLUSTERFLOW_BIND_HOST`` is the node's IP), so the
+  spec, ``TF_CONFIG`` and ``MASTER_ADDR`` hold addresses every node reaches;
+* reads the cluster secret from a file the actor wrote (mode 0600, in a private
+  temporary folder, removed when the task ends): the secret travels inside the actor's
+  creation call, never in an environment variable, the job folder or Ray's logs;
+* sees ``CUDA_VISIBLE_DEVICES`` as Ray set it for the actor (the GPUs Ray assigned).
+
+The manager is the actors' owner: if it dies, Ray ends them, and their supervisors stop
+their jobs once the manager stops answering (``CLUSTERFLOW_MANAGER_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from clusterflow.backends.api import TaskLaunch
+from clusterflow.backends.ray_placement import TaskRequest
+from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY
+from clusterflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
+NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES"})
+"""Variables each node sets for itself; the manager's values mean nothing there."""
+READ_WAIT_S = 1.0
+"""How long one output read waits on the node for something to send."""
+CALL_DEADLINE_S = 30.0
+"""The deadline of one call to a supervisor's actor (the read's wait included)."""
+EXIT_DRAIN_S = 2.0
+"""After the supervisor exits, how long its last output may take to reach the pipe."""
+
+
+class SupervisorHost:
+    """The actor under which one task's supervisor runs (a Ray actor, see ``_actor_class``).
+
+    Threaded (``max_concurrency``), so a ``signal`` is served while a ``read`` waits.
+    """
+
+    def __init__(self, task: str, env: Mapping[str, str], secret: str) -> None:
+        import ray
+
+        self.task = task
+        # mkdtemp makes the folder 0700: only this user's processes can list it.
+        self._dir = tempfile.mkdtemp(prefix="clusterflow-task-")
+        secret_file = os.path.join(self._dir, "secret")
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        full = {**os.environ, **env, ENV_SECRET_FILE: secret_file, ENV_BIND_HOST: self.node_ip}
+        self._popen = subprocess.Popen(
+            [sys.executable, "-m", SUPERVISOR_MODULE],
+            env=full,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._buffer = bytearray()
+        self._eof = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read_pipe, name="output", daemon=True).start()
+
+    def _read_pipe(self) -> None:
+        assert self._popen.stdout is not None
+        fd = self._popen.stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            with self._cond:
+                if chunk:
+                    self._buffer += chunk
+                else:
+                    self._eof = True
+                self._cond.notify_all()
+            if not chunk:
+                return
+
+    def info(self) -> dict[str, Any]:
+        """Where the supervisor runs and what Ray gave it."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "pid": self._popen.pid,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "resources": dict(context.get_assigned_resources()),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def read(self, wait_s: float) -> tuple[bytes, int | None]:
+        """Output since the last read (waiting up to ``wait_s`` for some), and the exit
+        code once the supervisor ended and its output was all sent."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._buffer) or self._eof, wait_s)
+            if not self._buffer and self._popen.poll() is not None:
+                # Its job's children may hold the pipe open: wait for EOF only briefly.
+                self._cond.wait_for(lambda: self._eof, EXIT_DRAIN_S)
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        code = self._popen.poll() if not data else None
+        if code is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        return data, code
+
+    def signal(self, signum: int) -> None:
+        """``signum`` to the supervisor's process group (it, the job and its children)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, signum)
+
+
+@functools.cache
+def _actor_class() -> Any:
+    """``SupervisorHost`` as a Ray actor class, made on first use (Ray is optional)."""
+    import ray
+
+    return ray.remote(max_concurrency=4, max_restarts=0)(SupervisorHost)
+
+
+class RayProcess:
+    """The manager's view of one supervisor actor (``TaskProcess``).
+
+    A thread pulls the actor's output into a local pipe (``output``, read by the
+    manager's output router) and records the exit code. An actor that dies (its node
+    died, or it was killed) counts as a task killed with SIGKILL.
+    """
+
+    def __init__(self, task: TaskId, actor: Any, request: TaskRequest) -> None:
+        self._task = task
+        self._actor = actor
+        self._request = request
+        read_end, self._write_fd = os.pipe()
+        self._output = os.fdopen(read_end, "rb")
+        self._code: int | None = None
+        self._info: dict[str, Any] | None = None
+        self._placed = threading.Event()
+        self._done = threading.Event()
+        threading.Thread(target=self._pump, name=f"ray-{task}", daemon=True).start()
+
+    @property
+    def task(self) -> TaskId:
+        return self._task
+
+    @property
+    def pid(self) -> int:
+        """The supervisor's pid on its node; 0 while the actor is not placed yet."""
+        self._placed.wait(2.0)
+        return int(self._info["pid"]) if self._info else 0
+
+    @property
+    def output(self) -> IO[bytes] | None:
+        return self._output
+
+    @property
+    def placement(self) -> dict[str, Any] | None:
+        """Node id, node IP, the resources Ray assigned and GPU ids; None until placed."""
+        return dict(self._info) if self._info else None
+
+    def poll(self) -> int | None:
+        return self._code
+
+    def wait(self, timeout: float) -> int | None:
+        self._done.wait(timeout)
+        return self._code
+
+    def signal(self, signum: int) -> None:
+        if self._done.is_set():
+            return
+        import ray
+
+        # Awaited, so a SIGKILL has landed before the caller waits for the exit.
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self._actor.signal.remote(signum), timeout=CALL_DEADLINE_S)
+
+    def end(self) -> None:
+        """Ends the actor (and with it the supervisor's hold on its resources)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self._actor, no_restart=True)
+
+    def _pump(self) -> None:
+        import ray
+
+        code = -signal.SIGKILL
+        try:
+            # No deadline on placement itself: after a node died, Ray places the bundle
+            # again when a node is free, and the manager's registration timeout bounds it.
+            self._info = ray.get(self._actor.info.remote())
+            self._placed.set()
+            while True:
+                try:
+                    data, exited = ray.get(
+                        self._actor.read.remote(READ_WAIT_S), timeout=CALL_DEADLINE_S
+                    )
+                except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                    continue  # a node briefly unreachable; Ray says when it is dead
+                if data:
+                    _write_all(self._write_fd, data)
+                if exited is not None:
+                    code = exited
+                    break
+        except ray.exceptions.RayError as exc:
+            log.warning("%s: its actor is gone (%s); counted as killed", self._task, exc)
+        finally:
+            self._placed.set()
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self.end()  # frees the task's bundle at once, for its replacement
+            self._code = code
+            self._done.set()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except OSError:
+            return  # nobody reads the output any more (the manager is closing)
+
+
+class RayBackend:
+    """Starts each task's supervisor in its bundle of the cluster's placement group.
+
+    Args:
+        requests: one per task, in the placement group's bundle order.
+        group: the cluster's placement group (``ray_placement.reserve``).
+    """
+
+    name = "ray"
+
+    def __init__(self, requests: Sequence[TaskRequest], group: Any) -> None:
+        self._requests = {r.task: r for r in requests}
+        self._bundles = {r.task: i for i, r in enumerate(requests)}
+        self._group = group
+        self._lock = threading.Lock()
+        self._processes: dict[str, RayProcess] = {}
+        """The current process of each task (standbys are not a task's until they take one)."""
+        self._all: list[RayProcess] = []
+
+    def launch(self, launch: TaskLaunch) -> RayProcess:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        request = self._requests.get(launch.task)
+        if request is None:
+            raise ConfigError(f"task {launch.task} has no place in this cluster")
+        secret_file = launch.env.get(ENV_SECRET_FILE)
+        if not secret_file:
+            raise ConfigError(f"{launch.task}: launched without {ENV_SECRET_FILE}")
+        with open(secret_file) as f:
+            secret = f.read()
+        # What the manager added to its own environment is the task's; the rest of the
+        # manager's environment belongs to its node, and the actor's node has its own.
+        env = {
+            k: v for k, v in launch.env.items() if os.environ.get(k) != v and k not in NODE_LOCAL
+        }
+        standby = launch.env.get(ENV_STANDBY) == "1"
+        if standby:
+            # A standby waits idle beside the running tasks, whose bundles are all taken:
+            # it holds nothing, on a node the job's labels select, until it takes a task.
+            options: dict[str, Any] = {"num_cpus": 0, "label_selector": dict(request.labels)}
+        else:
+            bundle = request.bundle()
+            options = {
+                "num_cpus": bundle.get("CPU", 0.0),
+                "num_gpus": bundle.get("GPU", 0.0),
+                "memory": bundle.get("memory") or None,
+                "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self._group,
+                    placement_group_bundle_index=self._bundles[launch.task],
+                ),
+            }
+        actor = _actor_class().options(name=None, **options).remote(str(launch.task), env, secret)
+        process = RayProcess(launch.task, actor, request)
+        with self._lock:
+            self._all.append(process)
+            if not standby:
+                self._processes[str(launch.task)] = process
+        return process
+
+    def placements(self) -> dict[str, dict[str, Any]]:
+        """Each task's node and resources, as its current actor reported them."""
+        with self._lock:
+            processes = dict(self._processes)
+        out = {}
+        for task, process in processes.items():
+            where = process.placement
+            if where is not None:
+                where.pop("pid", None)
+                out[task] = where
+        return out
+
+    def close(self) -> None:
+        """Ends every actor still there and releases the cluster's placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            processes, self._all = self._all, []
+        for process in processes:
+            process.end()
+        deadline = time.monotonic() + 10.0
+        for process in processes:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):
+            remove_placement_group(self._group)

@@ -1,0 +1,144 @@
+"""Placing a whole cluster on Ray at once: one placement group, one bundle per task.
+
+A placement group is gang-scheduled: Ray reserves every bundle or none, so a cluster
+never holds some nodes' resources while it waits for others. Before asking, the request
+is checked against the nodes that exist (their total resources and labels): a request
+no node could ever satisfy fails at once, naming the job and what is missing; one that
+fits the nodes but not their free resources fails after ``timeout_s``.
+
+Only plain values here (no manager types): the manager turns its ``RunConfig`` into
+``TaskRequest``\\ s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterflow.cluster import TaskId
+from clusterflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPUS = 1.0
+"""What a task asks for when its job names no resources: one CPU, as a Ray task does."""
+
+
+class PlacementError(ConfigError):
+    """The cluster cannot be placed; the message is one line naming the job."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskRequest:
+    """What one task needs from the node it runs on."""
+
+    task: TaskId
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray resource names: ``CPU``, ``GPU``, ``memory`` (bytes), custom ones."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """A Ray label selector: ``{"gpu-type": "A100"}``; values may be ``!v``, ``in(a,b)``."""
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle: the resources, one CPU if none were named."""
+        wanted = {k: float(v) for k, v in self.resources.items() if v}
+        return wanted or {"CPU": DEFAULT_CPUS}
+
+    def describe(self) -> str:
+        """``GPU=1,CPU=8 with gpu-type=A100``: the request in the words of the CLI."""
+        text = ",".join(f"{k}={_number(k, v)}" for k, v in self.bundle().items())
+        if self.labels:
+            text += " with " + ",".join(f"{k}={v}" for k, v in self.labels.items())
+        return text
+
+
+def _number(name: str, value: float) -> str:
+    if name == "memory":
+        gib = value / 2**30
+        return f"{gib:g}G" if gib >= 1 else f"{value / 2**20:g}M"
+    return f"{value:g}"
+
+
+def label_matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Whether a node with ``labels`` satisfies ``selector`` (Ray's label-selector syntax)."""
+    for key, want in selector.items():
+        have = labels.get(key)
+        negate = want.startswith("!")
+        body = want[1:] if negate else want
+        if body.startswith("in(") and body.endswith(")"):
+            hit = have in {v.strip() for v in body[3:-1].split(",")}
+        else:
+            hit = have == body
+        if hit == negate:
+            return False
+    return True
+
+
+def node_fits(request: TaskRequest, node: Mapping[str, Any], resources_key: str) -> bool:
+    """Whether ``node`` (an entry of ``ray.nodes()``) has the labels and the resources."""
+    if not label_matches(request.labels, node.get("Labels") or {}):
+        return False
+    have = node.get(resources_key) or {}
+    return all(float(have.get(k, 0.0)) + 1e-9 >= v for k, v in request.bundle().items())
+
+
+def unplaceable(requests: Sequence[TaskRequest], nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """The one-line reason no node could ever run some task; None if each fits a node."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for request in requests:
+        if not any(node_fits(request, n, "Resources") for n in alive):
+            return f"job {request.task.job} needs {request.describe()}: no node has it"
+    return None
+
+
+def reserve(requests: Sequence[TaskRequest], name: str, timeout_s: float) -> Any:
+    """Reserves one bundle per task (in ``requests``' order) as one placement group.
+
+    Blocks until Ray placed every bundle, at most ``timeout_s`` seconds.
+
+    Raises:
+        PlacementError: no node could run some task (at once), or the cluster did not
+            fit the free resources within ``timeout_s`` (the group is then removed).
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import ray
+
+    reason = unplaceable(requests, ray.nodes())
+    if reason:
+        raise PlacementError(reason)
+    group = placement_group(
+        [r.bundle() for r in requests],
+        # Tasks of a cluster stand for machines of their own: spread them when possible.
+        strategy="SPREAD",
+        name=name,
+        bundle_label_selector=[dict(r.labels) for r in requests],
+    )
+    if group.wait(timeout_s):
+        log.info("placement group %s ready (%d bundles)", name, len(requests))
+        return group
+    remove_placement_group(group)
+    raise PlacementError(_not_free(requests, ray.available_resources(), timeout_s))
+
+
+def _not_free(requests: Sequence[TaskRequest], free: Mapping[str, float], timeout_s: float) -> str:
+    """Names the first job at which the cluster's summed requests outgrow the free
+    resources (the whole cluster is placed at once, so earlier tasks count too)."""
+    needed: dict[str, float] = {}
+    for request in requests:
+        for name, value in request.bundle().items():
+            needed[name] = needed.get(name, 0.0) + value
+            if needed[name] > free.get(name, 0.0) + 1e-9:
+                count = sum(1 for r in requests if r.task.job == request.task.job)
+                return (
+                    f"job {request.task.job} needs {request.describe()} for each of its "
+                    f"{count} task(s): not free within {timeout_s:g}s (the cluster needs "
+                    f"{name}={_number(name, needed[name])} at once or more; free now: "
+                    f"{name}={_number(name, free.get(name, 0.0))})"
+                )
+    job = requests[0].task.job
+    return (
+        f"job {job} needs {requests[0].describe()}: the cluster was not placed within "
+        f"{timeout_s:g}s (its tasks fit the free resources in sum, not node by node)"
+    )

@@ -1,0 +1,351 @@
+"""A cluster's manager inside a Ray cluster (``start --backend ray``), and the CLI's way to it.
+
+The manager runs as a detached Ray actor (``ManagerHost``, named ``clusterflow-<id>`` in
+Ray's namespace ``clusterflow``), so it survives the CLI that started it and the machine
+the CLI ran on: Ray keeps a detached actor until it ends itself or is killed. It runs the
+same ``Controller`` as a local manager, with the ``RayBackend``, and writes the cluster's
+folder (state, events, output, task logs) on its own node, under
+``$CLUSTERFLOW_HOME/ray/<id>/`` of that node.
+
+The machine that started the cluster keeps its usual folder,
+``$CLUSTERFLOW_HOME/clusters/<id>/`` (config, secret), as a mirror: ``refresh`` pulls
+the manager's state and the new bytes of its output and logs into it, so ``ps``,
+``describe``, ``logs`` and ``attach`` read local files as for a local cluster. Any
+machine that can reach the Ray cluster reaches the manager by its actor name.
+
+Once its run ended, the manager lingers (holding no resources) until the CLI collected
+the final state, at most ``LINGER_S``; then it ends itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from clusterflow.backends.ray_placement import PlacementError, TaskRequest
+from clusterflow.cluster.contract import ManagerMethod
+from clusterflow.errors import ConfigError
+from clusterflow.manager import registry
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.registry import TERMINAL, ClusterDir
+from clusterflow.manager.state import ClusterState
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "clusterflow"
+LINGER_S = 3600.0
+"""How long a finished manager waits for the CLI to collect its final state."""
+PULL_LIMIT = 8 << 20
+"""Most bytes of one file sent by one ``pull`` (the rest comes with the next)."""
+CALL_DEADLINE_S = 30.0
+"""Deadline of a call from the CLI to the manager actor."""
+MIRRORED = ("events.jsonl", "output.log")
+
+
+def actor_name(cluster_id: str) -> str:
+    return f"clusterflow-{cluster_id}"
+
+
+def task_requests(config: RunConfig) -> list[TaskRequest]:
+    """One placement request per task, in the cluster's canonical task order."""
+    return [
+        TaskRequest(
+            task=task,
+            resources=dict(config.resources.get(task.job, {})),
+            labels=dict(config.labels.get(task.job, {})),
+        )
+        for task in config.tasks()
+    ]
+
+
+class ManagerHost:
+    """The manager of one cluster, as a detached Ray actor (see ``_host_class``)."""
+
+    def __init__(self, cluster_id: str, config: dict[str, Any], secret: str) -> None:
+        import ray
+
+        path = registry.home() / "ray" / cluster_id
+        path.mkdir(parents=True, mode=0o700)
+        (path / "logs").mkdir(mode=0o700)
+        self.cluster = ClusterDir(path)
+        fd = os.open(self.cluster.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+        registry.write_json_atomic(self.cluster.config_file, config)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        # The manager's RPC server, its torch store and MASTER_ADDR use this node's address.
+        self.config = replace(RunConfig.from_dict(config), host=ray.util.get_node_ip_address())
+        self.controller: Any = None
+        self.backend: Any = None
+        self._ended = threading.Event()
+        self._collected = threading.Event()
+
+    def start(self) -> str | None:
+        """Places the whole cluster, then runs it on a thread; the one-line error if it
+        cannot be placed within the placement timeout (nothing is then held)."""
+        from clusterflow.backends.ray import RayBackend
+        from clusterflow.backends.ray_placement import reserve
+        from clusterflow.manager.controller import Controller
+
+        requests = task_requests(self.config)
+        try:
+            group = reserve(requests, actor_name(self.cluster.id), self.config.placement_timeout_s)
+        except PlacementError as exc:
+            self._ended.set()
+            return str(exc)
+        self.backend = RayBackend(requests, group)
+        self.controller = Controller(self.cluster, self.config, self.backend, echo=False)
+        threading.Thread(target=self._run, name="controller", daemon=True).start()
+        return None
+
+    def _run(self) -> None:
+        try:
+            self.controller.run()
+        except BaseException:
+            log.exception("the manager of cluster %s failed", self.cluster.id)
+        finally:
+            self.backend.close()
+            with contextlib.suppress(OSError):
+                self.cluster.secret_file.unlink()
+            self._ended.set()
+        if not self._collected.wait(LINGER_S):
+            # Nobody came for the final state (it stays in this node's folder): a
+            # detached actor is not reclaimed by Ray, so it ends itself.
+            log.info("nobody collected cluster %s's final state; ending", self.cluster.id)
+            os._exit(0)
+
+    def pull(self, offsets: dict[str, int]) -> dict[str, Any]:
+        """The state (with each task's node and resources) and every mirrored file's
+        bytes after ``offsets`` (file name relative to the cluster folder: offset)."""
+        state = self.cluster.read_state().to_dict()
+        placements = self.backend.placements() if self.backend is not None else {}
+        for task in state["tasks"]:
+            task.update(placements.get(task["task"], {}))
+        manager = dict(state["manager"] or {})
+        manager.update({"actor": actor_name(self.cluster.id), "node_id": self.node_id})
+        manager["folder"] = str(self.cluster.path)
+        state["manager"] = manager
+        names = list(MIRRORED)
+        with contextlib.suppress(OSError):
+            names += [f"logs/{p.name}" for p in self.cluster.logs_dir.iterdir()]
+        files = {}
+        for name in names:
+            with contextlib.suppress(OSError), open(self.cluster.path / name, "rb") as f:
+                f.seek(offsets.get(name, 0))
+                files[name] = f.read(PULL_LIMIT)
+        return {"state": state, "files": files}
+
+    def stop(self, grace_s: float) -> None:
+        """Asks the controller to stop, as ``clusterflow stop`` asks a local manager."""
+        from clusterflow.rpc import Credentials, RpcClient
+
+        manager = self.cluster.read_state().manager
+        address = manager.address if manager else None
+        if self.controller is None or self._ended.is_set() or not address:
+            return
+        credentials = Credentials.from_file(self.cluster.secret_file)
+        with RpcClient(address, credentials, deadline=10.0) as client:
+            client.call(ManagerMethod.STOP, {"grace_s": grace_s})
+
+    def release(self) -> None:
+        """The CLI has the final state: the manager may end now."""
+        self._collected.set()
+
+
+def _host_class() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=8, max_restarts=0)(ManagerHost)
+
+
+# The CLI's side -----------------------------------------------------------------------
+
+
+def connect(address: str | None, job_dir: str | None = None) -> None:
+    """Joins the Ray cluster at ``address`` (None: ``RAY_ADDRESS``, else a local one).
+
+    Raises:
+        ConfigError: Ray is not installed, or the cluster cannot be reached.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--backend ray needs Ray: pip install 'clusterflow[ray]'") from None
+    if ray.is_initialized():
+        return
+    runtime_env: dict[str, Any] = {}
+    if job_dir:
+        if not (os.path.isdir(job_dir) or (job_dir.endswith(".zip") and os.path.isfile(job_dir))):
+            raise ConfigError(f"--job-dir {job_dir!r} is neither a folder nor a .zip file")
+        runtime_env["working_dir"] = job_dir
+    try:
+        ray.init(
+            address=address or os.environ.get("RAY_ADDRESS") or "auto",
+            namespace=NAMESPACE,
+            runtime_env=runtime_env or None,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"cannot join the Ray cluster at {address or 'auto'}: {exc}") from exc
+
+
+def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandle:
+    """Starts the cluster's manager in the Ray cluster and places the cluster.
+
+    Raises:
+        PlacementError: the cluster cannot be placed (the manager is ended again).
+    """
+    import ray
+
+    connect(config.address, config.job_dir)
+    secret = cluster.secret_file.read_text()
+    actor = (
+        _host_class()
+        .options(
+            name=actor_name(cluster.id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=_on_head_node(),
+        )
+        .remote(cluster.id, config.to_dict(), secret)
+    )
+    handle = ManagerHandle(cluster, actor)
+    try:
+        error = ray.get(actor.start.remote(), timeout=config.placement_timeout_s + 120.0)
+    except BaseException:
+        handle.end()
+        raise
+    if error:
+        handle.end()
+        raise PlacementError(error)
+    return handle
+
+
+def _on_head_node() -> Any:
+    """The manager goes to the head node when it can: the Ray cluster ends with that
+    node anyway, while any other node may be a spot machine that goes away."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+    return "DEFAULT"
+
+
+class ManagerHandle:
+    """The CLI's handle on a manager actor: keeps the local folder a mirror of its own."""
+
+    def __init__(self, cluster: ClusterDir, actor: Any) -> None:
+        self.cluster = cluster
+        self.actor = actor
+
+    @classmethod
+    def find(cls, cluster: ClusterDir) -> ManagerHandle | None:
+        """The handle of a Ray cluster's manager; None for a local cluster or a gone one."""
+        config = cluster.read_config()
+        if config.get("backend") != "ray":
+            return None
+        connect(config.get("address"))
+        import ray
+
+        try:
+            actor = ray.get_actor(actor_name(cluster.id), namespace=NAMESPACE)
+        except ValueError:
+            return None
+        return cls(cluster, actor)
+
+    def refresh(self) -> ClusterState | None:
+        """Pulls the manager's state and new output into the local folder; the state,
+        or None if the manager is gone. A final state is collected once: the manager
+        is then told it may end."""
+        import ray
+
+        offsets = {name: _size(self.cluster.path / name) for name in MIRRORED}
+        with contextlib.suppress(OSError):
+            for p in self.cluster.logs_dir.iterdir():
+                offsets[f"logs/{p.name}"] = p.stat().st_size
+        try:
+            reply = ray.get(self.actor.pull.remote(offsets), timeout=CALL_DEADLINE_S)
+        except ray.exceptions.RayError:
+            return None
+        for name, data in reply["files"].items():
+            folder, _, base = name.rpartition("/")
+            if folder not in ("", "logs") or not base or base.startswith("."):
+                continue  # only the manager's own files, never a path out of the folder
+            if data:
+                with open(self.cluster.path / name, "ab") as f:
+                    f.write(data)
+        state = ClusterState.from_dict(reply["state"], cluster_id=self.cluster.id)
+        full = any(len(d) >= PULL_LIMIT for d in reply["files"].values())
+        if full and state.status in TERMINAL:
+            state = replace(state, status="running")  # not final until every byte is here
+        self.cluster.write_state(state)
+        if state.status in TERMINAL:
+            self.end()
+        return state
+
+    def stop(self, grace_s: float) -> None:
+        import ray
+
+        ray.get(self.actor.stop.remote(grace_s), timeout=grace_s + CALL_DEADLINE_S)
+
+    def end(self) -> None:
+        """Lets the manager end (it has nothing left to run or to tell)."""
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.actor.release.remote(), timeout=CALL_DEADLINE_S)
+        ray.kill(self.actor, no_restart=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def refresh(cluster: ClusterDir) -> None:
+    """Brings a Ray cluster's local mirror up to date; nothing for a local cluster.
+
+    A mirror that still says the cluster runs, whose manager is gone, is marked stale.
+    """
+    with contextlib.suppress(ConfigError):
+        if cluster.read_config().get("backend") != "ray":
+            return
+    state = cluster.read_state()
+    if state.status in TERMINAL:
+        return
+    handle = ManagerHandle.find(cluster)
+    if handle is not None and handle.refresh() is not None:
+        return
+    if state.status not in TERMINAL and state.manager:
+        summary = "the manager actor is gone; its node's folder holds its last state"
+        cluster.write_state(replace(state, status="stale", summary=summary))
+
+
+def stop(cluster: ClusterDir, grace_s: float) -> str:
+    """``clusterflow stop`` for a Ray cluster: the manager stops its tasks in order, the
+    mirror collects the final state, and the manager, its actors and its placement group
+    end."""
+    handle = ManagerHandle.find(cluster)
+    if handle is None:
+        refresh(cluster)
+        return f"not running ({cluster.read_state().status})"
+    handle.stop(grace_s)
+    deadline = time.monotonic() + grace_s + 60.0
+    while time.monotonic() < deadline:
+        state = handle.refresh()
+        if state is None or state.status in TERMINAL:
+            return "stopped"
+        time.sleep(0.2)
+    handle.end()
+    return "stopped (forced: the manager did not finish in time)"

@@ -1,0 +1,506 @@
+"""The Ray backend on a real three-node Ray cluster (no mocks).
+
+Ray advertises the machine's primary address whatever ``--node-ip-address`` says, and
+tests may send traffic only to loopback or to namespaces they made. So the Ray cluster
+and every clusterflow command under test run inside a network namespace of this module's
+own, with only loopback up: there every Ray node is 127.0.0.1, and nothing leaves it.
+
+One Ray cluster serves the whole module (starting one costs ~20 s on two cores): nodes
+``a`` (head), ``b`` (one GPU resource, ``gpu-type=A100``) and ``c``, labelled
+``zone=a|b|c``. Its finalizer kills every process in the namespace (all of them started
+here) and deletes the namespace, even when a test failed. It does not use ``ray stop``:
+that kills every Ray process of the machine by name, other clusters' too.
+
+Ray's C++ core warns on stderr, in a namespace without a default route, that it could not
+find the machine's address through 8.8.8.8 (it falls back to 127.0.0.1); the one-line
+error checks therefore read clusterflow's own ``error:`` lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import LineReader, wait_until
+
+from clusterflow.manager.stopper import cluster_processes
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+BIN = Path(sys.executable).parent
+PORT = 6379
+ADDRESS = f"127.0.0.1:{PORT}"
+
+if shutil.which("ip") is None or os.geteuid() != 0:
+    pytest.skip("needs root and iproute2 to make a network namespace", allow_module_level=True)
+
+
+class RayCluster:
+    """A three-node Ray cluster inside network namespace ``ns``."""
+
+    def __init__(self, ns: str, root: Path) -> None:
+        self.ns = ns
+        self.root = root
+        self.nodes: dict[str, str] = {}
+        """zone -> node id."""
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("CLUSTERFLOW_", "RAY_")) and k != "TF_CONFIG"
+        }
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+        env.update(extra)
+        return env
+
+    def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        check = kwargs.pop("check", False)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns, *argv],
+            text=True,
+            capture_output=True,
+            check=check,
+            **kwargs,
+        )
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, *argv],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **kwargs,
+        )
+
+    def add_node(self, *flags: str) -> str:
+        """Starts one more node with ``flags``; returns a tag that finds its raylet."""
+        tag = secrets.token_hex(4)
+        argv = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels=tag={tag}"]
+        argv += ["--object-store-memory=100000000", f"--temp-dir={self.root / 'ray'}"]
+        out = self.run(argv + list(flags), env=self.env(), timeout=120)
+        assert out.returncode == 0, out.stderr
+        return tag
+
+    def kill_node(self, tag: str) -> None:
+        """The node dies as a machine does: its raylet and everything below it, at once."""
+        pids = self.run(["ip", "netns", "pids", self.ns]).stdout.split()
+        raylets = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(int(pid))
+                if proc.name() == "raylet" and tag in " ".join(proc.cmdline()):
+                    raylets.append(proc)
+        assert len(raylets) == 1, f"no single raylet tagged {tag}: {raylets}"
+        tree = [raylets[0], *raylets[0].children(recursive=True)]
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(tree, timeout=10)
+
+    def probe(self) -> dict[str, Any]:
+        """What the Ray cluster holds: live actors, placement groups, nodes."""
+        script = (
+            "import json, ray\n"
+            f"ray.init(address={ADDRESS!r}, logging_level='ERROR', log_to_driver=False)\n"
+            "from ray._private.state import actors\n"
+            "live = [v.get('Name') or k for k, v in actors().items() if v['State'] != 'DEAD']\n"
+            "groups = {k: v['state'] for k, v in ray.util.placement_group_table().items()}\n"
+            "nodes = {n['Labels'].get('zone') or n['Labels'].get('tag'): n['NodeID']\n"
+            "         for n in ray.nodes() if n['Alive']}\n"
+            "print(json.dumps({'actors': live, 'groups': groups, 'nodes': nodes}))\n"
+        )
+        out = self.run([sys.executable, "-c", script], env=self.env(), timeout=60)
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _three_nodes(cluster: RayCluster) -> Any:
+    def nodes() -> dict[str, str] | None:
+        found: dict[str, str] = cluster.probe()["nodes"]
+        return found if len(found) >= 3 else None
+
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    ns = f"ray-{secrets.token_hex(4)}"
+    root = Path(tempfile.mkdtemp(prefix="ray-t-"))  # short: Ray's socket paths are bounded
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    cluster = RayCluster(ns, root)
+    try:
+        cluster.run(["ip", "link", "set", "lo", "up"], check=True)
+        node_env = cluster.env(CLUSTERFLOW_HOME=str(root / "nodes-home"))
+        common = [
+            "--num-cpus=2",
+            "--object-store-memory=100000000",
+            f"--temp-dir={root / 'ray'}",
+            "--disable-usage-stats",
+        ]
+        head = [str(BIN / "ray"), "start", "--head", f"--port={PORT}"]
+        head += ["--node-ip-address=127.0.0.1", "--include-dashboard=false", "--labels=zone=a"]
+        # A dead node is declared dead after ~2 s of failed health checks, not ~30 s.
+        head_env = {
+            **node_env,
+            "RAY_health_check_period_ms": "500",
+            "RAY_health_check_failure_threshold": "4",
+        }
+        out = cluster.run(head + common, env=head_env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        for labels, extra in (("zone=b,gpu-type=A100", ["--num-gpus=1"]), ("zone=c", [])):
+            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels={labels}"]
+            out = cluster.run(worker + extra + common, env=node_env, timeout=120)
+            assert out.returncode == 0, out.stderr
+        cluster.nodes = wait_until(_three_nodes(cluster), 60, "three Ray nodes")
+        yield cluster
+    finally:
+        # Every process in the namespace was started here: the Ray nodes and their workers.
+        pids = subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+        )
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cf(ray_cluster: RayCluster, tmp_path: Path) -> Iterator[Any]:
+    """Runs ``clusterflow ARGS`` inside the namespace with this test's CLUSTERFLOW_HOME;
+    afterwards, every cluster the test left running is stopped, and nothing of it may
+    remain in the Ray cluster."""
+    home = tmp_path / "home"
+    env = ray_cluster.env(CLUSTERFLOW_HOME=str(home))
+    cli = [sys.executable, "-m", "clusterflow.cli.main"]
+
+    def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return ray_cluster.run([*cli, *args], env=env, timeout=timeout, cwd=REPO)
+
+    def popen(*args: str) -> subprocess.Popen[str]:
+        return ray_cluster.popen([*cli, *args], env=env, cwd=REPO)
+
+    run.popen = popen  # type: ignore[attr-defined]
+    run.env = env  # type: ignore[attr-defined]
+    run.home = home  # type: ignore[attr-defined]
+    yield run
+    clusters = home / "clusters"
+    for cluster in clusters.iterdir() if clusters.is_dir() else []:
+        run("stop", cluster.name, "--grace", "2", timeout=120)
+    held = ray_cluster.probe()
+    assert not held["actors"], f"actors left behind: {held['actors']}"
+    assert all(s == "REMOVED" for s in held["groups"].values()), held["groups"]
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _state(cf: Any, cluster_id: str) -> dict[str, Any]:
+    out = cf("describe", cluster_id, "--json")
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def _only_cluster(cf: Any) -> str:
+    (cluster,) = (cf.home / "clusters").iterdir()
+    return cluster.name
+
+
+def test_digits_ddp_gives_the_local_backends_result(ray_cluster: RayCluster, cf: Any) -> None:
+    job = ["digits_ddp.py", "--epochs", "2"]
+    local = cf("start", "--workers", "2", "--", sys.executable, str(EXAMPLES / job[0]), *job[1:])
+    assert local.returncode == 0, local.stderr
+    # The job folder is shipped to every node and the job runs inside it.
+    on_ray = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--job-dir",
+        str(EXAMPLES),
+        "--workers",
+        "2",
+        "--",
+        sys.executable,
+        *job,
+    )
+    assert on_ray.returncode == 0, on_ray.stderr + on_ray.stdout
+
+    def results(out: str) -> list[str]:
+        return [line for line in out.splitlines() if "test_accuracy" in line]
+
+    assert len(results(local.stdout)) == 3, local.stdout
+    # The same seeds, ranks and data: the same losses and accuracies, digit for digit.
+    assert results(on_ray.stdout) == results(local.stdout)
+    states = [_state(cf, p.name) for p in (cf.home / "clusters").iterdir()]
+    ray_state = next(s for s in states if s.get("backend") == "ray")
+    assert ray_state["status"] == "succeeded"
+    # Every address in the spec is a node's own address (here all nodes are 127.0.0.1).
+    for task in ray_state["tasks"]:
+        assert task["node_id"] in set(ray_cluster.nodes.values())
+        assert task["address"].startswith(task["node_ip"] + ":")
+
+
+def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
+    job = ["digits_ps.py", "--mode", "sync", "--epochs", "1"]
+    local = cf(
+        "start",
+        "--ps",
+        "1",
+        "--workers",
+        "2",
+        "--",
+        sys.executable,
+        str(EXAMPLES / job[0]),
+        *job[1:],
+    )
+    assert local.returncode == 0, local.stderr
+    on_ray = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--job-dir",
+        str(EXAMPLES),
+        "--ps",
+        "1",
+        "--workers",
+        "2",
+        "--",
+        sys.executable,
+        *job,
+    )
+    assert on_ray.returncode == 0, on_ray.stderr + on_ray.stdout
+
+    def final(out: str) -> str:
+        lines = [line for line in out.splitlines() if "final test_accuracy" in line]
+        assert len(lines) == 2, out  # each worker's own view of the model on the ps
+        return "\n".join(sorted(lines))
+
+    assert final(on_ray.stdout) == final(local.stdout)
+
+
+def test_tasks_land_on_the_nodes_their_labels_and_resources_select(
+    ray_cluster: RayCluster, cf: Any
+) -> None:
+    show = "import os; print('GPUS', os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    out = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--ps",
+        "1",
+        "--workers",
+        "2",
+        "--ps-cmd",
+        f"{sys.executable} -c 'import time; time.sleep(600)'",
+        "--resources",
+        "worker:GPU=0.5,CPU=0.5",
+        "--label",
+        "worker:gpu-type=A100",
+        "--label",
+        "ps:zone=c",
+        "--",
+        sys.executable,
+        "-c",
+        show,
+    )
+    assert out.returncode == 0, out.stderr
+    state = _state(cf, _only_cluster(cf))
+    where = {t["task"]: t for t in state["tasks"]}
+    nodes = ray_cluster.nodes
+    assert where["ps:0"]["node_id"] == nodes["c"]
+    assert where["worker:0"]["node_id"] == where["worker:1"]["node_id"] == nodes["b"]
+    assert where["worker:0"]["resources"] == {"GPU": 0.5, "CPU": 0.5}
+    assert where["ps:0"]["resources"] == {"CPU": 1.0}
+    # Ray's GPU assignment reaches the job as CUDA_VISIBLE_DEVICES.
+    assert out.stdout.count("GPUS 0") == 2, out.stdout
+
+
+def test_an_unplaceable_request_fails_at_once_with_one_line(cf: Any) -> None:
+    started = time.monotonic()
+    out = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--resources",
+        "worker:GPU=1",
+        "--label",
+        "worker:gpu-type=H100",
+        "--",
+        sys.executable,
+        "-c",
+        "pass",
+    )
+    assert out.returncode == 2
+    assert _errors(out.stderr) == [
+        "error: job worker needs GPU=1 with gpu-type=H100: no node has it"
+    ]
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - started < 60  # bounded: nothing waited for a node
+
+
+def test_a_request_that_does_not_fit_now_fails_within_its_bound(cf: Any, tmp_path: Path) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "backend: ray\n"
+        f"address: '{ADDRESS}'\n"
+        "workers: 2\n"
+        "resources: {worker: {GPU: 1}}\n"  # two GPUs at once; the cluster has one
+        "placement_timeout_s: 3\n"
+        f"command: [{sys.executable!r}, -c, pass]\n"
+    )
+    out = cf("start", "-c", str(config))
+    assert out.returncode == 2, out.stderr
+    (line,) = _errors(out.stderr)
+    assert line.startswith(
+        "error: job worker needs GPU=1 for each of its 2 task(s): not free within 3s"
+    )
+
+
+def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
+    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+) -> None:
+    flag = tmp_path / "go"
+    job = (
+        "import os, time, pathlib\n"
+        "print('ready', os.environ['RANK'], flush=True)\n"
+        f"p = pathlib.Path({str(flag)!r})\n"
+        "while not p.exists(): time.sleep(0.05)\n"
+        "print('done', os.environ['RANK'], flush=True)\n"
+    )
+    out = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--workers",
+        "2",
+        "--detach",
+        "--",
+        sys.executable,
+        "-c",
+        job,
+    )
+    assert out.returncode == 0, out.stderr
+    cluster_id = out.stdout.strip()
+    attach = cf.popen("attach", cluster_id)
+    reader = LineReader(attach.stdout)
+    try:
+        reader.wait_for("[worker:0] ready 0", timeout=120)
+        reader.wait_for("[worker:1] ready 1", timeout=120)
+        flag.touch()
+        assert attach.wait(120) == 0
+    finally:
+        if attach.poll() is None:
+            attach.kill()
+    assert "[worker:1] done 1" in reader.lines or wait_until(
+        lambda: "[worker:1] done 1" in reader.lines, 10, "the last line"
+    )
+    assert _state(cf, cluster_id)["status"] == "succeeded"
+
+    flag.unlink()
+    out = cf(
+        "start",
+        "--backend",
+        "ray",
+        "--address",
+        ADDRESS,
+        "--workers",
+        "1",
+        "--detach",
+        "--",
+        sys.executable,
+        "-c",
+        job,
+    )
+    assert out.returncode == 0, out.stderr
+    second = out.stdout.strip()
+    ps = cf("ps")
+    assert second in ps.stdout and "running" in ps.stdout, ps.stdout
+    stopped = cf("stop", second, "--grace", "2")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    assert _state(cf, second)["status"] == "stopped"
+    held = ray_cluster.probe()
+    assert not held["actors"], held
+    assert all(s == "REMOVED" for s in held["groups"].values()), held
+    assert cluster_processes(second) == []
+
+
+def _ended(cf: Any, cluster_id: str) -> dict[str, Any] | None:
+    state = _state(cf, cluster_id)
+    return state if state["status"] in ("succeeded", "failed", "stopped") else None
+
+
+def _logs(cf: Any, cluster_id: str) -> str:
+    out = cf("logs", cluster_id)
+    assert out.returncode == 0, out.stderr
+    return str(out.stdout)
+
+
+def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
+    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+) -> None:
+    """Runs last: it adds two nodes (with the resource the job needs) and kills one."""
+    tags = [ray_cluster.add_node("--num-cpus=1", '--resources={"spare": 1}') for _ in range(2)]
+    flag = tmp_path / "go"
+    job = (
+        "import os, time, pathlib\n"
+        "print('attempt', os.environ['CLUSTERFLOW_ATTEMPT'], flush=True)\n"
+        f"p = pathlib.Path({str(flag)!r})\n"
+        "while not p.exists(): time.sleep(0.05)\n"
+        "print('finished', os.environ['CLUSTERFLOW_ATTEMPT'], flush=True)\n"
+    )
+    try:
+        out = cf(
+            "start", "--backend", "ray", "--address", ADDRESS, "--workers", "1",
+            "--max-restarts", "1", "--resources", "worker:spare=1,CPU=1", "--detach",
+            "--", sys.executable, "-c", job,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        cluster_id = out.stdout.strip()
+        wait_until(lambda: "[worker:0] attempt 0" in _logs(cf, cluster_id), 120, "attempt 0")
+        first = _state(cf, cluster_id)
+        (task,) = first["tasks"]
+        nodes = ray_cluster.probe()["nodes"]
+        dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
+        ray_cluster.kill_node(dead)
+
+        wait_until(lambda: "[worker:0] attempt 1" in _logs(cf, cluster_id), 120, "a restart")
+        flag.touch()
+        state = wait_until(lambda: _ended(cf, cluster_id), 120, "the run's end")
+        assert state["status"] == "succeeded", state
+        assert state["restarts"] == 1
+        (task,) = state["tasks"]
+        survivor = next(tag for tag in tags if tag != dead)
+        assert task["node_id"] == nodes[survivor]  # placed again, on the node that lives
+        assert state["spec_version"] >= 2  # its new address is a new spec version
+        assert "[worker:0] finished 1" in _logs(cf, cluster_id)
+    finally:
+        for tag in tags:
+            with contextlib.suppress(AssertionError):
+                ray_cluster.kill_node(tag)
