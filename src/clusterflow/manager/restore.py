@@ -31,8 +31,12 @@ class RestorePoint:
 class RestorePoints:
     """Finds the newest intact checkpoint under one storage URL.
 
-    Verifying a checkpoint reads every byte, so each one is verified once, not at every
-    respawn.
+    Verifying a checkpoint reads every byte. A whole (re)start verifies again every
+    time: the bytes may have changed since the last look (a damaged disk, a copy cut
+    short, a flipped byte keeps the size), and every task would restore them. A respawn
+    of one task trusts the checkpoint verified before, so respawns stay cheap: the
+    others train on already, and the respawned task checks each part's sha256 as it
+    reads it.
     """
 
     def __init__(self, url: str) -> None:
@@ -42,6 +46,9 @@ class RestorePoints:
     def newest(self, *, with_cursor: bool) -> RestorePoint:
         """The newest intact checkpoint; never raises.
 
+        ``with_cursor`` marks a whole (re)start: every task and the data cursor restore
+        from it, so every byte is verified again (see the class).
+
         Restarting without a checkpoint beats not restarting: an unreadable storage
         gives no checkpoint (the run starts over, which is also what the tasks would
         find) and says why.
@@ -49,7 +56,7 @@ class RestorePoints:
         try:
             storage = CheckpointStorage(self.url)
             manifest = storage.latest(verify=False)
-            if manifest is not None and manifest.step != self._verified_step:
+            if manifest is not None and (with_cursor or manifest.step != self._verified_step):
                 manifest = storage.latest(verify=True)
                 self._verified_step = None if manifest is None else manifest.step
             cursor = None
