@@ -101,9 +101,8 @@ def reserve(requests: Sequence[TaskRequest], name: str, timeout_s: float) -> Any
         PlacementError: no node could run some task (at once), or the cluster did not
             fit the free resources within ``timeout_s`` (the group is then removed).
     """
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     reason = unplaceable(requests, ray.nodes())
     if reason:

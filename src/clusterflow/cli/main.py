@@ -106,14 +106,6 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _as_command(value: Any, what: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return tuple(shlex.split(value))
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
-
-
 @cli.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
 @click.option("--chief", is_flag=True, default=None, help="Add a chief task (else worker 0 leads).")
 @click.option("--ps", type=int, default=None, help="Number of parameter-server tasks.")
@@ -203,25 +195,10 @@ def start(
       clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
     """
     from clusterflow.manager import registry
-    from clusterflow.manager.config import RunConfig, parse_job_settings, resources_from_file
+    from clusterflow.manager.config import RunConfig, parse_job_settings
     from clusterflow.rpc import Credentials
 
-    settings: dict[str, Any] = _resumed_settings(resume_id) if resume_id else {}
-    if config_file:
-        settings.update(_load_cluster_file(config_file))
-    if "command" in settings:
-        settings["command"] = _as_command(settings["command"], "command")
-    if settings.get("ps_command") is not None:
-        settings["ps_command"] = _as_command(settings["ps_command"], "ps_command")
-    if isinstance(settings.get("untracked"), str):
-        settings["untracked"] = settings["untracked"].split(",")
-    if "untracked" in settings:
-        settings["untracked"] = frozenset(str(j).strip() for j in settings["untracked"])
-    if "env" in settings and not isinstance(settings["env"], dict):
-        raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
-    if "env" in settings:
-        settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
-    overrides = {
+    flags = {
         "chief": chief,
         "ps": ps,
         "workers": workers,
@@ -233,23 +210,18 @@ def start(
         "backend": backend,
         "address": address,
         "job_dir": job_dir,
+        "command": command or None,
+        "ps_command": ps_cmd or None,
+        "untracked": untracked,
+        "resources": parse_job_settings(resources_, "resources") if resources_ else None,
+        "labels": parse_job_settings(labels_, "labels") if labels_ else None,
+        "grace_s": grace,
     }
-    if "resources" in settings:
-        settings["resources"] = resources_from_file(settings["resources"])
-    if resources_:
-        settings["resources"] = parse_job_settings(resources_, "resources")
-    if labels_:
-        settings["labels"] = parse_job_settings(labels_, "labels")
-    settings.update({k: v for k, v in overrides.items() if v is not None})
-    if command:
-        settings["command"] = tuple(command)
-    if ps_cmd:
-        settings["ps_command"] = _as_command(ps_cmd, "--ps-cmd")
-    if untracked is not None:
-        settings["untracked"] = frozenset(j.strip() for j in untracked.split(",") if j.strip())
-    settings["grace_s"] = grace
-    settings.setdefault("command", ())  # so RunConfig says what is missing, and how
-    config = RunConfig(**settings)
+    config = RunConfig.merge(
+        _resumed_settings(resume_id) if resume_id else {},
+        _load_cluster_file(config_file) if config_file else {},
+        {k: v for k, v in flags.items() if v is not None},
+    )
 
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
