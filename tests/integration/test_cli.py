@@ -395,7 +395,7 @@ def test_max_restarts_bounds_recovery_of_a_task_that_always_crashes(cf: Clusterf
 
 RESUME_SCRIPT = """
 import os, sys, torch
-from clusterflow.strategies.checkpointer import Checkpointer
+from clusterflow.train.cut import Checkpointer
 
 ckpt = Checkpointer(model=torch.nn.Linear(2, 1), every_steps=5)
 step = ckpt.restore()
