@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clusterflow.data.api import SplitKey
 from clusterflow.errors import ClusterflowError
@@ -92,8 +92,9 @@ ReadPart = Callable[[str], "tuple[dict[str, Any], dict[str, torch.Tensor]]"]
 class CutRole:
     """How a strategy's processes take part in a consistent checkpoint."""
 
-    kind: Literal["replicated", "parameter_server"]
-    """Written into the manifest: a checkpoint restores only into a job of its kind."""
+    kind: str
+    """Written into the manifest (``replicated``, ``parameter_server``, a new strategy's
+    own): a checkpoint restores only into a job of its kind."""
     rank: int
     """Which ``worker-<rank>`` part this process writes."""
     replicas: int

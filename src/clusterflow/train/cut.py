@@ -226,7 +226,8 @@ class Checkpointer:
     def _save(self, step: int) -> int | None:
         """One cut: the strategy holds its updates while every part is written."""
         participant = self.participant
-        held = participant.quiesce() if self.is_chief else None
+        quiesced = self.is_chief
+        held = participant.quiesce() if quiesced else None
         try:
             at = step if held is None else held
             writer = self.storage.writer(at)
@@ -251,7 +252,7 @@ class Checkpointer:
             writer.commit(parts, meta)
             return at
         finally:
-            if held is not None:
+            if quiesced:
                 participant.resume()
 
     def _write_model(self, writer: Any) -> PartInfo:
@@ -323,8 +324,7 @@ def load_module(
     of a partitioned variable are joined along dimension 0. For an evaluator, or to
     export a trained model. Returns None when there is no (such) checkpoint.
     """
-    storage = CheckpointStorage(directory)
-    manifest = storage.latest() if step is None else storage.at(step)
+    storage, manifest = _committed(directory, step)
     if manifest is None:
         return None
     if manifest.meta.get("kind") != "parameter_server":
@@ -361,8 +361,7 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
     module type, name and shape. A model whose order differs gets a clear error: use
     :func:`load_module` with the function that built it. Returns the step (0: none).
     """
-    storage = CheckpointStorage(directory)
-    manifest = storage.latest() if step is None else storage.at(step)
+    storage, manifest = _committed(directory, step)
     if manifest is None:
         return 0
     if manifest.meta.get("kind") != "parameter_server":
@@ -392,6 +391,12 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
                 )
             tensor.copy_(value)
     return manifest.step
+
+
+def _committed(directory: str, step: int | None) -> tuple[CheckpointStorage, Manifest | None]:
+    """The newest intact checkpoint in ``directory``, or the one at ``step``."""
+    storage = CheckpointStorage(directory)
+    return storage, storage.latest() if step is None else storage.at(step)
 
 
 def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
