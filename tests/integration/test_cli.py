@@ -342,10 +342,13 @@ def test_failing_worker_fails_the_run_and_stops_the_rest(cf: Clusterflow) -> Non
 
 
 REPLICA_FAIL_SCRIPT = """
-import os, signal, sys
+import os, signal, sys, time
 print("replica", os.environ["LOCAL_RANK"], "of", os.environ["LOCAL_WORLD_SIZE"], flush=True)
 if os.environ["LOCAL_RANK"] == "1":
+    while not os.path.exists("replica-0-ready"):  # fails once its peer is up and has spoken
+        time.sleep(0.05)
     sys.exit(4)
+open("replica-0-ready", "w").close()
 signal.pause()  # as a replica waiting in a collective for the one that failed
 """
 

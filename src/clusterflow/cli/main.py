@@ -96,6 +96,7 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "resources",
         "labels",
         "job_dir",
+        "memory",
         "placement_timeout_s",
     }
     unknown = sorted(set(data) - known)
@@ -163,6 +164,10 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
 )
 @click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
 @click.option(
+    "--memory",
+    help="Memory per task on Ray where --resources names none: auto (measured) or a size.",
+)
+@click.option(
     "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -185,6 +190,7 @@ def start(
     resources_: tuple[str, ...],
     labels_: tuple[str, ...],
     job_dir: str | None,
+    memory: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -210,6 +216,7 @@ def start(
         "backend": backend,
         "address": address,
         "job_dir": job_dir,
+        "memory": memory,
         "command": command or None,
         "ps_command": ps_cmd or None,
         "untracked": untracked,
@@ -351,8 +358,14 @@ def _task_placement(task: TaskState) -> str:
     """Where a task on Ray runs: its node and what Ray gave it."""
     if not task.node_id:
         return ""
-    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items())
-    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}"
+    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items() if k != "memory")
+    asked, peak = task.memory_requested, task.memory_peak
+    memory = f" memory asked {_mib(asked)}, peak {_mib(peak)}" if asked or peak else ""
+    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}{memory}"
+
+
+def _mib(value: float | None) -> str:
+    return f"{value / 2**20:.0f}M" if value else "-"
 
 
 @cli.command(name="ps", context_settings=CONTEXT)

@@ -64,6 +64,10 @@ class RunConfig:
     """Per job, the node labels its tasks' nodes must carry (Ray label selectors)."""
     job_dir: str | None = None
     """A folder or .zip shipped to every node (Ray's runtime environment); jobs run in it."""
+    memory: str | None = None
+    """Memory each task asks for on Ray, where ``resources`` names none: ``auto`` (sized
+    from the measured peak of earlier runs of the same command and job) or a size such
+    as ``4G``; None is ``auto`` on Ray."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
 
@@ -237,6 +241,7 @@ RAY_ONLY = {
     "resources": "--resources",
     "labels": "--label",
     "job_dir": "--job-dir",
+    "memory": "--memory",
 }
 """Settings that mean something only where tasks are placed on many machines."""
 
@@ -271,6 +276,10 @@ def check_placement(config: RunConfig) -> None:
                     raise ConfigError(
                         f"resource {key} of job {job} must be a non-negative number, got {value!r}"
                     )
+    if config.memory is not None and config.memory != "auto":
+        if not isinstance(config.memory, str):
+            raise ConfigError(f"--memory must be auto or a size such as 4G, got {config.memory!r}")
+        parse_size(config.memory, "--memory")
     if config.job_dir is not None and (
         not isinstance(config.job_dir, str) or not config.job_dir.strip()
     ):

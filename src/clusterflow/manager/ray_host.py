@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
-from clusterflow.cluster.contract import ManagerMethod
+from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
@@ -52,13 +52,15 @@ def actor_name(cluster_id: str) -> str:
     return f"clusterflow-{cluster_id}"
 
 
-def task_requests(config: RunConfig) -> list[TaskRequest]:
-    """One placement request per task, in the cluster's canonical task order."""
+def task_requests(config: RunConfig, automatic: frozenset[str]) -> list[TaskRequest]:
+    """One placement request per task, in the cluster's canonical task order
+    (``automatic``: jobs whose memory was sized, not named)."""
     return [
         TaskRequest(
             task=task,
             resources=dict(config.resources.get(task.job, {})),
             labels=dict(config.labels.get(task.job, {})),
+            memory_enforced=task.job not in automatic,
         )
         for task in config.tasks()
     ]
@@ -67,7 +69,9 @@ def task_requests(config: RunConfig) -> list[TaskRequest]:
 class ManagerHost:
     """The manager of one cluster, as a detached Ray actor (see ``_host_class``)."""
 
-    def __init__(self, cluster_id: str, config: dict[str, Any], secret: str) -> None:
+    def __init__(
+        self, cluster_id: str, config: dict[str, Any], secret: str, automatic: list[str]
+    ) -> None:
         import ray
 
         path = registry.home() / "ray" / cluster_id
@@ -81,6 +85,7 @@ class ManagerHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         # The manager's RPC server, its torch store and MASTER_ADDR use this node's address.
         self.config = replace(RunConfig.from_dict(config), host=ray.util.get_node_ip_address())
+        self.automatic = frozenset(automatic)
         self.controller: Any = None
         self.backend: Any = None
         self._ended = threading.Event()
@@ -93,13 +98,16 @@ class ManagerHost:
         from clusterflow.backends.ray_placement import reserve
         from clusterflow.manager.controller import Controller
 
-        requests = task_requests(self.config)
+        requests = task_requests(self.config, self.automatic)
+        name = actor_name(self.cluster.id)
         try:
-            group = reserve(requests, actor_name(self.cluster.id), self.config.placement_timeout_s)
+            group = reserve(requests, name, self.config.placement_timeout_s)
         except PlacementError as exc:
             self._ended.set()
             return str(exc)
-        self.backend = RayBackend(requests, group)
+        self.backend = RayBackend(
+            requests, group, name=name, placement_timeout_s=self.config.placement_timeout_s
+        )
         self.controller = Controller(self.cluster, self.config, self.backend, echo=False)
         threading.Thread(target=self._run, name="controller", daemon=True).start()
         return None
@@ -149,7 +157,11 @@ class ManagerHost:
         address = manager.address if manager else None
         if self.controller is None or self._ended.is_set() or not address:
             return
-        credentials = Credentials.from_file(self.cluster.secret_file)
+        # As the controller reads them: CLUSTERFLOW_AUTH (plain or curve) may be in env.
+        secret = str(self.cluster.secret_file)
+        environ = {**os.environ, **self.config.env, ENV_SECRET_FILE: secret}
+        credentials = Credentials.from_env(environ)
+        assert credentials is not None  # the secret file is given
         with RpcClient(address, credentials, deadline=10.0) as client:
             client.call(ManagerMethod.STOP, {"grace_s": grace_s})
 
@@ -202,10 +214,13 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     Raises:
         PlacementError: the cluster cannot be placed (the manager is ended again).
     """
+    from clusterflow.manager.memory_sizing import size
+
+    connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
     import ray
 
-    connect(config.address, config.job_dir)
     secret = cluster.secret_file.read_text()
+    sized, automatic = size(config)
     actor = (
         _host_class()
         .options(
@@ -214,7 +229,7 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
             lifetime="detached",
             scheduling_strategy=_on_head_node(),
         )
-        .remote(cluster.id, config.to_dict(), secret)
+        .remote(cluster.id, sized.to_dict(), secret, sorted(automatic))
     )
     handle = ManagerHandle(cluster, actor)
     try:
@@ -289,6 +304,11 @@ class ManagerHandle:
             state = replace(state, status="running")  # not final until every byte is here
         self.cluster.write_state(state)
         if state.status in TERMINAL:
+            from clusterflow.manager.memory_sizing import record
+
+            # Kept for the next run of the same command and job (--memory auto).
+            with contextlib.suppress(ConfigError, OSError):
+                record(RunConfig.from_dict(self.cluster.read_config()), state)
             self.end()
         return state
 

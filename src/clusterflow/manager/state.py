@@ -22,7 +22,7 @@ TERMINAL = frozenset({"succeeded", "failed", "stopped"})
 """Statuses after which nothing runs; every other status needs a live manager."""
 FIGURES = ("step", "loss", "samples_per_s")
 """The live figures a task's job reports (``task.report``)."""
-PLACEMENT = ("node_id", "node_ip", "resources")
+PLACEMENT = ("node_id", "node_ip", "resources", "memory_requested", "memory_peak")
 """Where the Ray backend placed a task (docs/ray.md)."""
 
 
@@ -50,6 +50,10 @@ class TaskState:
     node_ip: str | None = None
     resources: dict[str, float] | None = None
     """Ray backend: what Ray gave the task (CPU, GPU, memory, custom)."""
+    memory_requested: float | None = None
+    """Ray backend: the memory its placement asked for (bytes; manager/memory_sizing.py)."""
+    memory_peak: float | None = None
+    """Ray backend: the peak resident memory of its process tree so far (bytes)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -83,6 +87,8 @@ class TaskState:
             node_id=_typed(data, "node_id", str, None),
             node_ip=_typed(data, "node_ip", str, None),
             resources=_numbers(data.get("resources")),
+            memory_requested=_number(data.get("memory_requested")),
+            memory_peak=_number(data.get("memory_peak")),
         )
 
 
