@@ -533,6 +533,7 @@ def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
         (task,) = first["tasks"]
         nodes = ray_cluster.probe()["nodes"]
         dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
+        assert first["manager"]["node_id"] == nodes["a"]  # the manager is on the head node
         ray_cluster.kill_node(dead)
 
         wait_until(lambda: "[worker:0] attempt 1" in _logs(cf, cluster_id), 120, "a restart")
