@@ -13,6 +13,31 @@ from clusterflow.errors import ConfigError
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
+FILE_KEYS = frozenset(
+    {
+        "chief",
+        "ps",
+        "workers",
+        "evaluator",
+        "replicas_per_host",
+        "command",
+        "ps_command",
+        "untracked",
+        "env",
+        "max_restarts",
+        "checkpoint_dir",
+        "stall_timeout_s",
+        "backend",
+        "address",
+        "resources",
+        "labels",
+        "job_dir",
+        "memory",
+        "placement_timeout_s",
+    }
+)
+"""What a cluster file (``clusterflow start -c``) may set: the run's shape, commands,
+recovery and placement; not the manager's own limits (host, heartbeats, timeouts)."""
 REPLICA_JOBS = frozenset({"chief", "worker"})
 """Jobs whose tasks train (ranks of the collective); ``--replicas-per-host`` multiplies them."""
 

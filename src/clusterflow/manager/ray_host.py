@@ -214,11 +214,11 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     Raises:
         PlacementError: the cluster cannot be placed (the manager is ended again).
     """
-    import ray
-
     from clusterflow.manager.memory_sizing import size
 
-    connect(config.address, config.job_dir)
+    connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
+    import ray
+
     secret = cluster.secret_file.read_text()
     sized, automatic = size(config)
     actor = (
