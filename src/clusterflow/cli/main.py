@@ -21,6 +21,7 @@ import click
 
 from clusterflow import __version__
 from clusterflow.cli import follow
+from clusterflow.cli.tune import make_tune
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
@@ -571,6 +572,9 @@ def secret(path: str) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot write secret {path!r}: {exc.strerror or exc}") from exc
     click.echo(path)
+
+
+cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's options, per trial
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from clusterflow.cluster import trial
+
 __all__ = ["History"]
 
 
@@ -31,6 +33,8 @@ class History:
         for name, values in self.history.items():
             values.append(float(logs.get(name, float("nan"))))
         self.epoch.append(epoch)
+        # Inside a tuning trial every epoch's figures feed the study (and its pruner).
+        trial.report(step=epoch, **logs)
 
     def last(self) -> dict[str, float]:
         """The last epoch's figures (empty before any epoch)."""

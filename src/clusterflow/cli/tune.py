@@ -1,0 +1,220 @@
+"""``clusterflow tune``: run a study (each trial a cluster), list studies, describe one.
+
+Parsing and printing only; the study's loop is ``clusterflow.tune.study``. Every option
+of ``start`` (but ``--detach`` and its ``--resume``) is copied from that command, so a
+trial's cluster takes exactly what ``start`` takes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import click
+
+from clusterflow.errors import ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+_NOT_FOR_TRIALS = {"detach", "resume_id", "command"}
+
+
+class _TuneGroup(click.Group):
+    """``tune [OPTIONS] -- COMMAND`` runs a study; ``tune ls`` / ``tune describe`` look."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] in self.commands:
+            click.Command.parse_args(self, ctx, [])
+            ctx._protected_args, ctx.args = args[:1], args[1:]
+            return ctx.args
+        return click.Command.parse_args(self, ctx, args)
+
+
+def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
+    """``start``'s options as a RunConfig.merge layer (as ``start`` builds it)."""
+    from clusterflow.cli.main import _load_cluster_file
+    from clusterflow.manager.config import parse_job_settings
+
+    resources, labels = values.get("resources_") or (), values.get("labels_") or ()
+    flags = {
+        "chief": values.get("chief"),
+        "ps": values.get("ps"),
+        "workers": values.get("workers"),
+        "evaluator": values.get("evaluator"),
+        "replicas_per_host": values.get("replicas_per_host"),
+        "max_restarts": values.get("max_restarts"),
+        "checkpoint_dir": values.get("checkpoint_dir"),
+        "stall_timeout_s": values.get("stall_timeout"),
+        "backend": values.get("backend"),
+        "address": values.get("address"),
+        "job_dir": values.get("job_dir"),
+        "memory": values.get("memory"),
+        "ps_command": values.get("ps_cmd") or None,
+        "untracked": values.get("untracked"),
+        "resources": parse_job_settings(resources, "resources") if resources else None,
+        "labels": parse_job_settings(labels, "labels") if labels else None,
+        "grace_s": values.get("grace"),
+    }
+    layer = _load_cluster_file(values["config_file"]) if values.get("config_file") else {}
+    layer.pop("command", None)
+    return {**layer, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def _run_study(values: dict[str, Any]) -> int:
+    from clusterflow.tune.space import parse_params
+    from clusterflow.tune.study import StudyRunner, TuneSettings, stored_settings
+
+    study = values["study"]
+    if not study:
+        raise ConfigError("give --study NAME (or `tune ls` / `tune describe NAME`)")
+    stored = stored_settings(study, values["storage"]) if values["resume"] else {}
+    cluster = dict(stored.get("cluster") or {})
+    cluster.pop("command", None)
+    cluster.update(_start_layer(values))
+    if cluster.get("backend") == "ray":
+        raise ConfigError("tune runs trials on the local backend only so far (--backend ray)")
+
+    def pick(name: str, default: Any) -> Any:
+        given = values.get(name)
+        return given if given not in (None, ()) else stored.get(name, default)
+
+    settings = TuneSettings(
+        study=study,
+        metric=pick("metric", None) or "",
+        params=parse_params(pick("param", [])),
+        command=tuple(pick("command", ())),
+        trials=pick("trials", 10),
+        parallel=pick("parallel", 1),
+        direction=pick("direction", "maximize"),
+        sampler=pick("sampler", "tpe"),
+        pruner=pick("pruner", "median"),
+        storage=values["storage"],
+        max_failures=pick("max_failures", 3),
+        seed=values["seed"],
+        cluster=cluster,
+    )
+    if not settings.metric:
+        raise ConfigError("give --metric NAME: the figure the job reports")
+    runner = StudyRunner(settings, echo=click.echo)
+    if runner.parallel < settings.parallel:
+        click.echo(f"running {runner.parallel} trials at once: what this machine's cores hold")
+
+    def _interrupt(signum: int, frame: FrameType | None) -> None:
+        runner.stop_requested.set()
+
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    code = runner.run()
+    if runner.failure:
+        click.echo(f"error: {runner.failure}", err=True)
+    elif code == 130:
+        click.echo(f"stopped; `clusterflow tune --study {study} --resume` continues", err=True)
+    else:
+        _print_best(runner.study)
+    return code
+
+
+def _print_best(study: Any) -> None:
+    try:
+        best = study.best_trial
+    except ValueError:
+        click.echo("no trial completed")
+        return
+    attrs = best.user_attrs
+    click.echo(
+        f"best: trial {best.number} value={best.value:g} params={best.params} "
+        f"cluster={attrs.get('cluster_id')} checkpoint={attrs.get('checkpoint')}"
+    )
+
+
+def _table(rows: list[dict[str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    if not rows:
+        click.echo("nothing yet")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in rows[0]:
+        table.add_column(column.upper(), no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row.values()))
+    Console(width=None if sys.stdout.isatty() else 100_000).print(table)
+
+
+def make_tune(start: click.Command) -> click.Group:
+    """The ``tune`` group, with ``start``'s cluster options (but --detach, --resume)."""
+
+    @click.group(
+        cls=_TuneGroup,
+        invoke_without_command=True,
+        context_settings={**CONTEXT, "ignore_unknown_options": False},
+    )
+    @click.option("--study", help="The study's name (a new one, or one to continue).")
+    @click.option("--trials", type=int, default=None, help="Trials to finish [default: 10].")
+    @click.option("--parallel", type=int, default=None, help="Trials running at once [default: 1].")
+    @click.option(
+        "--param",
+        multiple=True,
+        help="NAME=loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH or choice:A,B (repeatable).",
+    )
+    @click.option("--metric", help="The reported figure to optimize, e.g. val_accuracy.")
+    @click.option(
+        "--direction",
+        type=click.Choice(["maximize", "minimize"]),
+        default=None,
+        help="Optimize up or down [default: maximize].",
+    )
+    @click.option("--sampler", default=None, help="tpe, gp, random or grid [default: tpe].")
+    @click.option("--pruner", default=None, help="median, asha or none [default: median].")
+    @click.option(
+        "--storage", help="An Optuna storage URL [default: sqlite under $CLUSTERFLOW_HOME]."
+    )
+    @click.option(
+        "--max-failures",
+        type=int,
+        default=None,
+        help="Failed trials tolerated before the study stops [default: 3].",
+    )
+    @click.option("--seed", type=int, default=None, help="The sampler's seed.")
+    @click.option(
+        "--resume", is_flag=True, help="Continue the study with the settings it was run with."
+    )
+    @click.argument("command", nargs=-1, type=click.UNPROCESSED)
+    @click.pass_context
+    def tune(ctx: click.Context, /, **values: Any) -> None:
+        """Tune hyperparameters: each trial runs COMMAND (after `--`) as a cluster.
+
+        \b
+        Example:
+          clusterflow tune --study digits --trials 20 --parallel 2 \\
+              --param lr=loguniform:1e-4:1e-1 --metric val_accuracy \\
+              --workers 2 -- python train.py --lr {lr}
+        """
+        if ctx.invoked_subcommand is None:
+            sys.exit(_run_study(values))
+
+    for param in start.params:
+        if param.name not in _NOT_FOR_TRIALS:
+            tune.params.insert(len(tune.params) - 1, param)
+
+    @tune.command(name="ls", context_settings=CONTEXT)
+    @click.option("--storage", "storage_", help="An Optuna storage URL [default: the SQLite file].")
+    def ls_command(storage_: str | None) -> None:
+        """List studies: trials done / running / pruned / failed, best value."""
+        from clusterflow.tune.view import studies
+
+        _table(studies(storage_))
+
+    @tune.command(context_settings=CONTEXT)
+    @click.argument("name")
+    @click.option("--storage", "storage_", help="An Optuna storage URL [default: the SQLite file].")
+    def describe(name: str, storage_: str | None) -> None:
+        """Every trial of study NAME: params, value, status, cluster id, checkpoint."""
+        from clusterflow.tune.view import trials
+
+        _table(trials(name, storage_))
+
+    return tune
