@@ -26,6 +26,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "train",
         "backends",
         "manager",
+        "tune",
         "cli",
     },
     "server": {
@@ -37,6 +38,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "train",
         "backends",
         "manager",
+        "tune",
         "cli",
     },
     # checkpoint is storage and format only (manifest, safetensors parts, fsspec): ps
@@ -51,15 +53,19 @@ FORBIDDEN: dict[str, set[str]] = {
         "train",
         "backends",
         "manager",
+        "tune",
         "cli",
     },
-    "ps": {"strategies", "train", "backends", "manager", "cli"},
-    "collective": {"strategies", "train", "backends", "manager", "cli"},
-    "data": {"strategies", "train", "backends", "manager", "cli"},
-    "strategies": {"train", "backends", "manager", "cli"},
-    "train": {"backends", "manager", "cli"},
-    "backends": {"manager", "cli"},
-    "manager": {"cli"},
+    "ps": {"strategies", "train", "backends", "manager", "tune", "cli"},
+    "collective": {"strategies", "train", "backends", "manager", "tune", "cli"},
+    "data": {"strategies", "train", "backends", "manager", "tune", "cli"},
+    "strategies": {"train", "backends", "manager", "tune", "cli"},
+    "train": {"backends", "manager", "tune", "cli"},
+    "backends": {"manager", "tune", "cli"},
+    "manager": {"tune", "cli"},
+    # studies of trial clusters: above the manager, beside train (a job reports to its
+    # trial through clusterflow.cluster.trial, so train never imports tune)
+    "tune": {"cli"},
     "cli": set(),
 }
 ALWAYS_ALLOWED = {"errors", "_lazy"}
@@ -102,7 +108,7 @@ def test_imports_point_one_way(path: Path) -> None:
 
 def test_package_root_never_imports_manager_or_cli() -> None:
     imported = _imported_layers(SRC / "__init__.py")
-    assert not imported & {"manager", "cli", "backends"}
+    assert not imported & {"manager", "cli", "backends", "tune"}
 
 
 @pytest.mark.parametrize(
@@ -114,6 +120,7 @@ def test_package_root_never_imports_manager_or_cli() -> None:
         "clusterflow.manager",
         "clusterflow.checkpoint",
         "clusterflow.cli.main",
+        "clusterflow.tune",
     ],
 )
 def test_control_plane_starts_without_torch(module: str) -> None:
