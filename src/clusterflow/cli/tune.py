@@ -82,7 +82,7 @@ def _run_study(values: dict[str, Any]) -> int:
     settings = TuneSettings(
         study=study,
         metric=pick("metric", None) or "",
-        params=parse_params(pick("param", [])),
+        params=parse_params(values["param"] or stored.get("params", [])),
         command=tuple(pick("command", ())),
         trials=pick("trials", 10),
         parallel=pick("parallel", 1),

@@ -137,7 +137,10 @@ def _optuna() -> Any:
 
 def _sampler(optuna: Any, s: TuneSettings) -> Any:
     if s.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=s.seed)
+        # Random start-up trials: Optuna's 10, or a third of a smaller study, so TPE
+        # guides most of a short study too.
+        startup = min(10, max(2, s.trials // 3))
+        return optuna.samplers.TPESampler(n_startup_trials=startup, seed=s.seed)
     if s.sampler == "gp":
         return optuna.samplers.GPSampler(seed=s.seed)
     if s.sampler == "random":
