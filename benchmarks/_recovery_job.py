@@ -52,7 +52,7 @@ def main() -> None:
     step = 0
     ckpt = None
     if mode == "allreduce":
-        from clusterflow.strategies.checkpointer import Checkpointer
+        from clusterflow.train.cut import Checkpointer
 
         ckpt = Checkpointer(strategy, model=model, optimizer=opt, every_steps=10)
         step = ckpt.restore()

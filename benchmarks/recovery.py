@@ -178,7 +178,7 @@ def checkpoint_cost(rounds: int, workdir: Path, verbose: bool) -> tuple[Spread, 
     import torch
     from torch import nn
 
-    from clusterflow.strategies.checkpointer import Checkpointer
+    from clusterflow.train.cut import Checkpointer
 
     torch.manual_seed(0)
     # 4096*4096 + 4096 + 4096*4 + 4 floats: 64.1 MiB of parameters.

@@ -12,9 +12,9 @@ processes that never touch torch (the manager, the CLI, task supervisors)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from clusterflow._lazy import lazy_exports
 from clusterflow.errors import ClusterflowError, ConfigError
 
 __version__ = "0.1.0"
@@ -116,8 +116,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'clusterflow' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -68,8 +68,8 @@ def progress(out: Path, what: str) -> None:
 
 
 def sync_ps(out: Path) -> None:
-    from clusterflow.strategies.checkpointer import Checkpointer
     from clusterflow.strategies.parameter_server import ParameterServerStrategy
+    from clusterflow.train.cut import Checkpointer
 
     strategy = ParameterServerStrategy(mode="sync")
     with strategy.scope():
@@ -100,7 +100,7 @@ def sync_ps(out: Path) -> None:
 
 def allreduce(out: Path) -> None:
     from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
-    from clusterflow.strategies.checkpointer import Checkpointer
+    from clusterflow.train.cut import Checkpointer
 
     strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=30))
     with strategy.scope():

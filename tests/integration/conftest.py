@@ -210,7 +210,7 @@ def reserve() -> Iterator[Callable[[], str]]:
     """``reserve()`` gives a loopback address whose port this test holds until it ends.
 
     The socket is bound with SO_REUSEADDR and never listens, as a supervisor reserves a
-    task's port (ARCHITECTURE.md section 3): it receives no connections, nothing else
+    task's port (docs/architecture.md section 3): it receives no connections, nothing else
     can take the port meanwhile, and a server (ZeroMQ, torch's TCPStore) binds it
     beside the held socket. No port is bound, released and bound again.
     """

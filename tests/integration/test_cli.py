@@ -342,10 +342,13 @@ def test_failing_worker_fails_the_run_and_stops_the_rest(cf: Clusterflow) -> Non
 
 
 REPLICA_FAIL_SCRIPT = """
-import os, signal, sys
+import os, signal, sys, time
 print("replica", os.environ["LOCAL_RANK"], "of", os.environ["LOCAL_WORLD_SIZE"], flush=True)
 if os.environ["LOCAL_RANK"] == "1":
+    while not os.path.exists("replica-0-ready"):  # fails once its peer is up and has spoken
+        time.sleep(0.05)
     sys.exit(4)
+open("replica-0-ready", "w").close()
 signal.pause()  # as a replica waiting in a collective for the one that failed
 """
 
@@ -395,7 +398,7 @@ def test_max_restarts_bounds_recovery_of_a_task_that_always_crashes(cf: Clusterf
 
 RESUME_SCRIPT = """
 import os, sys, torch
-from clusterflow.strategies.checkpointer import Checkpointer
+from clusterflow.train.cut import Checkpointer
 
 ckpt = Checkpointer(model=torch.nn.Linear(2, 1), every_steps=5)
 step = ckpt.restore()

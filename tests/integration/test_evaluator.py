@@ -1,9 +1,10 @@
-"""The evaluator never blocks training (ARCHITECTURE.md's vocabulary; docs/concepts.md).
+"""The evaluator never blocks training (docs/architecture.md section 1; docs/concepts.md).
 
 Two evaluators that could only hold training back if training waited for them: one
 whose first evaluation does not return until training has ended (a slow evaluator, made
 as slow as it can be without a clock), and one stopped with SIGSTOP while it
-evaluates (a hung one). In both, the worker trains every step of its data and exits;
+evaluates (a hung one). In both, the worker goes past its first epoch only once the
+evaluator is busy or hung, then trains every step of its data beside it and exits;
 the assertions are about what happened, never about how long it took.
 """
 
@@ -28,9 +29,9 @@ JOB = """
 import os, sys, time, torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from clusterflow.train import Checkpoint, Evaluate, fit, is_evaluator
+from clusterflow.train import Checkpoint, Evaluate, Hook, fit, is_evaluator
 
-mode, ckpt, done = sys.argv[1], sys.argv[2], sys.argv[3]
+mode, ckpt, done, go = sys.argv[1:5]
 torch.set_num_threads(1)
 torch.manual_seed(0)
 x = torch.randn(64, 4)
@@ -39,23 +40,35 @@ model = nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def wait_for(path, what):
+    deadline = time.monotonic() + 120  # a safety net for a hang, not a measurement
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+class AfterFirstCheckpoint(Hook):
+    # The worker goes on past epoch 0 only once the evaluator is busy (slow) or hung
+    # (the test stopped it): the rest of training then runs beside it.
+    def after_epoch(self, session, epoch, logs):
+        if epoch == 0:
+            wait_for(go, "the evaluator to be busy")
+
+
 def evaluate(m):
-    if mode == "slow" and not os.path.exists(done):
+    if not os.path.exists(done):
         print("evaluating while training runs", flush=True)
-        deadline = time.monotonic() + 120  # a safety net: training must end first
-        while not os.path.exists(done):  # the worker writes it when its fit returned
-            if time.monotonic() > deadline:
-                raise SystemExit("training did not end while the evaluator was busy")
-            time.sleep(0.05)
-    if mode == "hung":
-        print("evaluating", flush=True)
+        if mode == "slow":
+            open(go, "w").close()
+            wait_for(done, "training to end")  # returns only once training has ended
     return {"ok": 1.0}
 
 
-history = fit(
-    model, nn.CrossEntropyLoss(), opt, data, epochs=3, global_batch_size=16,
-    hooks=[Checkpoint(ckpt, every_steps=4), Evaluate(evaluate, directory=ckpt, poll_s=0.1)],
-)
+hooks = [Checkpoint(ckpt, every_steps=4), Evaluate(evaluate, directory=ckpt, poll_s=0.1)]
+if not is_evaluator():
+    hooks.append(AfterFirstCheckpoint())
+history = fit(model, nn.CrossEntropyLoss(), opt, data, epochs=3, global_batch_size=16, hooks=hooks)
 if is_evaluator():
     print(f"evaluated steps {history.epoch}", flush=True)
 else:
@@ -75,10 +88,10 @@ def test_a_slow_evaluator_does_not_hold_training_and_the_run_ends_after_it(
     cf: Clusterflow,
 ) -> None:
     script = cf.script("job.py", JOB)
-    ckpt, done = cf.workdir / "ckpt", cf.workdir / "trained"
+    ckpt, done, go = cf.workdir / "ckpt", cf.workdir / "trained", cf.workdir / "busy"
     result = cf.run(
         "start", "--workers", "1", "--evaluator", "--",
-        PY, str(script), "slow", str(ckpt), str(done),
+        PY, str(script), "slow", str(ckpt), str(done), str(go),
         timeout=150,
     )  # fmt: skip
     out = result.stdout
@@ -95,14 +108,14 @@ def test_a_slow_evaluator_does_not_hold_training_and_the_run_ends_after_it(
 @pytest.mark.timeout(180)
 def test_a_hung_evaluator_does_not_hold_training(cf: Clusterflow) -> None:
     script = cf.script("job.py", JOB)
-    ckpt, done = cf.workdir / "ckpt", cf.workdir / "trained"
+    ckpt, done, go = cf.workdir / "ckpt", cf.workdir / "trained", cf.workdir / "hung"
     proc = cf.popen(
         "start", "--workers", "1", "--evaluator", "--grace", "2", "--",
-        PY, str(script), "hung", str(ckpt), str(done),
+        PY, str(script), "hung", str(ckpt), str(done), str(go),
     )  # fmt: skip
     assert proc.stdout is not None
     reader = cf.LineReader(proc.stdout)
-    reader.wait_for("[evaluator:0] evaluating", timeout=120)
+    reader.wait_for("[evaluator:0] evaluating while training runs", timeout=120)
     cluster_id = cf.only_id()
     evaluator = [
         p for p in cf.live(cluster_id) if p.environ().get("CLUSTERFLOW_TASK") == "evaluator:0"
@@ -110,6 +123,7 @@ def test_a_hung_evaluator_does_not_hold_training(cf: Clusterflow) -> None:
     # The evaluator's job process (its supervisor is its parent): hang it mid-evaluation.
     (job,) = [p for p in evaluator if any(str(script) == a for a in p.cmdline())]
     job.send_signal(signal.SIGSTOP)
+    go.touch()  # the worker trains on past its first epoch only now
     try:
         reader.wait_for(f"[worker:0] trained {STEPS} steps", timeout=120)
         cf.wait_until(

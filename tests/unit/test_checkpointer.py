@@ -15,8 +15,8 @@ from clusterflow.ps.client import LocalPS
 from clusterflow.ps.restore import restore_shard
 from clusterflow.ps.store import VariableStore
 from clusterflow.strategies import SimpleClusterResolver
-from clusterflow.strategies.checkpointer import Checkpointer
 from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.train.cut import Checkpointer
 
 
 def make_model() -> torch.nn.Module:
@@ -198,7 +198,7 @@ def test_bad_arguments_and_a_checkpoint_of_another_kind_are_refused(
 
 def test_load_module_rebuilds_a_plain_model_from_either_kind_of_checkpoint(tmp_path: Path) -> None:
     from clusterflow.ps.placement import FixedShardsPartitioner
-    from clusterflow.strategies.checkpointer import load_module
+    from clusterflow.train.cut import load_module
 
     strategy = ParameterServerStrategy(
         SimpleClusterResolver(
@@ -234,7 +234,7 @@ def test_load_module_rebuilds_a_plain_model_from_either_kind_of_checkpoint(tmp_p
 
 def test_load_into_fills_a_plain_model_from_a_parameter_server_checkpoint(tmp_path: Path) -> None:
     from clusterflow.ps.placement import FixedShardsPartitioner
-    from clusterflow.strategies.checkpointer import load_into
+    from clusterflow.train.cut import load_into
 
     strategy = ParameterServerStrategy(
         SimpleClusterResolver(

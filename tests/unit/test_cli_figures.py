@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 from clusterflow.cli.main import _figures, _task_figures
+from clusterflow.manager.state import ClusterState, TaskState
+
+
+def _state(*tasks: dict[str, object]) -> ClusterState:
+    return ClusterState.from_dict({"id": "abc", "tasks": list(tasks)})
 
 
 def test_ps_shows_the_furthest_step_and_the_summed_rate_of_running_tasks() -> None:
-    state = {
-        "tasks": [
-            {"task": "worker:0", "exit_code": None, "step": 40, "samples_per_s": 1000.4},
-            {"task": "worker:1", "exit_code": None, "step": 38, "samples_per_s": 990.0},
-            {"task": "worker:2", "exit_code": 0, "step": 41, "samples_per_s": 5000.0},
-            {"task": "ps:0", "exit_code": None},
-        ]
-    }
+    state = _state(
+        {"task": "worker:0", "exit_code": None, "step": 40, "samples_per_s": 1000.4},
+        {"task": "worker:1", "exit_code": None, "step": 38, "samples_per_s": 990.0},
+        {"task": "worker:2", "exit_code": 0, "step": 41, "samples_per_s": 5000.0},
+        {"task": "ps:0", "exit_code": None},
+    )
     # The finished worker's step counts (it got furthest); its rate no longer does.
     assert _figures(state) == ("41", "1990")
-    assert _figures({"tasks": [{"task": "worker:0", "exit_code": None}]}) == ("-", "-")
+    assert _figures(_state({"task": "worker:0", "exit_code": None})) == ("-", "-")
 
 
 def test_describe_shows_each_tasks_figures_and_restarts() -> None:
-    task = {"step": 12, "loss": 0.123456, "samples_per_s": 812.6, "restarts": 2}
+    task = TaskState(task="worker:0", step=12, loss=0.123456, samples_per_s=812.6, restarts=2)
     assert _task_figures(task) == "  step 12, loss 0.1235, 813 samples/s, restarts 2"
-    assert _task_figures({"restarts": 0}) == ""
+    assert _task_figures(TaskState(task="worker:0", restarts=0)) == ""

@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "clusterflow"
 # For each layer, the layers it must never import.
 FORBIDDEN: dict[str, set[str]] = {
     "errors": {"*"},
+    "_lazy": {"*"},  # the lazy-export helper of packages' __init__ (no layer of its own)
     "cluster": {"*"},  # only clusterflow.errors
     "rpc": {
         "server",
@@ -61,7 +62,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "manager": {"cli"},
     "cli": set(),
 }
-ALWAYS_ALLOWED = {"errors"}
+ALWAYS_ALLOWED = {"errors", "_lazy"}
 
 
 def _layer_of(path: Path) -> str:
@@ -120,3 +121,75 @@ def test_control_plane_starts_without_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every ``clusterflow...`` module ``path`` imports, TYPE_CHECKING blocks included."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("clusterflow."))
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("clusterflow.")
+        ):
+            found.add(str(node.module))
+    return found
+
+
+def test_train_has_no_import_circle() -> None:
+    """Hooks see the session through ``train.api.Session`` (a protocol), so the session
+    imports its hooks and nothing in train imports back, not even for type checking."""
+    train = SRC / "train"
+    graph = {
+        f"clusterflow.train.{p.stem}": {
+            m for m in _imported_modules(p) if m.startswith("clusterflow.train.")
+        }
+        for p in train.glob("*.py")
+        if p.name != "__init__.py"
+    }
+
+    def circle_from(node: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            found = circle_from(nxt, [*path, nxt])
+            if found:
+                return found
+        return None
+
+    for module in sorted(graph):
+        circle = circle_from(module, [module])
+        assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_consistent_cut_lives_in_train_and_knows_no_strategy_by_type() -> None:
+    """Strategies take part in a checkpoint through their CheckpointParticipant methods;
+    the cut (``train/cut.py``) imports no concrete strategy, and strategies write no
+    checkpoint storage themselves."""
+    assert not (SRC / "strategies" / "checkpointer.py").exists()
+    cut = _imported_modules(SRC / "train" / "cut.py")
+    concrete = {"clusterflow.strategies.mirrored", "clusterflow.strategies.parameter_server"}
+    assert not cut & concrete, sorted(cut & concrete)
+    for path in (SRC / "strategies").rglob("*.py"):
+        text = path.read_text()
+        assert "CheckpointStorage" not in text, f"{path.relative_to(SRC)} writes checkpoints"
+    assert not (SRC / "train" / "replicas.py").exists()
+
+
+def test_no_module_hides_an_import_behind_importlib() -> None:
+    """``importlib.import_module("clusterflow...")`` hides an edge from the rules above."""
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("clusterflow")
+            ):
+                raise AssertionError(f"{path.relative_to(SRC)}:{node.lineno} imports by name")

@@ -18,6 +18,7 @@ import pytest
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.state import ClusterState
 
 
 @pytest.fixture(autouse=True)
@@ -93,13 +94,13 @@ def test_all_clusters_newest_first_by_creation_not_by_last_write() -> None:
     for cluster, when in ((old, 1_000_000), (new, 2_000_000)):
         cluster.config_file.write_text("{}")
         os.utime(cluster.config_file, (when, when))
-    old.write_state({"status": "running"})  # a state rewrite must not reorder them
+    old.write_state(ClusterState(id=old.id, status="running"))  # must not reorder them
     assert [c.id for c in registry.all_clusters()] == ["new0000000", "old0000000"]
 
 
 def test_read_state_of_a_new_cluster_reads_created() -> None:
     cluster = registry.create("abc")
-    assert cluster.read_state() == {"id": "abc", "status": "created", "tasks": []}
+    assert cluster.read_state() == ClusterState(id="abc", status="created", tasks=())
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from clusterflow.ps.client import LocalPS
 from clusterflow.strategies import MultiWorkerMirroredStrategy, SimpleClusterResolver
+from clusterflow.strategies.api import Replicas
 from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
 from clusterflow.train import (
     Hook,
@@ -28,7 +29,6 @@ from clusterflow.train import (
     fit,
 )
 from clusterflow.train.feed import Feeder
-from clusterflow.train.replicas import Replicas
 
 pytestmark = pytest.mark.timeout(60)
 

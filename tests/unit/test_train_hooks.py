@@ -251,28 +251,6 @@ def test_checkpoint_resumes_the_session_at_the_restored_step(
     assert read_final(str(tmp_path / "env-dir")) == 42
 
 
-def test_checkpoint_without_a_checkpointer_module_is_a_clear_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    import importlib
-
-    real = importlib.import_module
-
-    def no_checkpointer(name: str, *args: Any) -> Any:
-        if name == "clusterflow.strategies.checkpointer":
-            raise ImportError("not here")
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", no_checkpointer)
-    from clusterflow.train import TrainError
-
-    with (
-        pytest.raises(TrainError, match="checkpoints need"),
-        TrainingSession(hooks=[Checkpoint(tmp_path)]),
-    ):
-        pass
-
-
 # Evaluate --------------------------------------------------------------------------------
 
 

@@ -34,19 +34,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import IO, Any
 
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
-ENV_SECRET_FILE = "CLUSTERFLOW_SECRET_FILE"
-ENV_BIND_HOST = "CLUSTERFLOW_BIND_HOST"
-ENV_STANDBY = "CLUSTERFLOW_STANDBY"
 NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES"})
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0
@@ -55,6 +54,8 @@ CALL_DEADLINE_S = 30.0
 """The deadline of one call to a supervisor's actor (the read's wait included)."""
 EXIT_DRAIN_S = 2.0
 """After the supervisor exits, how long its last output may take to reach the pipe."""
+SAMPLE_S = 0.2
+"""How often a task's memory (its whole process tree) is measured."""
 
 
 class SupervisorHost:
@@ -63,7 +64,9 @@ class SupervisorHost:
     Threaded (``max_concurrency``), so a ``signal`` is served while a ``read`` waits.
     """
 
-    def __init__(self, task: str, env: Mapping[str, str], secret: str) -> None:
+    def __init__(
+        self, task: str, env: Mapping[str, str], secret: str, memory_limit: float | None = None
+    ) -> None:
         import ray
 
         self.task = task
@@ -87,7 +90,40 @@ class SupervisorHost:
         self._buffer = bytearray()
         self._eof = False
         self._cond = threading.Condition()
+        self._limit = memory_limit
+        self.memory_peak = 0
+        """The largest resident memory of the supervisor's process tree seen (bytes)."""
+        self.oom = False
+        """The tree outgrew ``memory_limit`` and was killed for it."""
         threading.Thread(target=self._read_pipe, name="output", daemon=True).start()
+        threading.Thread(target=self._measure, name="memory", daemon=True).start()
+
+    def _measure(self) -> None:
+        """Samples the tree's memory; kills the tree once it outgrows the task's request.
+
+        Ray schedules by the ``memory`` resource but does not enforce it: a task over its
+        request would crowd its node's other tasks until the kernel's OOM killer picks a
+        victim. Killing it here makes the failure the task's own, and tells the manager
+        why (``oom``), so it is restarted with more.
+        """
+        import psutil
+
+        try:
+            root = psutil.Process(self._popen.pid)
+        except psutil.Error:
+            return
+        while self._popen.poll() is None:
+            total = 0
+            with contextlib.suppress(psutil.Error):
+                for proc in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        total += proc.memory_info().rss
+            self.memory_peak = max(self.memory_peak, total)
+            if self._limit and total > self._limit and not self.oom:
+                self.oom = True
+                log.warning("%s uses %d bytes, over its %d: killed", self.task, total, self._limit)
+                self.signal(signal.SIGKILL)
+            time.sleep(SAMPLE_S)
 
     def _read_pipe(self) -> None:
         assert self._popen.stdout is not None
@@ -119,9 +155,10 @@ class SupervisorHost:
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
         }
 
-    def read(self, wait_s: float) -> tuple[bytes, int | None]:
-        """Output since the last read (waiting up to ``wait_s`` for some), and the exit
-        code once the supervisor ended and its output was all sent."""
+    def read(self, wait_s: float) -> dict[str, Any]:
+        """Output since the last read (``data``, waiting up to ``wait_s`` for some), the
+        exit ``code`` once the supervisor ended and its output was all sent, the
+        ``memory_peak`` so far and whether it was killed for memory (``oom``)."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._buffer) or self._eof, wait_s)
             if not self._buffer and self._popen.poll() is not None:
@@ -132,7 +169,7 @@ class SupervisorHost:
         code = self._popen.poll() if not data else None
         if code is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        return data, code
+        return {"data": data, "code": code, "memory_peak": self.memory_peak, "oom": self.oom}
 
     def signal(self, signum: int) -> None:
         """``signum`` to the supervisor's process group (it, the job and its children)."""
@@ -164,6 +201,10 @@ class RayProcess:
         self._output = os.fdopen(read_end, "rb")
         self._code: int | None = None
         self._info: dict[str, Any] | None = None
+        self.memory_peak = 0
+        """The task's measured peak memory (bytes, its whole process tree)."""
+        self.oom = False
+        """It was killed for outgrowing its memory (by its actor, or by Ray's OOM killer)."""
         self._placed = threading.Event()
         self._done = threading.Event()
         threading.Thread(target=self._pump, name=f"ray-{task}", daemon=True).start()
@@ -184,8 +225,15 @@ class RayProcess:
 
     @property
     def placement(self) -> dict[str, Any] | None:
-        """Node id, node IP, the resources Ray assigned and GPU ids; None until placed."""
-        return dict(self._info) if self._info else None
+        """Node id, node IP, the resources Ray assigned, GPU ids, and memory requested and
+        measured; None until placed."""
+        if not self._info:
+            return None
+        return {
+            **self._info,
+            "memory_requested": self._request.bundle().get("memory"),
+            "memory_peak": self.memory_peak,
+        }
 
     def poll(self) -> int | None:
         return self._code
@@ -221,16 +269,19 @@ class RayProcess:
             self._placed.set()
             while True:
                 try:
-                    data, exited = ray.get(
-                        self._actor.read.remote(READ_WAIT_S), timeout=CALL_DEADLINE_S
-                    )
+                    got = ray.get(self._actor.read.remote(READ_WAIT_S), timeout=CALL_DEADLINE_S)
                 except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
                     continue  # a node briefly unreachable; Ray says when it is dead
-                if data:
-                    _write_all(self._write_fd, data)
-                if exited is not None:
-                    code = exited
+                self.memory_peak = max(self.memory_peak, int(got["memory_peak"]))
+                self.oom = bool(got["oom"])
+                if got["data"]:
+                    _write_all(self._write_fd, got["data"])
+                if got["code"] is not None:
+                    code = got["code"]
                     break
+        except ray.exceptions.OutOfMemoryError as exc:
+            self.oom = True
+            log.warning("%s: killed by Ray's OOM killer (%s)", self._task, exc)
         except ray.exceptions.RayError as exc:
             log.warning("%s: its actor is gone (%s); counted as killed", self._task, exc)
         finally:
@@ -251,20 +302,53 @@ def _write_all(fd: int, data: bytes) -> None:
             return  # nobody reads the output any more (the manager is closing)
 
 
+OOM_GROWTH = 1.5
+"""How much more memory a job asks for after one of its tasks was killed for memory."""
+
+
+def _largest_node_memory() -> float:
+    import ray
+
+    return max(
+        (float((n.get("Resources") or {}).get("memory", 0.0)) for n in ray.nodes() if n["Alive"]),
+        default=0.0,
+    )
+
+
 class RayBackend:
     """Starts each task's supervisor in its bundle of the cluster's placement group.
+
+    A task killed for outgrowing its memory is given more when the whole cluster is
+    relaunched (a restart from the last checkpoint): its job's tasks ask for 1.5 times
+    as much (bounded by the largest node), and the placement group is made anew, since
+    a group's bundles cannot grow. A task respawned alone, beside tasks still running,
+    goes back into its bundle as it was.
 
     Args:
         requests: one per task, in the placement group's bundle order.
         group: the cluster's placement group (``ray_placement.reserve``).
+        name: the group's name (for a group made anew).
+        placement_timeout_s: how long a group made anew may take to be placed.
     """
 
     name = "ray"
 
-    def __init__(self, requests: Sequence[TaskRequest], group: Any) -> None:
+    def __init__(
+        self,
+        requests: Sequence[TaskRequest],
+        group: Any,
+        *,
+        name: str = "",
+        placement_timeout_s: float = 60.0,
+    ) -> None:
         self._requests = {r.task: r for r in requests}
+        self._order = [r.task for r in requests]
         self._bundles = {r.task: i for i, r in enumerate(requests)}
         self._group = group
+        self._group_name = name
+        self._placement_timeout_s = placement_timeout_s
+        self._grown: set[int] = set()
+        """Processes (by id) whose OOM kill already made their job's memory grow."""
         self._lock = threading.Lock()
         self._processes: dict[str, RayProcess] = {}
         """The current process of each task (standbys are not a task's until they take one)."""
@@ -287,6 +371,9 @@ class RayBackend:
             k: v for k, v in launch.env.items() if os.environ.get(k) != v and k not in NODE_LOCAL
         }
         standby = launch.env.get(ENV_STANDBY) == "1"
+        if not standby:
+            self._grow_after_oom()
+            request = self._requests[launch.task]
         if standby:
             # A standby waits idle beside the running tasks, whose bundles are all taken:
             # it holds nothing, on a node the job's labels select, until it takes a task.
@@ -303,13 +390,50 @@ class RayBackend:
                     placement_group_bundle_index=self._bundles[launch.task],
                 ),
             }
-        actor = _actor_class().options(name=None, **options).remote(str(launch.task), env, secret)
+        enforced = not standby and request.memory_enforced
+        limit = request.bundle().get("memory") if enforced else None
+        actor = (
+            _actor_class()
+            .options(name=None, **options)
+            .remote(str(launch.task), env, secret, limit)
+        )
         process = RayProcess(launch.task, actor, request)
         with self._lock:
             self._all.append(process)
             if not standby:
                 self._processes[str(launch.task)] = process
         return process
+
+    def _grow_after_oom(self) -> None:
+        """Before a relaunch of every task: more memory for the jobs killed for memory."""
+        from ray.util.placement_group import remove_placement_group
+
+        from clusterflow.backends.ray_placement import reserve
+
+        with self._lock:
+            processes = list(self._processes.values())
+        killed = [p for p in processes if p.oom and id(p) not in self._grown]
+        if not killed or any(p.poll() is None for p in processes):
+            return
+        largest = _largest_node_memory()
+        grown = dict(self._requests)
+        for process in killed:
+            self._grown.add(id(process))
+            request = grown[process.task]
+            had = request.bundle().get("memory") or float(process.memory_peak)
+            more = min(had * OOM_GROWTH, largest) if largest else had * OOM_GROWTH
+            for task, other in grown.items():
+                if task.job == process.task.job:
+                    grown[task] = replace(other, resources={**other.resources, "memory": more})
+            log.warning(
+                "%s was killed for memory (%d bytes asked); job %s now asks %d",
+                process.task, had, process.task.job, more,
+            )  # fmt: skip
+        remove_placement_group(self._group)
+        self._group = reserve(
+            [grown[t] for t in self._order], self._group_name, self._placement_timeout_s
+        )
+        self._requests = grown
 
     def placements(self) -> dict[str, dict[str, Any]]:
         """Each task's node and resources, as its current actor reported them."""

@@ -39,15 +39,23 @@ class TaskRequest:
     """Ray resource names: ``CPU``, ``GPU``, ``memory`` (bytes), custom ones."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """A Ray label selector: ``{"gpu-type": "A100"}``; values may be ``!v``, ``in(a,b)``."""
+    memory_enforced: bool = True
+    """A task over its ``memory`` is killed (a request the user named); False: the request
+    was sized automatically and is only measured (manager/memory_sizing.py)."""
 
     def bundle(self) -> dict[str, float]:
-        """The placement-group bundle: the resources, one CPU if none were named."""
+        """The placement-group bundle: the resources, one CPU unless CPUs were named."""
         wanted = {k: float(v) for k, v in self.resources.items() if v}
-        return wanted or {"CPU": DEFAULT_CPUS}
+        if "CPU" not in self.resources:
+            wanted = {"CPU": DEFAULT_CPUS, **wanted}
+        return wanted
 
-    def describe(self) -> str:
-        """``GPU=1,CPU=8 with gpu-type=A100``: the request in the words of the CLI."""
-        text = ",".join(f"{k}={_number(k, v)}" for k, v in self.bundle().items())
+    def describe(self, names: Sequence[str] | None = None) -> str:
+        """``GPU=1,CPU=8 with gpu-type=A100``: the request (or its ``names``) in the words
+        of the CLI."""
+        bundle = self.bundle()
+        shown = [k for k in bundle if names is None or k in names] or list(bundle)
+        text = ",".join(f"{k}={_number(k, bundle[k])}" for k in shown)
         if self.labels:
             text += " with " + ",".join(f"{k}={v}" for k, v in self.labels.items())
         return text
@@ -87,8 +95,24 @@ def unplaceable(requests: Sequence[TaskRequest], nodes: Sequence[Mapping[str, An
     """The one-line reason no node could ever run some task; None if each fits a node."""
     alive = [n for n in nodes if n.get("Alive")]
     for request in requests:
-        if not any(node_fits(request, n, "Resources") for n in alive):
-            return f"job {request.task.job} needs {request.describe()}: no node has it"
+        if any(node_fits(request, n, "Resources") for n in alive):
+            continue
+        labelled = [n for n in alive if label_matches(request.labels, n.get("Labels") or {})]
+        bundle = request.bundle()
+        # Name what is missing: what no labelled node has; with no such node, what the
+        # user asked for (the memory sized for them only if that is what no node has).
+        missing = [
+            k
+            for k, v in bundle.items()
+            if not any(float((n.get("Resources") or {}).get(k, 0.0)) + 1e-9 >= v for n in labelled)
+        ]
+        if not labelled:  # what the user named (not the defaults, not an automatic memory)
+            missing = [
+                k
+                for k in bundle
+                if k in request.resources and (k != "memory" or request.memory_enforced)
+            ]
+        return f"job {request.task.job} needs {request.describe(missing)}: no node has it"
     return None
 
 
@@ -131,7 +155,7 @@ def _not_free(requests: Sequence[TaskRequest], free: Mapping[str, float], timeou
             if needed[name] > free.get(name, 0.0) + 1e-9:
                 count = sum(1 for r in requests if r.task.job == request.task.job)
                 return (
-                    f"job {request.task.job} needs {request.describe()} for each of its "
+                    f"job {request.task.job} needs {request.describe([name])} for each of its "
                     f"{count} task(s): not free within {timeout_s:g}s (the cluster needs "
                     f"{name}={_number(name, needed[name])} at once or more; free now: "
                     f"{name}={_number(name, free.get(name, 0.0))})"

@@ -51,6 +51,7 @@ from types import FrameType
 from typing import IO, NoReturn
 
 from clusterflow.backends.api import REPLICA_TAG
+from clusterflow.backends.gpu_topology import ENV_VISIBLE, read_topology, replica_devices
 from clusterflow.backends.zygote import runnable
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
@@ -193,8 +194,12 @@ class Supervisor:
             self.children.append(subprocess.Popen(command, env=env, pass_fds=(fd,)))
             self._watch_exit(self.children[0])
             return
+        # One device per replica, the best-connected ones the task may use (gpu_topology).
+        devices = replica_devices(env, len(replicas), read_topology())
         for index, overrides in enumerate(replicas):
             replica_env = {**env, **overrides}
+            if devices is not None:
+                replica_env[ENV_VISIBLE] = devices[index]
             if index:
                 replica_env.pop(ENV_LISTEN_FD, None)
             child = subprocess.Popen(

@@ -3,7 +3,7 @@
 The low layer only: parts (safetensors tensors or JSON) written by any number of
 processes into one folder, a manifest with their checksums committed atomically, the
 newest intact checkpoint found again after a crash, and retention. Which parts make up
-a consistent cut, and when to take one, is ``clusterflow.strategies.checkpointer``'s.
+a consistent cut, and when to take one, is ``clusterflow.train.cut``'s.
 
 Importing this package does not import torch (the manager reads manifests and the data
 cursor without it); tensor parts import it when they are written or read.

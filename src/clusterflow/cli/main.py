@@ -15,13 +15,16 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.errors import ClusterflowError, ConfigError
+
+if TYPE_CHECKING:
+    from clusterflow.manager.state import ClusterState, TaskState
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 USAGE_EXIT = 2
@@ -93,6 +96,7 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         "resources",
         "labels",
         "job_dir",
+        "memory",
         "placement_timeout_s",
     }
     unknown = sorted(set(data) - known)
@@ -101,14 +105,6 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
             f"cluster file {path!r}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}"
         )
     return data
-
-
-def _as_command(value: Any, what: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return tuple(shlex.split(value))
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
 
 
 @cli.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
@@ -168,6 +164,10 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 )
 @click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
 @click.option(
+    "--memory",
+    help="Memory per task on Ray where --resources names none: auto (measured) or a size.",
+)
+@click.option(
     "--grace", type=float, default=10.0, show_default=True, help="Seconds from SIGTERM to SIGKILL."
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -190,6 +190,7 @@ def start(
     resources_: tuple[str, ...],
     labels_: tuple[str, ...],
     job_dir: str | None,
+    memory: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -200,25 +201,10 @@ def start(
       clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
     """
     from clusterflow.manager import registry
-    from clusterflow.manager.config import RunConfig, parse_job_settings, resources_from_file
+    from clusterflow.manager.config import RunConfig, parse_job_settings
     from clusterflow.rpc import Credentials
 
-    settings: dict[str, Any] = _resumed_settings(resume_id) if resume_id else {}
-    if config_file:
-        settings.update(_load_cluster_file(config_file))
-    if "command" in settings:
-        settings["command"] = _as_command(settings["command"], "command")
-    if settings.get("ps_command") is not None:
-        settings["ps_command"] = _as_command(settings["ps_command"], "ps_command")
-    if isinstance(settings.get("untracked"), str):
-        settings["untracked"] = settings["untracked"].split(",")
-    if "untracked" in settings:
-        settings["untracked"] = frozenset(str(j).strip() for j in settings["untracked"])
-    if "env" in settings and not isinstance(settings["env"], dict):
-        raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
-    if "env" in settings:
-        settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
-    overrides = {
+    flags = {
         "chief": chief,
         "ps": ps,
         "workers": workers,
@@ -230,23 +216,19 @@ def start(
         "backend": backend,
         "address": address,
         "job_dir": job_dir,
+        "memory": memory,
+        "command": command or None,
+        "ps_command": ps_cmd or None,
+        "untracked": untracked,
+        "resources": parse_job_settings(resources_, "resources") if resources_ else None,
+        "labels": parse_job_settings(labels_, "labels") if labels_ else None,
+        "grace_s": grace,
     }
-    if "resources" in settings:
-        settings["resources"] = resources_from_file(settings["resources"])
-    if resources_:
-        settings["resources"] = parse_job_settings(resources_, "resources")
-    if labels_:
-        settings["labels"] = parse_job_settings(labels_, "labels")
-    settings.update({k: v for k, v in overrides.items() if v is not None})
-    if command:
-        settings["command"] = tuple(command)
-    if ps_cmd:
-        settings["ps_command"] = _as_command(ps_cmd, "--ps-cmd")
-    if untracked is not None:
-        settings["untracked"] = frozenset(j.strip() for j in untracked.split(",") if j.strip())
-    settings["grace_s"] = grace
-    settings.setdefault("command", ())  # so RunConfig says what is missing, and how
-    config = RunConfig(**settings)
+    config = RunConfig.merge(
+        _resumed_settings(resume_id) if resume_id else {},
+        _load_cluster_file(config_file) if config_file else {},
+        {k: v for k, v in flags.items() if v is not None},
+    )
 
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
@@ -312,7 +294,7 @@ def _start_detached(cluster: Any) -> None:
         )
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
-        status = cluster.read_state().get("status")
+        status = cluster.read_state().status
         if status in ("running", *registry.TERMINAL):
             break
         if proc.poll() is not None:
@@ -328,56 +310,62 @@ def _start_detached(cluster: Any) -> None:
 # ps / describe -------------------------------------------------------------------------
 
 
-def _uptime(state: dict[str, Any]) -> str:
-    created = state.get("created")
-    if not created:
+def _uptime(state: ClusterState) -> str:
+    if not state.created:
         return "-"
-    end = state.get("ended") or time.time()
-    seconds = int(max(0.0, end - created))
+    end = state.ended or time.time()
+    seconds = int(max(0.0, end - state.created))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _task_summary(state: dict[str, Any]) -> str:
-    tasks = state.get("tasks") or []
-    running = sum(1 for t in tasks if t.get("exit_code") is None and t.get("status") == "running")
+def _task_summary(state: ClusterState) -> str:
+    tasks = state.tasks
+    running = sum(1 for t in tasks if t.exit_code is None and t.status == "running")
     jobs: dict[str, int] = {}
     for t in tasks:
-        job = str(t.get("task", "?")).split(":")[0]
+        job = t.task.split(":")[0]
         jobs[job] = jobs.get(job, 0) + 1
     shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
     return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
 
 
-def _figures(state: dict[str, Any]) -> tuple[str, str]:
+def _figures(state: ClusterState) -> tuple[str, str]:
     """The cluster's live figures: the furthest step any task reported, and the summed
     samples/s of the tasks still running."""
-    tasks = [t for t in state.get("tasks") or [] if t.get("exit_code") is None]
-    steps = [t["step"] for t in state.get("tasks") or [] if isinstance(t.get("step"), int)]
-    rates = [t["samples_per_s"] for t in tasks if isinstance(t.get("samples_per_s"), int | float)]
+    steps = [t.step for t in state.tasks if t.step is not None]
+    rates = [
+        t.samples_per_s for t in state.tasks if t.exit_code is None and t.samples_per_s is not None
+    ]
     return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
 
 
-def _task_figures(task: dict[str, Any]) -> str:
+def _task_figures(task: TaskState) -> str:
     parts = []
-    if isinstance(task.get("step"), int):
-        parts.append(f"step {task['step']}")
-    if isinstance(task.get("loss"), int | float):
-        parts.append(f"loss {task['loss']:.4g}")
-    if isinstance(task.get("samples_per_s"), int | float):
-        parts.append(f"{task['samples_per_s']:.0f} samples/s")
-    if task.get("restarts"):
-        parts.append(f"restarts {task['restarts']}")
+    if task.step is not None:
+        parts.append(f"step {task.step}")
+    if task.loss is not None:
+        parts.append(f"loss {task.loss:.4g}")
+    if task.samples_per_s is not None:
+        parts.append(f"{task.samples_per_s:.0f} samples/s")
+    if task.restarts:
+        parts.append(f"restarts {task.restarts}")
     return ("  " + ", ".join(parts)) if parts else ""
 
 
-def _task_placement(task: dict[str, Any]) -> str:
+def _task_placement(task: TaskState) -> str:
     """Where a task on Ray runs: its node and what Ray gave it."""
-    if not task.get("node_id"):
+    if not task.node_id:
         return ""
-    resources = ",".join(f"{k}={v:g}" for k, v in (task.get("resources") or {}).items())
-    return f"  node {str(task['node_id'])[:12]} ({task.get('node_ip')}) {resources}"
+    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items() if k != "memory")
+    asked, peak = task.memory_requested, task.memory_peak
+    memory = f" memory asked {_mib(asked)}, peak {_mib(peak)}" if asked or peak else ""
+    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}{memory}"
+
+
+def _mib(value: float | None) -> str:
+    return f"{value / 2**20:.0f}M" if value else "-"
 
 
 @cli.command(name="ps", context_settings=CONTEXT)
@@ -405,7 +393,7 @@ def ps_command(show_all: bool) -> None:
             status = registry.effective_status(state)
             if not show_all and status in registry.TERMINAL:
                 continue
-            command = shlex.join(str(arg) for arg in state.get("command") or [])
+            command = shlex.join(state.command)
             step, rate = _figures(state)
             cells = [cluster.id, status, _task_summary(state), _uptime(state), step, rate, command]
         table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
@@ -424,26 +412,26 @@ def describe(cluster_id: str, as_json: bool) -> None:
     _refresh(cluster)
     state = cluster.read_state()
     if as_json:
-        click.echo(json.dumps(state, indent=2))
+        click.echo(json.dumps(state.to_dict(), indent=2))
         return
     click.echo(f"id:       {cluster.id}")
     click.echo(f"status:   {registry.effective_status(state)}")
-    click.echo(f"command:  {shlex.join(str(arg) for arg in state.get('command') or [])}")
+    click.echo(f"command:  {shlex.join(state.command)}")
     click.echo(f"uptime:   {_uptime(state)}")
-    if state.get("summary"):
-        click.echo(f"summary:  {state['summary']} (exit code {state.get('exit_code')})")
+    if state.summary:
+        click.echo(f"summary:  {state.summary} (exit code {state.exit_code})")
     click.echo(f"state:    {cluster.path}")
-    if state.get("checkpoint_dir"):
-        click.echo(f"checkpoints: {state['checkpoint_dir']}")
-    if state.get("max_restarts"):
-        click.echo(f"restarts: {state.get('restarts', 0)} of {state['max_restarts']}")
-    click.echo(f"spec (v{state.get('spec_version', 0)}): {json.dumps(state.get('spec'))}")
+    if state.checkpoint_dir:
+        click.echo(f"checkpoints: {state.checkpoint_dir}")
+    if state.max_restarts:
+        click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
+    click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
     click.echo("tasks:")
-    for t in state.get("tasks") or []:
-        code = t.get("exit_code")
+    for t in state.tasks:
+        code = t.exit_code
         click.echo(
-            f"  {t.get('task'):<14} {t.get('status', '?'):<10} {t.get('address') or '-':<22} "
-            f"pid {t.get('pid') or '-':<8} exit {'-' if code is None else code}"
+            f"  {t.task:<14} {t.status:<10} {t.address or '-':<22} "
+            f"pid {t.pid or '-':<8} exit {'-' if code is None else code}"
             f"{_task_figures(t)}{_task_placement(t)}"
         )
     click.echo("events:")
@@ -472,7 +460,7 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
     _refresh(cluster)
     if task_name:
         task = TaskId.parse(task_name)
-        known = [t.get("task") for t in cluster.read_state().get("tasks") or []]
+        known = [t.task for t in cluster.read_state().tasks]
         if known and str(task) not in known:
             raise ConfigError(
                 f"cluster {cluster.id} has no task {task_name!r}; "
@@ -499,9 +487,8 @@ def attach(cluster_id: str) -> None:
         follow.print_file(cluster.output_file, lambda: _finished(cluster))
     except KeyboardInterrupt:
         sys.exit(130)
-    state = cluster.read_state()
-    code = state.get("exit_code")
-    sys.exit(int(code) if isinstance(code, int) else 1)
+    code = cluster.read_state().exit_code
+    sys.exit(1 if code is None else code)
 
 
 def _refresh(cluster: Any) -> None:

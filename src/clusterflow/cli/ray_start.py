@@ -27,7 +27,7 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
         deadline = time.monotonic() + config.register_timeout_s
         while time.monotonic() < deadline:
             state = handle.refresh()
-            if state is None or state.get("status") in ("running", *registry.TERMINAL):
+            if state is None or state.status in ("running", *registry.TERMINAL):
                 break
             time.sleep(0.1)
         click.echo(cluster.id)
@@ -47,12 +47,11 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
             asked = True
             handle.stop(config.grace_s)
         state = handle.refresh()
-        return state is None or state.get("status") in registry.TERMINAL
+        return state is None or state.status in registry.TERMINAL
 
     follow.print_file(cluster.output_file, _done)
     state = cluster.read_state()
-    if state.get("status") == "failed" and state.get("summary"):
-        click.echo(f"error: cluster {cluster.id} failed: {state['summary']}", err=True)
-    code = state.get("exit_code")
+    if state.status == "failed" and state.summary:
+        click.echo(f"error: cluster {cluster.id} failed: {state.summary}", err=True)
     sys.stdout.flush()
-    return int(code) if isinstance(code, int) else 1
+    return 1 if state.exit_code is None else state.exit_code

@@ -112,7 +112,7 @@ class ManagerMethod:
     REGISTER: Final = "manager.register"
     """A supervisor joins the barrier; answered with the spec, env and command."""
     HEARTBEAT: Final = "manager.heartbeat"
-    """A supervisor is alive; answered with whether to stop and the spec version."""
+    """A supervisor is alive; the answer says only that the manager is too."""
     EXITED: Final = "manager.exited"
     """A supervisor could not run its command, or it ended: why, in one line."""
     STOP: Final = "manager.stop"

@@ -7,9 +7,9 @@ cheap as the control plane needs.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from clusterflow._lazy import lazy_exports
 from clusterflow.collective.api import (
     CollectiveError,
     CommunicationImplementation,
@@ -43,8 +43,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)

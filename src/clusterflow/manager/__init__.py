@@ -6,8 +6,9 @@ need only the registry) do not pay for the controller's RPC stack at every call.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from clusterflow._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from clusterflow.manager.config import RunConfig
@@ -25,18 +26,14 @@ __all__ = [
 ]
 
 _HOMES = {
-    "ClusterStatus": "policy",
-    "Controller": "controller",
-    "Decision": "policy",
-    "RunConfig": "config",
-    "TaskStatus": "policy",
-    "Verdict": "policy",
-    "decide": "policy",
+    "ClusterStatus": "clusterflow.manager.policy",
+    "Controller": "clusterflow.manager.controller",
+    "Decision": "clusterflow.manager.policy",
+    "RunConfig": "clusterflow.manager.config",
+    "TaskStatus": "clusterflow.manager.policy",
+    "Verdict": "clusterflow.manager.policy",
+    "decide": "clusterflow.manager.policy",
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_exports(__name__, _HOMES)

@@ -64,6 +64,10 @@ class RunConfig:
     """Per job, the node labels its tasks' nodes must carry (Ray label selectors)."""
     job_dir: str | None = None
     """A folder or .zip shipped to every node (Ray's runtime environment); jobs run in it."""
+    memory: str | None = None
+    """Memory each task asks for on Ray, where ``resources`` names none: ``auto`` (sized
+    from the measured peak of earlier runs of the same command and job) or a size such
+    as ``4G``; None is ``auto`` on Ray."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
 
@@ -175,6 +179,61 @@ class RunConfig:
         except TypeError as exc:
             raise ConfigError(f"invalid cluster configuration: {exc}") from exc
 
+    @classmethod
+    def merge(cls, *layers: Mapping[str, Any]) -> RunConfig:
+        """One config from layers of settings, each later one winning where it sets a key.
+
+        ``clusterflow start`` passes, in order: the settings of a resumed cluster, a
+        cluster file, the command line's flags (only those given). Values may be in a
+        file's form: a command as a string or a list, ``untracked`` as a comma-separated
+        string or a list, ``env`` as any mapping (its values made strings), ``memory``
+        in ``resources`` as a size such as ``4G``.
+
+        Raises:
+            ConfigError: a value of the wrong form, an unknown key, or a config that
+                does not validate; the message names the setting.
+        """
+        settings: dict[str, Any] = {}
+        for layer in layers:
+            settings.update(_file_form(layer))
+        settings.setdefault("command", ())  # so the config says what is missing, and how
+        try:
+            return cls(**settings)
+        except TypeError as exc:
+            raise ConfigError(f"invalid cluster configuration: {exc}") from exc
+
+
+def _file_form(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """A layer's settings with the forms a file allows turned into ``RunConfig``'s."""
+    settings = dict(layer)
+    for name in ("command", "ps_command"):
+        if settings.get(name) is not None:
+            settings[name] = _as_command(settings[name], name)
+    untracked = settings.get("untracked")
+    if isinstance(untracked, str):
+        untracked = untracked.split(",")
+    if untracked is not None:
+        if not isinstance(untracked, list | tuple | set | frozenset):
+            raise ConfigError(
+                f"untracked must be a list or a comma-separated string, got {untracked!r}"
+            )
+        settings["untracked"] = frozenset(str(j).strip() for j in untracked if str(j).strip())
+    if "env" in settings:
+        if not isinstance(settings["env"], Mapping):
+            raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
+        settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
+    if "resources" in settings:
+        settings["resources"] = resources_from_file(settings["resources"])
+    return settings
+
+
+def _as_command(value: Any, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(shlex.split(value))
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
+
 
 BACKENDS = ("local", "ray")
 RAY_ONLY = {
@@ -182,6 +241,7 @@ RAY_ONLY = {
     "resources": "--resources",
     "labels": "--label",
     "job_dir": "--job-dir",
+    "memory": "--memory",
 }
 """Settings that mean something only where tasks are placed on many machines."""
 
@@ -216,6 +276,10 @@ def check_placement(config: RunConfig) -> None:
                     raise ConfigError(
                         f"resource {key} of job {job} must be a non-negative number, got {value!r}"
                     )
+    if config.memory is not None and config.memory != "auto":
+        if not isinstance(config.memory, str):
+            raise ConfigError(f"--memory must be auto or a size such as 4G, got {config.memory!r}")
+        parse_size(config.memory, "--memory")
     if config.job_dir is not None and (
         not isinstance(config.job_dir, str) or not config.job_dir.strip()
     ):

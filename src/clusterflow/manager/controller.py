@@ -1,11 +1,13 @@
-"""The manager's controller loop: launch, assemble the spec, watch, decide, act.
-
-Registration is a barrier: each supervisor's ``manager.register`` call is held (on a
-blocking handler) until every task has registered, and is then answered with the
-assembled cluster spec, so every task starts its job with the same spec version.
+"""The manager's controller loop: launch, watch, decide, act.
 
 The loop polls the tasks, builds a frozen ``ClusterStatus`` and asks ``policy.decide``
-what to do; all side effects (signals, state files, output) happen here.
+what to do; all side effects (signals, state files, output) happen here. Its
+collaborators each do one job and are passed in (``Controller.__init__`` builds the
+defaults): the backend starts supervisors, the ``Rendezvous`` holds the registration
+barrier and the spec versions, ``job_env`` computes every environment, the
+``StandbyPool`` keeps a warm supervisor, ``RestorePoints`` picks the checkpoint, the
+``OutputRouter`` routes output, the ``DispatcherService`` is the data service, and
+``ClusterState`` is what ``state.json`` holds.
 
 When the run ends (success, failure or a stop request) the controller, in this order:
 releases registrations still held at the barrier, stops the tasks that still run
@@ -17,94 +19,57 @@ final status in ``state.json`` also sees every line in the logs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
-from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
-from clusterflow.checkpoint import CheckpointStorage
-from clusterflow.checkpoint.names import DATA_PART
-from clusterflow.cluster import ClusterSpec, TaskId, TFConfig
+from clusterflow.backends.api import Backend, TaskLaunch
+from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
-    ENV_ATTEMPT,
-    ENV_BIND_HOST,
-    ENV_CHECKPOINT_DIR,
     ENV_CLUSTER_ID,
-    ENV_HEARTBEAT_S,
-    ENV_JOB,
-    ENV_MANAGER,
-    ENV_REGISTER_TIMEOUT,
-    ENV_REPLICA,
-    ENV_RESTORE,
     ENV_SECRET_FILE,
-    ENV_SPEC_VERSION,
     ENV_STANDBY,
-    ENV_STATE_DIR,
-    ENV_TASK,
-    ENV_TASK_INDEX,
     ManagerMethod,
 )
 from clusterflow.data.dispatcher import DispatcherService
-from clusterflow.errors import ClusterflowError
-from clusterflow.manager.config import REPLICA_JOBS, RunConfig
-from clusterflow.manager.output import Label, OutputRouter
-from clusterflow.manager.policy import ClusterStatus, Decision, TaskStatus, Verdict, decide
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.job_env import (
+    ClusterPlace,
+    Incarnation,
+    job_env,
+    replica_env,
+    supervisor_env,
+)
+from clusterflow.manager.output import OutputRouter
+from clusterflow.manager.policy import ClusterStatus, Decision, Verdict, decide
 from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.rendezvous import Arrival, RegistrationError, Rendezvous
+from clusterflow.manager.restore import RestorePoints
+from clusterflow.manager.standby import StandbyPool
+from clusterflow.manager.state import ClusterState, ManagerProcess
 from clusterflow.manager.stopper import cluster_processes, kill_processes
 from clusterflow.manager.store_host import StoreHost
+from clusterflow.manager.tasks import TaskRecord, TaskTable
 from clusterflow.rpc import Credentials, Request, RpcServer
 
 log = logging.getLogger(__name__)
 
+__all__ = ["POLL_S", "Controller", "RegistrationError"]
+
 POLL_S = 0.1
 """Longest the loop waits between looks at the tasks (an exit also wakes it at once)."""
+STATE_EVERY_S = 2.0
+"""``state.json`` is rewritten at least this often (live figures), and at every change."""
 
 
-class RegistrationError(ClusterflowError):
-    """A supervisor's registration was refused (unknown task, cluster stopping)."""
-
-
-@dataclass(slots=True)
-class _Task:
-    id: TaskId
-    tracked: bool
-    process: TaskProcess | None = None
-    address: str | None = None
-    exit_code: int | None = None
-    last_heartbeat: float | None = None
-    """When the supervisor last reported; set once its command is released to run."""
-    status: str = "starting"
-    error: str | None = None
-    """Why the supervisor could not run the command (from ``manager.exited``)."""
-    respawnable: bool = False
-    """Its job declared it can be relaunched alone (``manager.declare``)."""
-    restarts: int = 0
-    """Times this task was relaunched (alone or with every task)."""
-    restore: str | None = None
-    """The checkpoint its job restores from, chosen when it was launched."""
-    figures: dict[str, Any] = field(default_factory=dict)
-    """Live figures its job reported (``task.report``): step, loss, samples/s."""
-    step_changed: float | None = None
-    """When the reported step last advanced (stall detection)."""
-
-
-@dataclass(slots=True)
-class _Standby:
-    """A warm supervisor waiting to replace a respawnable task (see backends/supervisor)."""
-
-    process: TaskProcess
-    label: Label | None
-    waiting: bool = False
-    """Its ``manager.standby`` call is held here: it can take a task at once."""
-    task: str | None = None
-    """The task it was given; None while it waits."""
+StoreFactory = Callable[[], StoreHost]
+"""Starts the hosted torch store of one attempt (a fresh one for each)."""
 
 
 class Controller:
@@ -115,65 +80,79 @@ class Controller:
         config: what to run.
         backend: where tasks run.
         echo: also write task output to this process's stdout (foreground ``start``).
+        rpc, output, data, rendezvous, standby, restore_points, store: the collaborators;
+            each defaults to the one a real cluster uses (tests pass their own).
     """
 
     def __init__(
-        self, cluster: ClusterDir, config: RunConfig, backend: Backend, *, echo: bool
+        self,
+        cluster: ClusterDir,
+        config: RunConfig,
+        backend: Backend,
+        *,
+        echo: bool = False,
+        rpc: RpcServer | None = None,
+        output: OutputRouter | None = None,
+        data: DispatcherService | None = None,
+        rendezvous: Rendezvous | None = None,
+        standby: StandbyPool | None = None,
+        restore_points: RestorePoints | None = None,
+        store: StoreFactory | None = None,
     ) -> None:
         self.cluster = cluster
         self.config = config
         self.backend = backend
-        # The tasks' way, so CLUSTERFLOW_AUTH (plain or curve) means the same to both.
-        credentials = Credentials.from_env(
-            {**os.environ, **config.env, ENV_SECRET_FILE: str(cluster.secret_file)}
-        )
-        assert credentials is not None
-        self.credentials = credentials
-        self.output = OutputRouter(cluster.output_file, echo=echo)
-        self.tasks = {t: _Task(t, config.is_tracked(t)) for t in config.tasks()}
-        self._lock = threading.Condition()
+        self.tasks = TaskTable(config)
         self._wake = threading.Event()
         self._stop_requested = False
-        self._closing = False
-        self._dirty = False
         self.failure: str | None = None
         """Why the run failed, in one line, once ``run`` returned; None unless it failed."""
         self._grace_s = config.grace_s
-        self._spec: ClusterSpec | None = None
-        self._spec_version = 0
         self._status = "starting"
-        self._started = time.monotonic()
         self._created = time.time()
         self._store: StoreHost | None = None
         self._restarts = 0
         self._attempt = 0
-        self._standby: _Standby | None = None
-        self._verified_step: int | None = None
-        """The newest checkpoint whose parts were all read and matched their checksums."""
-        self._handed: dict[int, str] = {}
-        """Standby supervisors (by pid) given a task before they asked for one."""
-        self.checkpoint_url = config.checkpoint_dir or str(cluster.path / "checkpoints")
-        # Registrations wait at the barrier and a standby waits for a task, each holding
-        # a handler thread: room for every task (threads start only when needed).
-        self._rpc = RpcServer(
-            self.credentials,
-            host=config.host,
-            port=0,
-            name="manager",
-            workers=len(self.tasks) * max(1, config.replicas_per_host) + 16,
+        self.output = output or OutputRouter(cluster.output_file, echo=echo)
+        self._rpc = rpc or _manager_server(cluster, config, len(self.tasks))
+        self.rendezvous = rendezvous or Rendezvous(
+            list(self.tasks), timeout_s=config.register_timeout_s
         )
-        self._rpc.register(ManagerMethod.REGISTER, self._on_register, blocking=True)
-        self._rpc.register(ManagerMethod.HEARTBEAT, self._on_heartbeat)
-        self._rpc.register(ManagerMethod.EXITED, self._on_exited)
-        self._rpc.register(ManagerMethod.STOP, self._on_stop)
-        self._rpc.register(ManagerMethod.STATUS, lambda request: self._state())
-        self._rpc.register(ManagerMethod.DECLARE, self._on_declare)
-        self._rpc.register(ManagerMethod.STANDBY, self._on_standby, blocking=True)
-        self._rpc.register(ManagerMethod.SPEC, self._on_spec)
-        self._rpc.register(ManagerMethod.REPORT, self._on_report)
+        self.standby = standby or StandbyPool(
+            backend,
+            self.output,
+            cluster,
+            stopping=lambda: self._stop_requested,
+            on_change=self.tasks.changed,
+        )
+        self.restore_points = restore_points or RestorePoints(
+            config.checkpoint_dir or str(cluster.path / "checkpoints")
+        )
+        self._new_store = store or (
+            lambda: StoreHost({**os.environ, ENV_CLUSTER_ID: cluster.id}, config.host)
+        )
+        self.place = ClusterPlace(
+            cluster_id=cluster.id,
+            manager=self._rpc.address,
+            secret_file=str(cluster.secret_file),
+            state_dir=str(cluster.path),
+            checkpoint_url=self.restore_points.url,
+        )
+        for method, handler, blocking in (
+            (ManagerMethod.REGISTER, self._on_register, True),
+            (ManagerMethod.HEARTBEAT, self._on_heartbeat, False),
+            (ManagerMethod.EXITED, self._on_exited, False),
+            (ManagerMethod.STOP, self._on_stop, False),
+            (ManagerMethod.STATUS, lambda request: self.state().to_dict(), False),
+            (ManagerMethod.DECLARE, self._on_declare, False),
+            (ManagerMethod.STANDBY, self._on_standby, True),
+            (ManagerMethod.SPEC, self._on_spec, False),
+            (ManagerMethod.REPORT, self._on_report, False),
+        ):
+            self._rpc.register(method, handler, blocking=blocking)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
-        self.data = DispatcherService().register_on(self._rpc)
+        self.data = (data or DispatcherService()).register_on(self._rpc)
 
     # The public face ---------------------------------------------------------------
 
@@ -192,9 +171,7 @@ class Controller:
         self.cluster.append_event("starting", tasks=[str(t) for t in self.tasks])
         self._write_state()
         try:
-            self._store = StoreHost(
-                {**os.environ, ENV_CLUSTER_ID: self.cluster.id}, self.config.host
-            )
+            self._store = self._new_store()
             restore = self._choose_checkpoint(restore_data=True)
             for task in self.tasks.values():
                 self._launch(task, restore)
@@ -205,6 +182,28 @@ class Controller:
             self._finish("failed", 1, "the manager failed")
             raise
         return self._conclude(verdict)
+
+    def state(self) -> ClusterState:
+        """The cluster as ``state.json`` and ``manager.status`` show it."""
+        me = psutil.Process()
+        spec, version = self.rendezvous.current()
+        return ClusterState(
+            id=self.cluster.id,
+            status=self._status,
+            created=self._created,
+            backend=self.backend.name,
+            command=tuple(self.config.command),
+            manager=ManagerProcess(
+                pid=me.pid, create_time=me.create_time(), address=self._rpc.address
+            ),
+            spec=spec.as_dict() if spec else None,
+            spec_version=version,
+            restarts=self._restarts,
+            max_restarts=self.config.max_restarts,
+            standby=self.standby.state(),
+            checkpoint_dir=self.restore_points.url,
+            tasks=self.tasks.states(),
+        )
 
     # The loop ----------------------------------------------------------------------
 
@@ -230,34 +229,19 @@ class Controller:
             if verdict.decision != Decision.CONTINUE:
                 return verdict
             self._keep_standby()
-            with self._lock:
-                changed, self._dirty = changed or self._dirty, False
-            if changed or time.monotonic() - last_write > 2.0:
+            if (
+                self.tasks.take_changed()
+                or changed
+                or time.monotonic() - last_write > STATE_EVERY_S
+            ):
                 self._write_state()
                 last_write = time.monotonic()
 
     def _snapshot(self) -> ClusterStatus:
-        now = time.monotonic()
-        with self._lock:
-            registered = all(t.address for t in self.tasks.values())
-            tasks = tuple(
-                TaskStatus(
-                    task=str(t.id),
-                    tracked=t.tracked,
-                    exit_code=t.exit_code,
-                    heartbeat_age_s=None if t.last_heartbeat is None else now - t.last_heartbeat,
-                    error=t.error,
-                    respawnable=t.respawnable,
-                    step_age_s=None if t.step_changed is None else now - t.step_changed,
-                )
-                for t in self.tasks.values()
-            )
         return ClusterStatus(
-            tasks=tasks,
+            tasks=self.tasks.statuses(),
             stop_requested=self._stop_requested,
-            registration_overdue=(
-                not registered and now - self._started > self.config.register_timeout_s
-            ),
+            registration_overdue=self.rendezvous.overdue(),
             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
             stall_timeout_s=self.config.stall_timeout_s,
             restarts=self._restarts,
@@ -278,16 +262,11 @@ class Controller:
 
     def _shut_down(self) -> None:
         """Stops everything the cluster runs; returns once it is gone and its output read."""
-        with self._lock:
-            # Registrations held at the barrier would otherwise wait out the registration
-            # timeout, and the interpreter joins their threads before this process exits.
-            self._closing = True
-            self._lock.notify_all()
+        # Registrations held at the barrier would otherwise wait out the registration
+        # timeout, and the interpreter joins their threads before this process exits.
+        self.rendezvous.close()
         self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
-        standby, self._standby = self._standby, None
-        if standby is not None:  # idle: nothing to lose
-            standby.process.signal(signal.SIGKILL)
-            standby.process.wait(5.0)
+        self.standby.close()
         if self._store is not None:
             self._store.close()
         self._sweep()
@@ -309,7 +288,7 @@ class Controller:
             )
             kill_processes(leftovers, self._grace_s)
 
-    def _stop_tasks(self, tasks: list[_Task]) -> None:
+    def _stop_tasks(self, tasks: list[TaskRecord]) -> None:
         """SIGTERM to each task's process group; SIGKILL to whatever is left after grace."""
         live = [t for t in tasks if t.process is not None]
         for task in live:
@@ -330,11 +309,14 @@ class Controller:
 
     # Recovery ----------------------------------------------------------------------
 
-    def _launch(self, task: _Task, restore: str | None) -> None:
+    def _launch(self, task: TaskRecord, restore: str | None) -> None:
         """Starts ``task``'s supervisor (again), following its output into its log."""
         task.restore = restore
-        if self._hand_to_standby(task):
-            return
+        if task.respawnable:
+            process = self.standby.hand(str(task.id))
+            if process is not None:
+                task.process = process
+                return
         task.process = self.backend.launch(TaskLaunch(task=task.id, env=self._task_env(task.id)))
         if task.process.output is not None:
             self.output.follow(
@@ -349,68 +331,21 @@ class Controller:
         its torch import then costs the running tasks CPU once, instead of costing the
         replacement its start-up at every respawn.
         """
-        standby = self._standby
-        if standby is not None:
-            if standby.process.poll() is None:
-                return
-            self._standby = None  # it died (killed by a user?): make another
-        if self._spec is None or self._restarts >= self.config.max_restarts:
-            return
         first = next((t for t in self.tasks.values() if t.respawnable), None)
-        if first is None:
+        needed = (
+            first is not None
+            and self.rendezvous.spec is not None
+            and self._restarts < self.config.max_restarts
+        )
+        if not needed or first is None:
+            self.standby.keep(None)
             return
-        env = {**self._task_env(first.id), ENV_STANDBY: "1"}
-        process = self.backend.launch(TaskLaunch(task=first.id, env=env))
-        label = None
-        if process.output is not None:
-            label = self.output.follow("standby", process.output, self.cluster.task_log("standby"))
-        self._standby = _Standby(process, label)
-        log.info("standby supervisor started (pid %d)", process.pid)
+        task = first.id
+        self.standby.keep(
+            lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"})
+        )
 
-    def _hand_to_standby(self, task: _Task) -> bool:
-        """Gives ``task`` to the waiting standby, if there is one; whether it took it."""
-        with self._lock:
-            standby = self._standby
-            if standby is None or standby.process.poll() is not None or not task.respawnable:
-                return False
-            # Even a standby still warming up beats a cold start: it has a head start.
-            standby.task = str(task.id)
-            standby.waiting = False
-            self._standby = None
-            self._handed[standby.process.pid] = standby.task
-            task.process = standby.process
-            self._lock.notify_all()
-        if standby.label is not None:
-            standby.label.rename(str(task.id), self.cluster.task_log(str(task.id)))
-        self.cluster.append_event("standby_took_over", task=str(task.id), pid=standby.process.pid)
-        return True
-
-    def _on_standby(self, request: Request) -> dict[str, Any]:
-        """A standby waits here (bounded rounds) until a task is handed to it."""
-        body = request.body or {}
-        wait_s = float(body.get("wait_s") or 20.0)
-        deadline = time.monotonic() + min(max(wait_s, 0.1), 60.0)
-        with self._lock:
-            handed = self._handed.pop(body.get("pid"), None)  # type: ignore[arg-type]
-            if handed is not None:
-                return {"task": handed}  # given a task while it was still warming up
-            standby = self._standby
-            if standby is None or standby.process.pid != body.get("pid"):
-                return {"exit": True}  # not (or no longer) the standby this manager keeps
-            if not standby.waiting:
-                standby.waiting = True
-                self._dirty = True
-            while standby.task is None and not (self._closing or self._stop_requested):
-                if not self._lock.wait(max(0.0, deadline - time.monotonic())):
-                    break
-            if standby.task is not None:
-                self._handed.pop(standby.process.pid, None)
-                return {"task": standby.task}
-            if self._closing or self._stop_requested:
-                return {"exit": True}
-            return {"task": None}
-
-    def _kill(self, tasks: list[_Task]) -> None:
+    def _kill(self, tasks: list[TaskRecord]) -> None:
         """SIGKILL at once: every committed checkpoint is a consistent cut, so nothing is
         gained by waiting for a task being replaced (and a hung one would not listen)."""
         for task in tasks:
@@ -420,17 +355,6 @@ class Controller:
             if task.process is not None and task.exit_code is None:
                 code = task.process.wait(10.0)
                 self._record_exit(task, -signal.SIGKILL if code is None else code, stopped=True)
-
-    def _reset(self, task: _Task) -> None:
-        with self._lock:
-            task.exit_code = None
-            task.error = None
-            task.last_heartbeat = None
-            task.step_changed = None
-            task.figures = {}
-            task.status = "restarting"
-            task.restarts += 1
-            self._dirty = True
 
     def _respawn(self, verdict: Verdict) -> None:
         """Relaunches the dead task alone; it rejoins at the next spec version."""
@@ -443,7 +367,7 @@ class Controller:
         self.cluster.append_event(
             "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
         )
-        self._reset(task)
+        self.tasks.relaunching(task)
         self._launch(task, self._choose_checkpoint(restore_data=False))
         self._write_state()
 
@@ -455,18 +379,16 @@ class Controller:
         self._kill(live)
         log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
         self.output.line(f"clusterflow: {verdict.reason}; restarting every task")
-        with self._lock:
-            # A new barrier: the restarted supervisors register anew (new addresses).
-            self._spec = None
-            self._status = "restarting"
-            for task in self.tasks.values():
-                task.address = None
+        # A new barrier: the restarted supervisors register anew (new addresses), and
+        # the registration timeout counts afresh.
+        self.rendezvous.reopen()
+        self._status = "restarting"
+        for task in self.tasks.values():
+            task.address = None
         if self._store is not None:
             # A fresh store: the old one holds the dead incarnation's rendezvous keys.
             self._store.close()
-            self._store = StoreHost(
-                {**os.environ, ENV_CLUSTER_ID: self.cluster.id}, self.config.host
-            )
+            self._store = self._new_store()
         restore = self._choose_checkpoint(restore_data=True)
         self.cluster.append_event(
             "cluster_restarted",
@@ -475,55 +397,32 @@ class Controller:
             restarts=self._restarts,
             checkpoint=restore,
         )
-        self._started = time.monotonic()  # the registration timeout counts afresh
         for task in self.tasks.values():
-            self._reset(task)
+            self.tasks.relaunching(task)
             self._launch(task, restore)
         self._write_state()
 
     def _choose_checkpoint(self, *, restore_data: bool) -> str | None:
-        """The newest intact committed checkpoint (every task restores this one).
-
-        With ``restore_data`` the data service's cursor is reset to the checkpoint's
-        (or to nothing, without one), so the data position and the parameters come from
-        the same cut.
-        """
-        manifest, cursor = None, None
-        try:
-            storage = CheckpointStorage(self.checkpoint_url)
-            # Verifying reads every byte: do it once per checkpoint, not per respawn.
-            manifest = storage.latest(verify=False)
-            if manifest is not None and manifest.step != self._verified_step:
-                manifest = storage.latest(verify=True)
-                self._verified_step = None if manifest is None else manifest.step
-            if restore_data and manifest is not None and DATA_PART in manifest.parts:
-                cursor = storage.read_json(manifest, DATA_PART)
-        except (ClusterflowError, OSError) as exc:
-            # Restarting without a checkpoint beats not restarting: the run then starts
-            # over, which is also what the tasks would find.
-            log.warning("cannot read checkpoints at %s: %s", self.checkpoint_url, exc)
-            self.output.line(f"clusterflow: cannot read checkpoints: {exc}")
-            manifest, cursor = None, None
+        """The step every (re)launched task restores; with ``restore_data`` the data
+        service's cursor is reset to that checkpoint's (or to nothing, without one), so
+        the data position and the parameters come from the same cut."""
+        point = self.restore_points.newest(with_cursor=restore_data)
+        if point.problem is not None:
+            self.output.line(f"clusterflow: {point.problem}")
         if restore_data:
-            self.data.reset(cursor)
-        if manifest is None:
-            return None
-        log.info("tasks restore checkpoint %s (step %d)", manifest.directory, manifest.step)
-        return str(manifest.step)
+            self.data.reset(point.cursor)
+        return point.step
 
     def _finish(self, status: str, code: int, summary: str) -> None:
         self._status = status
         self.cluster.append_event(status, exit_code=code, summary=summary)
-        self._write_state(exit_code=code, summary=summary, ended=time.time())
+        self._write_state(self.state().finished(exit_code=code, summary=summary, ended=time.time()))
         self.output.close()
         self._rpc.stop()
 
-    def _record_exit(self, task: _Task, code: int, *, stopped: bool = False) -> None:
-        with self._lock:
-            if task.exit_code is not None:
-                return
-            task.exit_code = code
-            task.status = "stopped" if stopped else ("succeeded" if code == 0 else "failed")
+    def _record_exit(self, task: TaskRecord, code: int, *, stopped: bool = False) -> None:
+        if not self.tasks.exited(task, code, stopped=stopped):
+            return
         self.cluster.append_event("task_exited", task=str(task.id), exit_code=code)
         if code != 0:
             returned = self.data.release_worker(str(task.id))
@@ -533,235 +432,102 @@ class Controller:
     # Environment -------------------------------------------------------------------
 
     def _task_env(self, task: TaskId) -> dict[str, str]:
-        """The supervisor's environment: how to find the manager and prove membership."""
-        env = dict(os.environ)
-        env.update(self.config.env)
-        env.update(
-            {
-                ENV_MANAGER: self._rpc.address,
-                ENV_SECRET_FILE: str(self.cluster.secret_file),
-                ENV_TASK: str(task),
-                ENV_CLUSTER_ID: self.cluster.id,
-                ENV_BIND_HOST: self.config.host,
-                ENV_HEARTBEAT_S: str(self.config.heartbeat_s),
-                ENV_REGISTER_TIMEOUT: str(self.config.register_timeout_s),
-                "PYTHONUNBUFFERED": "1",
-            }
+        return supervisor_env(os.environ, self.config, self.place, task)
+
+    def _incarnation(self, task: TaskId, version: int) -> Incarnation:
+        state = self.tasks[task]
+        return Incarnation(
+            spec_version=version,
+            attempt=self._attempt,
+            restarts=state.restarts,
+            restore=state.restore,
+            store_port=self._store.port if self._store else 0,
         )
-        return env
-
-    def _job_env(self, task: TaskId, spec: ClusterSpec) -> dict[str, str]:
-        """What the job command sees: TF_CONFIG, torchrun's variables, CLUSTERFLOW_*."""
-        restore = self.tasks[task].restore
-        env = {
-            "TF_CONFIG": TFConfig(spec, task).to_json(),
-            ENV_JOB: task.job,
-            ENV_TASK_INDEX: str(task.index),
-            ENV_SPEC_VERSION: str(self._spec_version),
-            ENV_STATE_DIR: str(self.cluster.path),
-            ENV_CHECKPOINT_DIR: self.checkpoint_url,
-            ENV_ATTEMPT: str(self._attempt),
-            # A TensorFlow gRPC server may then bind beside the reserved socket.
-            "TF_GRPC_REUSE_PORT": "1",
-        }
-        if restore is not None:
-            env[ENV_RESTORE] = restore
-        ranks = [t for t in self.config.tasks() if t.job in REPLICA_JOBS]
-        if task in ranks:
-            rank, world = ranks.index(task), len(ranks)
-            env.update(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    # One host: every rank of a local cluster is local, unless each task
-                    # stands for a host of its own (--replicas-per-host, replica_env).
-                    "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(world),
-                    "GROUP_RANK": "0",
-                    "GROUP_WORLD_SIZE": "1",
-                    "ROLE_RANK": str(rank),
-                    "ROLE_WORLD_SIZE": str(world),
-                    "MASTER_ADDR": self.config.host,
-                    "MASTER_PORT": str(self._store.port if self._store else 0),
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RESTART_COUNT": str(self.tasks[task].restarts),
-                    "TORCHELASTIC_MAX_RESTARTS": str(self.config.max_restarts),
-                }
-            )
-        return env
-
-    def _replica_env(self, task: TaskId) -> list[dict[str, str]]:
-        """Per-process overrides when ``task`` runs several replicas; [] when it runs one.
-
-        The task stands for a host with ``n`` devices, as a torchrun node with
-        ``--nproc-per-node n``: its processes hold the contiguous ranks ``i*n .. i*n+n-1``
-        (``i``: the task's position among chief and workers), ``LOCAL_RANK`` picks the
-        device, and ``GROUP_RANK`` is the task's position. All share the task's TF_CONFIG.
-        """
-        n = self.config.replicas_of(task)
-        if n == 1:
-            return []
-        ranks = [t for t in self.config.tasks() if t.job in REPLICA_JOBS]
-        position, hosts = ranks.index(task), len(ranks)
-        world = hosts * n
-        out = []
-        for replica in range(n):
-            rank = position * n + replica
-            out.append(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(replica),
-                    "LOCAL_WORLD_SIZE": str(n),
-                    "GROUP_RANK": str(position),
-                    "GROUP_WORLD_SIZE": str(hosts),
-                    "ROLE_RANK": str(rank),
-                    "ROLE_WORLD_SIZE": str(world),
-                    ENV_REPLICA: str(replica),
-                }
-            )
-        return out
 
     # RPC handlers ------------------------------------------------------------------
 
     def _on_register(self, request: Request) -> dict[str, Any]:
+        """A supervisor registers: held at the barrier, answered with what to run."""
         body = request.body or {}
+        task = self.tasks.find(body.get("task"))
+        pid = body.get("pid")
+        if task.process is not None and isinstance(pid, int) and pid != task.process.pid:
+            raise RegistrationError(f"{task.id}: pid {pid} is not its current supervisor")
+        address = str(body.get("address"))
+        respawned = task.status == "restarting" and self.rendezvous.spec is not None
+        if not respawned:
+            self.tasks.registered(task, address, running=False)
+        arrival = self.rendezvous.register(task.id, address, respawned=respawned)
+        if arrival == Arrival.ASSEMBLED:
+            self._on_assembled()
+        if respawned:
+            self.tasks.registered(task, address, running=True)
+            if arrival == Arrival.MOVED:
+                self.cluster.append_event(
+                    "spec_updated",
+                    version=self.rendezvous.version,
+                    task=str(task.id),
+                    address=address,
+                )
         try:
-            task_id = TaskId.parse(str(body.get("task")))
-        except ClusterflowError as exc:
-            raise RegistrationError(f"bad registration {body!r}: {exc}") from exc
-        with self._lock:
-            deadline = self._started + self.config.register_timeout_s
-            task = self.tasks.get(task_id)
-            if task is None:
-                raise RegistrationError(f"task {task_id} is not part of cluster {self.cluster.id}")
-            pid = body.get("pid")
-            if task.process is not None and isinstance(pid, int) and pid != task.process.pid:
-                raise RegistrationError(f"{task_id}: pid {pid} is not its current supervisor")
-            address = str(body.get("address"))
-            if self._spec is None:
-                task.address = address
-                task.status = "registered"
-                self._dirty = True
-                if all(t.address for t in self.tasks.values()):
-                    self._assemble_spec()
-            elif task.status == "restarting":
-                self._rejoin(task, address)
-            while self._spec is None and not (self._stop_requested or self._closing):
-                if not self._lock.wait(max(0.0, deadline - time.monotonic())):
-                    raise RegistrationError("not every task registered in time")
-            if self._spec is None or self._closing:
-                raise RegistrationError(f"cluster {self.cluster.id} is stopping")
-            return {
-                "spec": self._spec.as_dict(),
-                "spec_version": self._spec_version,
-                "env": self._job_env(task_id, self._spec),
-                "replicas": self._replica_env(task_id),
-                "command": list(self.config.command_for(task_id)),
-            }
-
-    def _rejoin(self, task: _Task, address: str) -> None:
-        """A respawned task registers while the others run: called with the lock held.
-
-        Its new address makes a new spec version, which the others learn from
-        ``manager.spec`` (their heartbeats carry the version number).
-        """
-        task.status = "running"
-        task.last_heartbeat = time.monotonic()
-        self._dirty = True
-        if address == task.address:
-            return
-        task.address = address
-        assert self._spec is not None
-        jobs: dict[str, dict[int, str]] = {
-            job: {i: self._spec.task_address(job, i) for i in self._spec.task_indices(job)}
-            for job in self._spec.jobs
+            spec, version = self.rendezvous.wait(lambda: self._stop_requested)
+        except RegistrationError as exc:
+            raise RegistrationError(f"cluster {self.cluster.id}: {exc}") from None
+        return {
+            "spec": spec.as_dict(),
+            "spec_version": version,
+            "env": job_env(
+                self.config, self.place, spec, task.id, self._incarnation(task.id, version)
+            ),
+            "replicas": replica_env(self.config, task.id),
+            "command": list(self.config.command_for(task.id)),
         }
-        jobs[task.id.job][task.id.index] = address
-        self._spec = ClusterSpec(jobs)
-        self._spec_version += 1
-        self.cluster.append_event(
-            "spec_updated", version=self._spec_version, task=str(task.id), address=address
-        )
 
-    def _assemble_spec(self) -> None:
-        """Called with the lock held, once every task has registered."""
-        jobs: dict[str, list[str]] = {}
-        for task in self.tasks.values():
-            assert task.address is not None
-            jobs.setdefault(task.id.job, []).append(task.address)
-        self._spec = ClusterSpec(jobs)
-        self._spec_version += 1
+    def _on_assembled(self) -> None:
+        """Every task registered: the spec is assembled, the commands run."""
         self._status = "running"
-        now = time.monotonic()
-        for task in self.tasks.values():
-            # Heartbeats start with the command; waiting at the barrier is bounded by
-            # the registration timeout instead.
-            task.status = "running"
-            task.last_heartbeat = now
-        self._dirty = True
-        self._lock.notify_all()
-        self.cluster.append_event(
-            "spec_assembled", version=self._spec_version, spec=self._spec.as_dict()
-        )
+        self.tasks.all_running()
+        spec, version = self.rendezvous.current()
+        assert spec is not None
+        self.cluster.append_event("spec_assembled", version=version, spec=spec.as_dict())
         self._wake.set()
 
-    def _on_heartbeat(self, request: Request) -> dict[str, Any]:
-        body = request.body or {}
-        with contextlib.suppress(ClusterflowError):
-            task = self.tasks.get(TaskId.parse(str(body.get("task"))))
-            if task is not None:
-                task.last_heartbeat = time.monotonic()
-        return {"stop": self._stop_requested, "spec_version": self._spec_version}
+    def _on_heartbeat(self, request: Request) -> None:
+        """A supervisor is alive; the answer itself is all it needs (the manager lives).
+
+        It carries no spec version: a running job cannot take a new ``TF_CONFIG``, and
+        what connects to workers reads the newest spec through ``manager.spec`` when a
+        worker stops answering (docs/architecture.md section 3).
+        """
+        self.tasks.heartbeat((request.body or {}).get("task"))
 
     def _on_declare(self, request: Request) -> dict[str, Any]:
         """A job says how it recovers: ``{"task", "respawnable": bool}``."""
         body = request.body or {}
-        task = self._task_of(body)
-        with self._lock:
-            task.respawnable = bool(body.get("respawnable"))
-            self._dirty = True
+        self.tasks.declare(
+            self.tasks.find(body.get("task")), respawnable=bool(body.get("respawnable"))
+        )
         return {"max_restarts": self.config.max_restarts}
 
     def _on_spec(self, request: Request) -> dict[str, Any]:
-        with self._lock:
-            spec = self._spec.as_dict() if self._spec else None
-            return {"spec": spec, "spec_version": self._spec_version}
+        spec, version = self.rendezvous.current()
+        return {"spec": spec.as_dict() if spec else None, "spec_version": version}
+
+    def _on_standby(self, request: Request) -> dict[str, Any]:
+        """A standby waits here (bounded rounds) until a task is handed to it."""
+        body = request.body or {}
+        return self.standby.wait(body.get("pid"), body.get("wait_s"))
 
     def _on_report(self, request: Request) -> None:
         """Live figures from a job: ``{"task", "step", "loss", "samples_per_s"}``."""
         body = request.body or {}
-        task = self._task_of(body)
-        figures = {
-            k: body[k]
-            for k in ("step", "loss", "samples_per_s")
-            if isinstance(body.get(k), int | float) and not isinstance(body.get(k), bool)
-        }
-        with self._lock:
-            step = figures.get("step")
-            if step is not None and step != task.figures.get("step"):
-                task.step_changed = time.monotonic()
-            task.figures.update(figures)
-            self._dirty = True
-
-    def _task_of(self, body: dict[str, Any]) -> _Task:
-        try:
-            task = self.tasks.get(TaskId.parse(str(body.get("task"))))
-        except ClusterflowError as exc:
-            raise RegistrationError(f"bad task in {body!r}: {exc}") from exc
-        if task is None:
-            raise RegistrationError(f"task {body.get('task')!r} is not part of this cluster")
-        return task
+        self.tasks.report(self.tasks.find(body.get("task")), body)
 
     def _on_exited(self, request: Request) -> None:
         body = request.body or {}
         error = body.get("error")
         if isinstance(error, str) and error:
-            with contextlib.suppress(ClusterflowError):
-                task = self.tasks.get(TaskId.parse(str(body.get("task"))))
-                if task is not None:
-                    with self._lock:
-                        task.error = error[:500]
+            self.tasks.failed_to_run(body.get("task"), error)
         self._wake.set()  # the loop reads the exit code from the process itself
 
     def _on_stop(self, request: Request) -> dict[str, Any]:
@@ -775,50 +541,26 @@ class Controller:
 
     # State -------------------------------------------------------------------------
 
-    def _state(self, **extra: Any) -> dict[str, Any]:
-        me = psutil.Process()
-        with self._lock:
-            tasks = [
-                {
-                    "task": str(t.id),
-                    "tracked": t.tracked,
-                    "status": t.status,
-                    "address": t.address,
-                    "pid": t.process.pid if t.process else None,
-                    "exit_code": t.exit_code,
-                    "restarts": t.restarts,
-                    **t.figures,
-                }
-                for t in self.tasks.values()
-            ]
-        state: dict[str, Any] = {
-            "id": self.cluster.id,
-            "status": self._status,
-            "created": self._created,
-            "backend": self.backend.name,
-            "command": list(self.config.command),
-            "manager": {
-                "pid": me.pid,
-                "create_time": me.create_time(),
-                "address": self._rpc.address,
-            },
-            "spec": self._spec.as_dict() if self._spec else None,
-            "spec_version": self._spec_version,
-            "restarts": self._restarts,
-            "max_restarts": self.config.max_restarts,
-            "standby": (
-                {"pid": self._standby.process.pid, "ready": self._standby.waiting}
-                if self._standby is not None
-                else None
-            ),
-            "checkpoint_dir": self.checkpoint_url,
-            "tasks": tasks,
-        }
-        state.update(extra)
-        return state
-
-    def _write_state(self, **extra: Any) -> None:
+    def _write_state(self, state: ClusterState | None = None) -> None:
         try:
-            self.cluster.write_state(self._state(**extra))
+            self.cluster.write_state(state or self.state())
         except OSError as exc:
             log.warning("cannot write the state of cluster %s: %s", self.cluster.id, exc)
+
+
+def _manager_server(cluster: ClusterDir, config: RunConfig, tasks: int) -> RpcServer:
+    """The manager's RPC server, with the credentials its tasks use."""
+    # The tasks' way, so CLUSTERFLOW_AUTH (plain or curve) means the same to both.
+    credentials = Credentials.from_env(
+        {**os.environ, **config.env, ENV_SECRET_FILE: str(cluster.secret_file)}
+    )
+    assert credentials is not None
+    # Registrations wait at the barrier and a standby waits for a task, each holding a
+    # handler thread: room for every task (threads start only when needed).
+    return RpcServer(
+        credentials,
+        host=config.host,
+        port=0,
+        name="manager",
+        workers=tasks * max(1, config.replicas_per_host) + 16,
+    )

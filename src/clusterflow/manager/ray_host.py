@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
+from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.registry import TERMINAL, ClusterDir
+from clusterflow.manager.state import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +52,15 @@ def actor_name(cluster_id: str) -> str:
     return f"clusterflow-{cluster_id}"
 
 
-def task_requests(config: RunConfig) -> list[TaskRequest]:
-    """One placement request per task, in the cluster's canonical task order."""
+def task_requests(config: RunConfig, automatic: frozenset[str]) -> list[TaskRequest]:
+    """One placement request per task, in the cluster's canonical task order
+    (``automatic``: jobs whose memory was sized, not named)."""
     return [
         TaskRequest(
             task=task,
             resources=dict(config.resources.get(task.job, {})),
             labels=dict(config.labels.get(task.job, {})),
+            memory_enforced=task.job not in automatic,
         )
         for task in config.tasks()
     ]
@@ -65,7 +69,9 @@ def task_requests(config: RunConfig) -> list[TaskRequest]:
 class ManagerHost:
     """The manager of one cluster, as a detached Ray actor (see ``_host_class``)."""
 
-    def __init__(self, cluster_id: str, config: dict[str, Any], secret: str) -> None:
+    def __init__(
+        self, cluster_id: str, config: dict[str, Any], secret: str, automatic: list[str]
+    ) -> None:
         import ray
 
         path = registry.home() / "ray" / cluster_id
@@ -79,6 +85,7 @@ class ManagerHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         # The manager's RPC server, its torch store and MASTER_ADDR use this node's address.
         self.config = replace(RunConfig.from_dict(config), host=ray.util.get_node_ip_address())
+        self.automatic = frozenset(automatic)
         self.controller: Any = None
         self.backend: Any = None
         self._ended = threading.Event()
@@ -91,13 +98,16 @@ class ManagerHost:
         from clusterflow.backends.ray_placement import reserve
         from clusterflow.manager.controller import Controller
 
-        requests = task_requests(self.config)
+        requests = task_requests(self.config, self.automatic)
+        name = actor_name(self.cluster.id)
         try:
-            group = reserve(requests, actor_name(self.cluster.id), self.config.placement_timeout_s)
+            group = reserve(requests, name, self.config.placement_timeout_s)
         except PlacementError as exc:
             self._ended.set()
             return str(exc)
-        self.backend = RayBackend(requests, group)
+        self.backend = RayBackend(
+            requests, group, name=name, placement_timeout_s=self.config.placement_timeout_s
+        )
         self.controller = Controller(self.cluster, self.config, self.backend, echo=False)
         threading.Thread(target=self._run, name="controller", daemon=True).start()
         return None
@@ -121,11 +131,11 @@ class ManagerHost:
     def pull(self, offsets: dict[str, int]) -> dict[str, Any]:
         """The state (with each task's node and resources) and every mirrored file's
         bytes after ``offsets`` (file name relative to the cluster folder: offset)."""
-        state = self.cluster.read_state()
+        state = self.cluster.read_state().to_dict()
         placements = self.backend.placements() if self.backend is not None else {}
-        for task in state.get("tasks") or []:
-            task.update(placements.get(task.get("task"), {}))
-        manager = dict(state.get("manager") or {})
+        for task in state["tasks"]:
+            task.update(placements.get(task["task"], {}))
+        manager = dict(state["manager"] or {})
         manager.update({"actor": actor_name(self.cluster.id), "node_id": self.node_id})
         manager["folder"] = str(self.cluster.path)
         state["manager"] = manager
@@ -143,12 +153,17 @@ class ManagerHost:
         """Asks the controller to stop, as ``clusterflow stop`` asks a local manager."""
         from clusterflow.rpc import Credentials, RpcClient
 
-        address = (self.cluster.read_state().get("manager") or {}).get("address")
+        manager = self.cluster.read_state().manager
+        address = manager.address if manager else None
         if self.controller is None or self._ended.is_set() or not address:
             return
-        credentials = Credentials.from_file(self.cluster.secret_file)
+        # As the controller reads them: CLUSTERFLOW_AUTH (plain or curve) may be in env.
+        secret = str(self.cluster.secret_file)
+        environ = {**os.environ, **self.config.env, ENV_SECRET_FILE: secret}
+        credentials = Credentials.from_env(environ)
+        assert credentials is not None  # the secret file is given
         with RpcClient(address, credentials, deadline=10.0) as client:
-            client.call("manager.stop", {"grace_s": grace_s})
+            client.call(ManagerMethod.STOP, {"grace_s": grace_s})
 
     def release(self) -> None:
         """The CLI has the final state: the manager may end now."""
@@ -201,12 +216,20 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     """
     import ray
 
+    from clusterflow.manager.memory_sizing import size
+
     connect(config.address, config.job_dir)
     secret = cluster.secret_file.read_text()
+    sized, automatic = size(config)
     actor = (
         _host_class()
-        .options(name=actor_name(cluster.id), namespace=NAMESPACE, lifetime="detached")
-        .remote(cluster.id, config.to_dict(), secret)
+        .options(
+            name=actor_name(cluster.id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=_on_head_node(),
+        )
+        .remote(cluster.id, sized.to_dict(), secret, sorted(automatic))
     )
     handle = ManagerHandle(cluster, actor)
     try:
@@ -218,6 +241,18 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
         handle.end()
         raise PlacementError(error)
     return handle
+
+
+def _on_head_node() -> Any:
+    """The manager goes to the head node when it can: the Ray cluster ends with that
+    node anyway, while any other node may be a spot machine that goes away."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+    return "DEFAULT"
 
 
 class ManagerHandle:
@@ -242,7 +277,7 @@ class ManagerHandle:
             return None
         return cls(cluster, actor)
 
-    def refresh(self) -> dict[str, Any] | None:
+    def refresh(self) -> ClusterState | None:
         """Pulls the manager's state and new output into the local folder; the state,
         or None if the manager is gone. A final state is collected once: the manager
         is then told it may end."""
@@ -263,12 +298,17 @@ class ManagerHandle:
             if data:
                 with open(self.cluster.path / name, "ab") as f:
                     f.write(data)
-        state: dict[str, Any] = dict(reply["state"])
+        state = ClusterState.from_dict(reply["state"], cluster_id=self.cluster.id)
         full = any(len(d) >= PULL_LIMIT for d in reply["files"].values())
-        if full and state.get("status") in TERMINAL:
-            state = {**state, "status": "running"}  # not final until every byte is here
+        if full and state.status in TERMINAL:
+            state = replace(state, status="running")  # not final until every byte is here
         self.cluster.write_state(state)
-        if state.get("status") in TERMINAL:
+        if state.status in TERMINAL:
+            from clusterflow.manager.memory_sizing import record
+
+            # Kept for the next run of the same command and job (--memory auto).
+            with contextlib.suppress(ConfigError, OSError):
+                record(RunConfig.from_dict(self.cluster.read_config()), state)
             self.end()
         return state
 
@@ -302,15 +342,14 @@ def refresh(cluster: ClusterDir) -> None:
         if cluster.read_config().get("backend") != "ray":
             return
     state = cluster.read_state()
-    if state.get("status") in TERMINAL:
+    if state.status in TERMINAL:
         return
     handle = ManagerHandle.find(cluster)
     if handle is not None and handle.refresh() is not None:
         return
-    if state.get("status") not in TERMINAL and state.get("manager"):
-        state["status"] = "stale"
-        state["summary"] = "the manager actor is gone; its node's folder holds its last state"
-        cluster.write_state(state)
+    if state.status not in TERMINAL and state.manager:
+        summary = "the manager actor is gone; its node's folder holds its last state"
+        cluster.write_state(replace(state, status="stale", summary=summary))
 
 
 def stop(cluster: ClusterDir, grace_s: float) -> str:
@@ -320,12 +359,12 @@ def stop(cluster: ClusterDir, grace_s: float) -> str:
     handle = ManagerHandle.find(cluster)
     if handle is None:
         refresh(cluster)
-        return f"not running ({cluster.read_state().get('status')})"
+        return f"not running ({cluster.read_state().status})"
     handle.stop(grace_s)
     deadline = time.monotonic() + grace_s + 60.0
     while time.monotonic() < deadline:
         state = handle.refresh()
-        if state is None or state.get("status") in TERMINAL:
+        if state is None or state.status in TERMINAL:
             return "stopped"
         time.sleep(0.2)
     handle.end()

@@ -16,6 +16,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,9 @@ import psutil
 
 from clusterflow.cluster.contract import ENV_HOME
 from clusterflow.errors import ConfigError
+from clusterflow.manager.state import TERMINAL, ClusterState
 
-TERMINAL = frozenset({"succeeded", "failed", "stopped"})
-"""Statuses after which nothing runs; every other status needs a live manager."""
+__all__ = ["TERMINAL", "ClusterDir", "all_clusters", "create", "effective_status", "find", "home"]
 
 
 def home() -> Path:
@@ -96,19 +97,24 @@ class ClusterDir:
     def task_log(self, task: str) -> Path:
         return self.logs_dir / (task.replace(":", "-") + ".log")
 
-    def read_state(self) -> dict[str, Any]:
+    def read_state(self) -> ClusterState:
+        """The state the manager last wrote; ``created`` before it wrote any.
+
+        Raises:
+            ConfigError: the file is not JSON, or not a JSON object.
+        """
         try:
             data = json.loads(self.state_file.read_text())
         except FileNotFoundError:
-            return {"id": self.id, "status": "created", "tasks": []}
+            return ClusterState(id=self.id)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cluster {self.id}: unreadable state file: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"cluster {self.id}: state file is not a JSON object")
-        return data
+        return ClusterState.from_dict(data, cluster_id=self.id)
 
-    def write_state(self, state: dict[str, Any]) -> None:
-        write_json_atomic(self.state_file, state)
+    def write_state(self, state: ClusterState) -> None:
+        write_json_atomic(self.state_file, state.to_dict())
 
     def read_config(self) -> dict[str, Any]:
         try:
@@ -189,14 +195,15 @@ def process_alive(pid: int | None, create_time: float | None) -> bool:
         return False
 
 
-def effective_status(state: dict[str, Any]) -> str:
+def effective_status(state: ClusterState | Mapping[str, Any]) -> str:
     """The status to show: a live status whose manager is gone reads ``stale``."""
-    status = str(state.get("status", "created"))
-    if status in TERMINAL or status == "created":
-        return status
-    manager = state.get("manager") or {}
-    if manager.get("actor"):
-        return status  # a manager on Ray: its mirror is refreshed from it (ray_host.refresh)
-    if not process_alive(manager.get("pid"), manager.get("create_time")):
+    if not isinstance(state, ClusterState):
+        state = ClusterState.from_dict(state)
+    if state.status in TERMINAL or state.status == "created":
+        return state.status
+    manager = state.manager
+    if manager is not None and manager.actor:
+        return state.status  # a manager on Ray: its mirror is refreshed from it (ray_host)
+    if manager is None or not process_alive(manager.pid, manager.create_time):
         return "stale"
-    return status
+    return state.status

@@ -13,11 +13,13 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 
 import psutil
 
 from clusterflow.cluster.contract import ENV_CLUSTER_ID, ManagerMethod
 from clusterflow.manager.registry import TERMINAL, ClusterDir, effective_status, process_alive
+from clusterflow.manager.state import ManagerProcess
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger(__name__)
@@ -53,12 +55,12 @@ def stop_cluster(cluster: ClusterDir, grace_s: float) -> str:
     status = effective_status(state)
     if status in TERMINAL:
         return f"not running ({status})"
-    manager = state.get("manager") or {}
-    pid, created = manager.get("pid"), manager.get("create_time")
-    if status != "stale" and manager.get("address"):
+    manager = state.manager or ManagerProcess()
+    pid, created = manager.pid, manager.create_time
+    if status != "stale" and manager.address:
         try:
             credentials = Credentials.from_file(cluster.secret_file)
-            with RpcClient(manager["address"], credentials, deadline=5.0) as client:
+            with RpcClient(manager.address, credentials, deadline=5.0) as client:
                 client.call(ManagerMethod.STOP, {"grace_s": grace_s})
         except RpcError as exc:
             log.warning("manager of %s did not take the stop request: %s", cluster.id, exc)
@@ -68,16 +70,19 @@ def stop_cluster(cluster: ClusterDir, grace_s: float) -> str:
         if not process_alive(pid, created):
             return "stopped"
         with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
+            psutil.Process(pid).kill()  # type: ignore[arg-type]  # alive: it has a pid
     kill_processes(cluster_processes(cluster.id), grace_s)
-    state["status"] = "stopped"
-    state["summary"] = "stopped by `clusterflow stop` (the manager was gone or hung)"
-    state["ended"] = time.time()
-    if state.get("exit_code") is None:
-        state["exit_code"] = 130  # what a manager that takes the stop request exits with
-    for task in state.get("tasks") or []:
-        if task.get("exit_code") is None:
-            task["status"] = "stopped"
-    cluster.write_state(state)
+    stopped = replace(
+        state,
+        status="stopped",
+        summary="stopped by `clusterflow stop` (the manager was gone or hung)",
+        ended=time.time(),
+        # What a manager that takes the stop request exits with.
+        exit_code=130 if state.exit_code is None else state.exit_code,
+        tasks=tuple(
+            replace(t, status="stopped") if t.exit_code is None else t for t in state.tasks
+        ),
+    )
+    cluster.write_state(stopped)
     cluster.append_event("stopped", forced=True)
     return "stopped (forced: the manager was gone)"

@@ -20,10 +20,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clusterflow.data.api import SplitKey
 from clusterflow.errors import ClusterflowError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class ReduceOp(StrEnum):
@@ -47,6 +51,99 @@ class Settled:
 
     def __bool__(self) -> bool:
         return bool(self.applied or self.dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """This process's place among the replicas that share each global batch."""
+
+    rank: int
+    """Which slice of every global batch this replica takes."""
+    count: int
+    """Replicas the global batch is split across."""
+    averaged: bool
+    """Whether one update is the mean of exactly these ``count`` replicas' gradients.
+    Then an uneven split (a final partial batch) is corrected by scaling each replica's
+    loss by its share, as TensorFlow's ``compute_average_loss`` divides by the global
+    batch size; async updates and sync steps with backup workers are not a mean over
+    the split, so their losses are left alone."""
+    collective: bool
+    """Whether replicas meet in collectives (all-reduce), so all must make the same calls."""
+    independent_steps: bool = False
+    """Whether each replica's update is a global step of its own (async parameter
+    servers): a restored global step then stands for about ``1/count`` of it per replica."""
+
+    def own_steps(self, global_step: int) -> int:
+        """Steps this replica took of ``global_step``: where its data resumes."""
+        return global_step // self.count if self.independent_steps else global_step
+
+
+ALONE = Replicas(rank=0, count=1, averaged=True, collective=False)
+"""One process, or a strategy whose replicas each walk the whole data."""
+
+
+Part = tuple[str, dict[str, Any], "dict[str, torch.Tensor]"]
+"""One part of a checkpoint: its name, JSON metadata and named tensors."""
+ReadPart = Callable[[str], "tuple[dict[str, Any], dict[str, torch.Tensor]]"]
+"""Reads a part of the checkpoint being restored, by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutRole:
+    """How a strategy's processes take part in a consistent checkpoint."""
+
+    kind: str
+    """Written into the manifest (``replicated``, ``parameter_server``, a new strategy's
+    own): a checkpoint restores only into a job of its kind."""
+    rank: int
+    """Which ``worker-<rank>`` part this process writes."""
+    replicas: int
+    """Processes that each write a part and meet at the barrier before the commit."""
+    holds_model: bool
+    """The strategy holds the model's state (its ``parts()``), so the cut writes no
+    ``model`` part and needs no model to restore."""
+
+
+class CheckpointParticipant(Protocol):
+    """What the consistent cut (``train/cut.py``) needs of a strategy; no more.
+
+    The cut calls, on the chief: ``quiesce`` (updates held; the cut's step), ``parts``
+    and ``cut_meta`` (written with the cut), ``resume``; on every process ``barrier``
+    once every part is written, and ``restore`` before training. A new strategy (a
+    pipeline's stages) takes part by implementing these, without the cut knowing it.
+    """
+
+    def cut_role(self) -> CutRole: ...
+
+    def agree(self, flag: bool) -> bool:
+        """The chief's ``flag`` on every process (a time-based save happens together)."""
+        ...
+
+    def quiesce(self) -> int | None:
+        """Holds updates until ``resume``; the step the cut stands at (None: the loop's)."""
+        ...
+
+    def parts(self) -> list[Part]:
+        """The strategy's own state as checkpoint parts, while quiesced (chief only)."""
+        ...
+
+    def cut_meta(self) -> dict[str, Any]:
+        """Facts for the manifest that a restore checks (shard counts, mode)."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def barrier(self) -> None:
+        """Waits until every process of the cut wrote its part."""
+        ...
+
+    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
+        """Loads the strategy's parts of a checkpoint whose manifest meta is ``meta``.
+
+        ``named``: the manager chose this checkpoint for a restart, so tasks that load
+        their own state as they start (ps tasks) may have done so already.
+        """
+        ...
 
 
 class Strategy(ABC):
@@ -80,6 +177,67 @@ class Strategy(ABC):
         ``completes``: the keys of the data-service splits whose last records are in
         this step's batch (``Batch.keys``). Their fate comes back from ``settled()``.
         """
+
+    # What a training loop asks of any strategy (train/ branches on none of them) ----
+
+    def replicas(self) -> Replicas:
+        """This replica's rank and how a global batch is split across the replicas.
+
+        The default: every replica walks the whole data (a strategy of the user's own,
+        whose ``distribute()`` is not the loop's to second-guess).
+        """
+        return ALONE
+
+    def check_placed(self, model: nn.Module) -> None:  # noqa: B027
+        """Fails unless ``model``'s variables were created in ``scope()``.
+
+        A model built outside the scope would train, but wrongly (its gradients never
+        averaged, or its updates kept local). Call before training.
+
+        Raises:
+            StrategyError: the model was not created in the scope; the message says how.
+        """
+
+    def refresh_model(self) -> None:  # noqa: B027
+        """Makes the local model hold the shared parameters' newest values (before
+        evaluating it): a replica whose values lag the shared ones pulls them here."""
+
+    def finish(self, error: BaseException | None, leave: bool) -> None:  # noqa: B027
+        """What a replica does when its training run ends.
+
+        ``error``: what ended it, if anything: then the replica drops out at once, so
+        no peer waits on it until a deadline. ``leave``: this replica's data ran out
+        while others may go on (they must stop waiting for it). Errors are raised only
+        when ``error`` is None.
+        """
+
+    # The consistent cut (CheckpointParticipant); defaults: each process alone -------
+
+    def cut_role(self) -> CutRole:
+        return CutRole("replicated", rank=0, replicas=1, holds_model=False)
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def quiesce(self) -> int | None:
+        return None
+
+    def parts(self) -> list[Part]:
+        return []
+
+    def cut_meta(self) -> dict[str, Any]:
+        return {}
+
+    def resume(self) -> None:  # noqa: B027
+        pass
+
+    def barrier(self) -> None:  # noqa: B027
+        pass
+
+    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:  # noqa: B027
+        pass
+
+    # Exactly-once data --------------------------------------------------------------
 
     def settled(self, *, wait: bool = False) -> Settled:
         """The keys given to ``run`` whose update has since been applied or dropped.

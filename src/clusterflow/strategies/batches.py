@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from clusterflow.strategies.api import StrategyError
 
-__all__ = ["batch_size_of", "distribute_batches", "replica_slice", "split_batch"]
+__all__ = ["batch_size_of", "deal_out", "distribute_batches", "replica_slice", "split_batch"]
 
 _log = logging.getLogger(__name__)
 
@@ -206,3 +206,18 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, list | tuple):
         return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch
+
+
+def deal_out(dataset: Iterable[Any], count: int, index: int) -> Iterator[Any]:
+    """This replica's share of ``dataset`` when replicas take whole elements.
+
+    A ``clusterflow.data`` client is already this replica's share (the dispatcher lends
+    each split to one worker): it passes through whole. Any other iterable is dealt
+    out: every ``count``-th element, starting at ``index``.
+    """
+    if is_data_client(dataset):
+        yield from dataset
+        return
+    for i, element in enumerate(dataset):
+        if i % count == index:
+            yield element

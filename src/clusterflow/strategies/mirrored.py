@@ -54,7 +54,14 @@ from clusterflow.collective import (
 from clusterflow.collective.group import CollectiveGroup, select_device
 from clusterflow.collective.hooks import register_compression
 from clusterflow.data.api import SplitKey
-from clusterflow.strategies.api import ReduceOp, Strategy, StrategyError, parse_reduce_op
+from clusterflow.strategies.api import (
+    CutRole,
+    ReduceOp,
+    Replicas,
+    Strategy,
+    StrategyError,
+    parse_reduce_op,
+)
 from clusterflow.strategies.batches import batch_to_device, distribute_batches, is_data_client
 from clusterflow.strategies.module_scope import (
     ModuleRecorder,
@@ -338,6 +345,38 @@ class CollectiveAllReduceStrategy(Strategy):
             PeerLost: a replica died or hung.
         """
         self._group.barrier()
+
+    # The training loop's questions (strategies/api.py) -----------------------------------
+
+    def replicas(self) -> Replicas:
+        return Replicas(self.rank, self.num_replicas_in_sync, averaged=True, collective=True)
+
+    def check_placed(self, model: nn.Module) -> None:
+        if not is_prepared(model):
+            raise StrategyError(
+                "the model was created outside strategy.scope(); build it inside "
+                "`with strategy.scope():` (or call strategy.prepare(model) before the "
+                "optimizer)"
+            )
+
+    def cut_role(self) -> CutRole:
+        return CutRole("replicated", self.rank, self.num_replicas_in_sync, holds_model=False)
+
+    def agree(self, flag: bool) -> bool:
+        """The chief's ``flag`` on every replica: their clocks differ, and a time-based
+        save must happen together (they meet at its barrier)."""
+        if self.num_replicas_in_sync == 1:
+            return flag
+        return bool(self.broadcast_(torch.tensor([1 if flag else 0], dtype=torch.int32)).item())
+
+    def finish(self, error: BaseException | None, leave: bool) -> None:
+        """On error this replica leaves its group at once, so no peer waits on it."""
+        if error is None:
+            return
+        try:
+            self.shutdown()
+        except Exception as exc:
+            _log.warning("could not leave the all-reduce group after an error: %s", exc)
 
     # Data --------------------------------------------------------------------------------
 

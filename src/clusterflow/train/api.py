@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
-    from clusterflow.train.session import TrainingSession
+    import torch
+    from torch import nn
 
-__all__ = ["Hook", "StepInfo", "TrainConfigError", "TrainError"]
+    from clusterflow.strategies.api import Strategy
+
+__all__ = ["Hook", "Session", "StepInfo", "TrainConfigError", "TrainError"]
 
 
 class TrainError(ClusterflowError):
@@ -69,6 +72,33 @@ class StepInfo:
         return {name: float(value) for name, value in self.raw_metrics.items()}
 
 
+class Session(Protocol):
+    """What a hook sees of the run it is in (``TrainingSession`` is one).
+
+    A protocol here, not the session class, so that hooks and the session import in one
+    direction only: the session imports the hooks, never the other way round.
+    """
+
+    strategy: Strategy | None
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    data: Any
+    state: dict[str, Any]
+    max_steps: int | None
+
+    @property
+    def is_chief(self) -> bool: ...
+
+    @property
+    def step(self) -> int: ...
+
+    def restored(self, step: int) -> None:
+        """Sets the step the run resumes from (a restoring hook, in ``begin``)."""
+        ...
+
+    def request_stop(self) -> None: ...
+
+
 class Hook:
     """Base of every hook; each method does nothing unless overridden.
 
@@ -80,16 +110,16 @@ class Hook:
 
     restores: ClassVar[bool] = False
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         """Called once on entering the session, before the first step."""
 
-    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+    def after_step(self, session: Session, info: StepInfo) -> None:
         """Called after every step (``session.step_done``), on every task."""
 
-    def after_epoch(self, session: TrainingSession, epoch: int, logs: Mapping[str, float]) -> None:
+    def after_epoch(self, session: Session, epoch: int, logs: Mapping[str, float]) -> None:
         """Called by ``fit`` after each epoch with its loss, metrics and validation figures."""
 
-    def end(self, session: TrainingSession, error: BaseException | None) -> None:
+    def end(self, session: Session, error: BaseException | None) -> None:
         """Called once on leaving the session; ``error`` is what the loop raised, if anything.
 
         Called even when the loop failed, so a hook can release what it holds; it should

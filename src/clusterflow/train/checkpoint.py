@@ -1,7 +1,7 @@
 """The ``Checkpoint`` hook: restore on entering, save on schedule and at the end.
 
 The hook holds no checkpoint logic of its own: it drives
-``clusterflow.strategies.checkpointer.Checkpointer``, which cuts a globally consistent
+``clusterflow.train.cut.Checkpointer``, which cuts a globally consistent
 checkpoint across the tasks (every ps shard, every worker's state, the data cursor).
 It adds what only the loop knows: the step to resume from, when the run ends, and a
 small ``FINAL.json`` marker the chief writes after the last checkpoint of a finished
@@ -10,7 +10,6 @@ run, so an evaluator task knows it has seen the last one.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -20,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.strategies.api import Strategy
-from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
+from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
+from clusterflow.train.cut import DEFAULT_DIRECTORY, Checkpointer
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from clusterflow.train.session import TrainingSession
 
 __all__ = [
     "Checkpoint",
@@ -40,9 +39,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_DIRECTORY: Final = "checkpoints"
-"""The Checkpointer's default (``strategies.checkpointer.DEFAULT_DIRECTORY``); named here
-because that module is imported only when checkpoints are used."""
 FINAL_MARKER: Final = "FINAL.json"
 """Written by the chief after a run's last checkpoint: ``{"step": N, "run": id}``."""
 
@@ -80,19 +76,8 @@ def open_checkpointer(
     state: Mapping[str, Any] | None = None,
     data: Any = None,
 ) -> CheckpointerLike:
-    """A ``Checkpointer`` for these objects.
-
-    Raises:
-        TrainError: this installation has no ``clusterflow.strategies.checkpointer``.
-    """
-    try:
-        module = importlib.import_module("clusterflow.strategies.checkpointer")
-    except ImportError as exc:
-        raise TrainError(
-            "checkpoints need clusterflow.strategies.checkpointer, which this installation "
-            f"lacks ({exc})"
-        ) from exc
-    checkpointer: CheckpointerLike = module.Checkpointer(
+    """A ``Checkpointer`` (``train/cut.py``) for these objects."""
+    return Checkpointer(
         strategy,
         model=model,
         optimizer=optimizer,
@@ -103,7 +88,6 @@ def open_checkpointer(
         state=state,
         data=data,
     )
-    return checkpointer
 
 
 class Checkpoint(Hook):
@@ -154,7 +138,7 @@ class Checkpoint(Hook):
     def resolved_directory(self) -> str:
         return resolve_directory(self.directory)
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         directory = self.resolved_directory
         self._checkpointer = open_checkpointer(
             session.strategy,
@@ -173,11 +157,11 @@ class Checkpoint(Hook):
         if session.is_chief:
             clear_final(directory)  # this run goes on: an evaluator must wait for its end
 
-    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+    def after_step(self, session: Session, info: StepInfo) -> None:
         if self._checkpointer is not None and self._checkpointer.maybe_save(info.step):
             self._saved_step = info.step
 
-    def end(self, session: TrainingSession, error: BaseException | None) -> None:
+    def end(self, session: Session, error: BaseException | None) -> None:
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is None:
             return

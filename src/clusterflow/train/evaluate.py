@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from clusterflow.cluster import TFConfig
-from clusterflow.strategies.checkpointer import load_into
 from clusterflow.train.api import Hook, TrainConfigError
 from clusterflow.train.checkpoint import read_final, resolve_directory
+from clusterflow.train.cut import load_into
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

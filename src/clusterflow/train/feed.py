@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
+from clusterflow.strategies.api import Replicas
 from clusterflow.strategies.batches import batch_size_of, replica_slice, split_batch
 from clusterflow.train.api import TrainConfigError
-from clusterflow.train.replicas import Replicas
 
 __all__ = ["Feed", "Feeder", "as_dataset", "is_data_client"]
 

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from clusterflow.strategies.api import Strategy
+from clusterflow.strategies.api import ALONE, Strategy
 from clusterflow.train.api import Hook, TrainConfigError
 from clusterflow.train.evaluate import Evaluate, is_evaluator
 from clusterflow.train.feed import Feed, Feeder, is_data_client
 from clusterflow.train.history import History
 from clusterflow.train.metrics import Metric, Totals, reduce_sums, resolve_metrics
-from clusterflow.train.replicas import Replicas, all_agree, replicas_of, sync_model
 from clusterflow.train.session import TrainingSession
 
 __all__ = ["fit"]
@@ -112,7 +111,7 @@ def fit(
     device = _device_of(model)
     feeder = Feeder(
         data,
-        replicas_of(strategy),
+        strategy.replicas() if strategy is not None else ALONE,
         global_batch_size=global_batch_size,
         shuffle=shuffle,
         seed=seed or 0,
@@ -234,7 +233,7 @@ class _Loop:
                 number = item[1].epoch if steps_per_epoch is None else counted // steps_per_epoch
             go = number < epochs
             if lockstep:
-                go = all_agree(self.strategy, go, feeder.replicas.count)
+                go = _all_agree(self.strategy, go, feeder.replicas.count)
             if not go or item is None:
                 break
             batch, feed = item
@@ -296,7 +295,8 @@ class _Loop:
     def _validate(self) -> dict[str, float]:
         if self.validation is None:
             return {}
-        sync_model(self.strategy)  # a ps replica's model lags the ps by its last update
+        if self.strategy is not None:
+            self.strategy.refresh_model()  # a ps replica's model lags the ps
         totals = Totals(self.metrics)
         training = self.model.training
         self.model.eval()
@@ -308,6 +308,19 @@ class _Loop:
         finally:
             self.model.train(training)
         return totals.logs(totals.local(), prefix="val_")
+
+
+def _all_agree(strategy: Strategy | None, mine: bool, count: int) -> bool:
+    """Whether every replica says yes (one small all-reduce; every replica must call it).
+
+    Replicas fed by the data service may run out of batches at different steps; agreeing
+    before each step lets all of them stop together instead of leaving some to wait in a
+    gradient all-reduce that the others never join.
+    """
+    if strategy is None or count == 1:
+        return mine
+    votes = strategy.reduce("sum", torch.tensor([1.0 if mine else 0.0]))
+    return bool(float(votes[0]) >= count)
 
 
 def _evaluate_only(model: nn.Module, evaluators: list[Evaluate]) -> History:
@@ -331,7 +344,7 @@ def _validation_feeder(
         )
     return Feeder(
         data,
-        Replicas(rank=0, count=1, averaged=True, collective=False),
+        ALONE,
         global_batch_size=global_batch_size,
         shuffle=False,
         seed=0,

@@ -12,13 +12,12 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, TextIO
 
-from clusterflow.train.api import Hook, StepInfo, TrainConfigError
+from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
     from rich.progress import TaskID
 
-    from clusterflow.train.session import TrainingSession
 
 __all__ = ["Progress"]
 
@@ -44,7 +43,7 @@ class Progress(Hook):
         self._task: TaskID | None = None
         self._total: int | None = None
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         if not session.is_chief:
             return
         out = self._stream or sys.stderr
@@ -69,7 +68,7 @@ class Progress(Hook):
             )
             self._bar.start()
 
-    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+    def after_step(self, session: Session, info: StepInfo) -> None:
         if self._out is None or (info.step % self.every_steps and info.step != self._total):
             return
         loss = "-" if info.raw_loss is None else f"{info.loss:.4f}"
@@ -80,7 +79,7 @@ class Progress(Hook):
         total = f"/{self._total}" if self._total is not None else ""
         self._line(f"step {info.step}{total} loss {loss} samples/s {rate}")
 
-    def after_epoch(self, session: TrainingSession, epoch: int, logs: Mapping[str, float]) -> None:
+    def after_epoch(self, session: Session, epoch: int, logs: Mapping[str, float]) -> None:
         if self._out is None:
             return
         figures = " ".join(f"{name} {value:.4f}" for name, value in logs.items())
@@ -90,7 +89,7 @@ class Progress(Hook):
         else:
             self._line(text)
 
-    def end(self, session: TrainingSession, error: BaseException | None) -> None:
+    def end(self, session: Session, error: BaseException | None) -> None:
         bar, self._bar = self._bar, None
         if bar is not None:
             bar.stop()

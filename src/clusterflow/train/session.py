@@ -41,12 +41,11 @@ from torch import nn
 
 from clusterflow.cluster import TFConfig
 from clusterflow.data.api import SplitKey
-from clusterflow.strategies.api import Settled, Strategy
+from clusterflow.strategies.api import Settled, Strategy, StrategyError
 from clusterflow.strategies.batches import batch_size_of
 from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
 from clusterflow.train.evaluate import Evaluate, Evaluation, is_evaluator
 from clusterflow.train.meter import Throughput
-from clusterflow.train.replicas import check_placed, finish
 from clusterflow.train.report import report
 from clusterflow.train.stop import StopAtStep
 
@@ -291,7 +290,7 @@ class TrainingSession:
             return self._evaluate(evaluators)
         try:
             if self.model is not None:
-                check_placed(self.strategy, self.model, "TrainingSession")
+                _check_placed(self.strategy, self.model)
             ordered = [h for h in self.hooks if h.restores] + [
                 h for h in self.hooks if not h.restores
             ]
@@ -336,7 +335,8 @@ class TrainingSession:
                 elif failure is None:
                     failure = exc
         try:
-            finish(self.strategy, error=error or failure, leave=self._leave)
+            if self.strategy is not None:
+                self.strategy.finish(error or failure, self._leave)
         except Exception as exc:
             if failure is None:
                 failure = exc
@@ -365,6 +365,16 @@ class TrainingSession:
     def _require_open(self, what: str) -> None:
         if self._state != "open":
             raise TrainError(f"{what}() is called inside `with TrainingSession(...)` only")
+
+
+def _check_placed(strategy: Strategy | None, model: nn.Module) -> None:
+    """The strategy's ``check_placed``, as the session's configuration error."""
+    if strategy is None:
+        return
+    try:
+        strategy.check_placed(model)
+    except StrategyError as exc:
+        raise TrainConfigError(f"TrainingSession: {exc}") from exc
 
 
 def _keys_of(completes: Any) -> tuple[SplitKey, ...]:

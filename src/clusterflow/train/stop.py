@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from clusterflow.train.api import Hook, StepInfo, TrainConfigError
-
-if TYPE_CHECKING:
-    from clusterflow.train.session import TrainingSession
+from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 __all__ = ["StopAtStep"]
 
@@ -31,10 +26,10 @@ class StopAtStep(Hook):
             )
         self.last_step = last_step
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         if session.step >= self.last_step:
             session.request_stop()
 
-    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+    def after_step(self, session: Session, info: StepInfo) -> None:
         if info.step >= self.last_step:
             session.request_stop()

@@ -11,12 +11,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from clusterflow.train.api import Hook, StepInfo, TrainConfigError
+from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from clusterflow.train.session import TrainingSession
 
 __all__ = ["Summary"]
 
@@ -45,7 +44,7 @@ class Summary(Hook):
         self.every_steps = every_steps
         self._writer: SummaryWriter | None = None
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         if not session.is_chief:
             return
         # Imported here: tensorboard is paid for by the chief, and only when summaries are on.
@@ -53,7 +52,7 @@ class Summary(Hook):
 
         self._writer = SummaryWriter(self.log_dir)
 
-    def after_step(self, session: TrainingSession, info: StepInfo) -> None:
+    def after_step(self, session: Session, info: StepInfo) -> None:
         writer = self._writer
         if writer is None or info.step % self.every_steps:
             return
@@ -68,7 +67,7 @@ class Summary(Hook):
         for name, value in info.metrics().items():
             writer.add_scalar(name, value, step)
 
-    def after_epoch(self, session: TrainingSession, epoch: int, logs: Mapping[str, float]) -> None:
+    def after_epoch(self, session: Session, epoch: int, logs: Mapping[str, float]) -> None:
         writer = self._writer
         if writer is None:
             return
@@ -76,13 +75,13 @@ class Summary(Hook):
             writer.add_scalar(f"epoch/{name}", value, session.step)
         writer.flush()
 
-    def end(self, session: TrainingSession, error: BaseException | None) -> None:
+    def end(self, session: Session, error: BaseException | None) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
 
 
-def _learning_rate(session: TrainingSession) -> float | None:
+def _learning_rate(session: Session) -> float | None:
     optimizer = session.optimizer
     if optimizer is None or not optimizer.param_groups:
         return None

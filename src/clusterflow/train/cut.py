@@ -17,6 +17,10 @@ manifest, listing every part with its checksum, last. Per strategy:
   model with its optimizer (and the data cursor), then the replicas meet at a barrier and
   the chief commits.
 
+The cut knows no strategy by type: it asks the strategy's ``CheckpointParticipant``
+methods (``strategies/api.py``) who writes what, so a new strategy takes part by
+implementing them.
+
 Restoring reads the checkpoint the manager chose for this incarnation
 (``CLUSTERFLOW_RESTORE``), else the newest intact one. The ps tasks restore their own
 shards as they start (``python -m clusterflow.ps``), and the manager restores the data
@@ -46,9 +50,7 @@ from clusterflow.checkpoint.names import (
     worker_part,
 )
 from clusterflow.errors import ConfigError
-from clusterflow.strategies.api import Strategy
-from clusterflow.strategies.mirrored import CollectiveAllReduceStrategy
-from clusterflow.strategies.parameter_server import ParameterServerStrategy
+from clusterflow.strategies.api import CheckpointParticipant, CutRole, Part, ReadPart, Strategy
 from clusterflow.strategies.variables import recording
 
 log = logging.getLogger(__name__)
@@ -108,8 +110,9 @@ class Checkpointer:
         ):
             raise ConfigError(f"every_secs must be a positive number, got {every_secs!r}")
         self.strategy = strategy
-        self.parameter_servers = isinstance(strategy, ParameterServerStrategy)
-        if model is None and not self.parameter_servers:
+        self.participant: CheckpointParticipant = strategy if strategy is not None else _Alone()
+        self.role = self.participant.cut_role()
+        if model is None and not self.role.holds_model:
             raise ConfigError("Checkpointer needs the model (only parameter servers hold it)")
         self.model = model
         self.optimizer = optimizer
@@ -120,7 +123,7 @@ class Checkpointer:
         self.extra = dict(state or {})
         self.data = data
         self.is_chief = strategy.is_chief if strategy is not None else True
-        self.rank, self.replicas = self._rank_and_replicas(strategy)
+        self.rank, self.replicas = self.role.rank, self.role.replicas
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
 
@@ -146,10 +149,13 @@ class Checkpointer:
                 f"checkpoint at step {manifest.step} in {self.directory} was written by a "
                 f"{kind!r} job; this job is {self._kind!r}"
             )
-        if self.parameter_servers:
-            self._restore_ps(manifest)
-        else:
+        if not self.role.holds_model:
             self._restore_model(manifest)
+        self.participant.restore(
+            dict(manifest.meta),
+            lambda part: self.storage.read_tensors(manifest, part),
+            named=bool(os.environ.get(ENV_RESTORE)),
+        )
         own = worker_part(self.rank)
         if own in manifest.parts:
             meta, tensors = self.storage.read_tensors(manifest, own)
@@ -181,30 +187,6 @@ class Checkpointer:
         if self.optimizer is not None and meta.get("optimizer") is not None:
             self.optimizer.load_state_dict(_optimizer_state(meta["optimizer"], tensors))
 
-    def _restore_ps(self, manifest: Manifest) -> None:
-        """The ps tasks restored their shards as they started; a ps in this process
-        (CentralStorageStrategy) or a cluster without the manager loads them here."""
-        strategy = self.strategy
-        assert isinstance(strategy, ParameterServerStrategy)
-        num_ps = int(manifest.meta.get("num_ps", 0))
-        if num_ps != strategy.num_ps:
-            raise CheckpointError(
-                f"checkpoint at step {manifest.step} holds {num_ps} ps shard(s); "
-                f"this cluster has {strategy.num_ps}"
-            )
-        versions = [int(s.get("version", 0)) for s in strategy.ps_stats()]
-        if os.environ.get(ENV_RESTORE) and any(versions):
-            strategy.pull_values()  # restored by the ps tasks themselves
-            return
-        if not self.is_chief:
-            strategy.pull_values()
-            return
-        states = []
-        for index in range(num_ps):
-            meta, tensors = self.storage.read_tensors(manifest, ps_part(index))
-            states.append((meta, tensors))
-        strategy.load_ps_states(states)
-
     # Save --------------------------------------------------------------------------
 
     def maybe_save(self, step: int) -> bool:
@@ -218,12 +200,9 @@ class Checkpointer:
         """Takes a consistent checkpoint now (every replica, under all-reduce)."""
         started = time.monotonic()
         committed: int | None
-        if self.parameter_servers:
-            if not self.is_chief:
-                return
-            committed = self._save_ps(step)
-        else:
-            committed = self._save_replicated(step)
+        if self.role.replicas == 1 and not self.is_chief:
+            return  # a parameter-server worker: only the chief cuts
+        committed = self._save(step)
         self._last_save_time = time.monotonic()
         if committed is not None:
             self.last_saved_step = committed
@@ -240,57 +219,41 @@ class Checkpointer:
         due = self.every_steps is not None and step % self.every_steps == 0
         if self.every_secs is not None and not due:
             due = time.monotonic() - self._last_save_time >= self.every_secs
-            if self.replicas > 1 and isinstance(self.strategy, CollectiveAllReduceStrategy):
-                # Replicas' clocks differ: the chief's decides, for all to save together.
-                flag = torch.tensor([1 if due else 0], dtype=torch.int32)
-                due = bool(self.strategy.broadcast_(flag).item())
+            # Replicas' clocks differ: the chief's decides, for all to save together.
+            due = self.participant.agree(due)
         return due
 
-    def _save_ps(self, step: int) -> int:
-        strategy = self.strategy
-        assert isinstance(strategy, ParameterServerStrategy)
-        versions = strategy.quiesce()
+    def _save(self, step: int) -> int | None:
+        """One cut: the strategy holds its updates while every part is written."""
+        participant = self.participant
+        quiesced = self.is_chief
+        held = participant.quiesce() if quiesced else None
         try:
-            states = strategy.ps_states()
-            writer = self.storage.writer(versions[0])
+            at = step if held is None else held
+            writer = self.storage.writer(at)
             parts = [
-                writer.write_tensors(ps_part(i), tensors, meta)
-                for i, (meta, tensors) in enumerate(states)
+                writer.write_tensors(name, tensors, meta)
+                for name, meta, tensors in (participant.parts() if self.is_chief else [])
             ]
-            parts += self._write_shared(writer)
             parts.append(self._write_own(writer, step))
-            writer.commit(
-                parts,
-                {
-                    "kind": self._kind,
-                    "mode": strategy.config.mode,
-                    "num_ps": strategy.num_ps,
-                    "versions": versions,
-                    "local_step": step,
-                },
-            )
+            if self.is_chief and not self.role.holds_model:
+                parts.append(self._write_model(writer))
+            participant.barrier()  # every replica's part is written
+            if not self.is_chief:
+                return None
+            # After the barrier: every replica acked its splits of this step before it
+            # came to save, so the cursor holds exactly the records the model learned.
+            parts += self._write_shared(writer)
+            others = [worker_part(r) for r in range(self.replicas) if r != self.rank]
+            parts += writer.collect(others)
+            meta = {"kind": self.role.kind, "replicas": self.replicas, **participant.cut_meta()}
+            if held is not None:
+                meta["local_step"] = step
+            writer.commit(parts, meta)
+            return at
         finally:
-            strategy.resume()
-        return versions[0]
-
-    def _save_replicated(self, step: int) -> int | None:
-        writer = self.storage.writer(step)
-        own = self._write_own(writer, step)
-        parts = [own]
-        if self.is_chief:
-            parts.append(self._write_model(writer))
-        strategy = self.strategy
-        if self.replicas > 1 and isinstance(strategy, CollectiveAllReduceStrategy):
-            strategy.barrier()  # every replica's part is written
-        if not self.is_chief:
-            return None
-        # After the barrier: every replica acked its splits of this step before it came
-        # to save, so the cursor holds exactly the records the model has learned from.
-        parts += self._write_shared(writer)
-        others = [worker_part(r) for r in range(self.replicas) if r != self.rank]
-        parts += writer.collect(others)
-        writer.commit(parts, {"kind": self._kind, "replicas": self.replicas})
-        return step
+            if quiesced:
+                participant.resume()
 
     def _write_model(self, writer: Any) -> PartInfo:
         assert self.model is not None
@@ -317,19 +280,37 @@ class Checkpointer:
     def close(self) -> None:
         """Nothing is held between saves; kept for the hooks' symmetric life cycle."""
 
-    # Strategy facts ----------------------------------------------------------------
-
     @property
     def _kind(self) -> str:
-        return "parameter_server" if self.parameter_servers else "replicated"
+        return self.role.kind
 
-    @staticmethod
-    def _rank_and_replicas(strategy: Strategy | None) -> tuple[int, int]:
-        if isinstance(strategy, ParameterServerStrategy):
-            return strategy.worker_index, 1
-        if isinstance(strategy, CollectiveAllReduceStrategy):
-            return strategy.rank, strategy.num_replicas_in_sync
-        return 0, 1
+
+class _Alone:
+    """The cut's participant for one process without a strategy: it writes everything."""
+
+    def cut_role(self) -> CutRole:
+        return CutRole("replicated", rank=0, replicas=1, holds_model=False)
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def quiesce(self) -> int | None:
+        return None
+
+    def parts(self) -> list[Part]:
+        return []
+
+    def cut_meta(self) -> dict[str, Any]:
+        return {}
+
+    def resume(self) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
+        pass
 
 
 def load_module(
@@ -343,8 +324,7 @@ def load_module(
     of a partitioned variable are joined along dimension 0. For an evaluator, or to
     export a trained model. Returns None when there is no (such) checkpoint.
     """
-    storage = CheckpointStorage(directory)
-    manifest = storage.latest() if step is None else storage.at(step)
+    storage, manifest = _committed(directory, step)
     if manifest is None:
         return None
     if manifest.meta.get("kind") != "parameter_server":
@@ -381,8 +361,7 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
     module type, name and shape. A model whose order differs gets a clear error: use
     :func:`load_module` with the function that built it. Returns the step (0: none).
     """
-    storage = CheckpointStorage(directory)
-    manifest = storage.latest() if step is None else storage.at(step)
+    storage, manifest = _committed(directory, step)
     if manifest is None:
         return 0
     if manifest.meta.get("kind") != "parameter_server":
@@ -412,6 +391,12 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
                 )
             tensor.copy_(value)
     return manifest.step
+
+
+def _committed(directory: str, step: int | None) -> tuple[CheckpointStorage, Manifest | None]:
+    """The newest intact checkpoint in ``directory``, or the one at ``step``."""
+    storage = CheckpointStorage(directory)
+    return storage, storage.latest() if step is None else storage.at(step)
 
 
 def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,96 @@
+"""Memory sized by the platform (``--memory auto``, the default on Ray), not guessed.
+
+Users asked to name a task's memory ask for as much as they dare, which strands the
+nodes' GPUs; a task that asks too little is killed. So each task's peak memory (its whole
+process tree) is measured while it runs (``backends/ray.py``), and kept here, per command
+and job, in ``$CLUSTERFLOW_HOME/memory.json`` of the machine that runs the CLI. A later
+run of the same command (a new ``start``, or ``--resume``) asks for the measured peak
+times ``HEADROOM``; a job never measured asks for ``ESTIMATE``.
+
+An automatic request is not enforced by clusterflow (only Ray's OOM killer, or the
+kernel's, acts on it), since the first one is a guess; a request the user named
+(``--resources JOB:memory=...`` or ``--memory SIZE``) is: a task over it is killed and,
+when the cluster restarts, its job asks for 1.5 times as much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from clusterflow.cluster import TaskId
+from clusterflow.manager import registry
+from clusterflow.manager.config import RunConfig, parse_size
+from clusterflow.manager.state import ClusterState
+
+ESTIMATE = float(1 << 30)
+"""A first run's request per task: a small PyTorch job's processes (the interpreter,
+torch, a model of some MB, the supervisor) use 0.3-0.6 GiB; 1 GiB places it with room."""
+HEADROOM = 1.25
+"""Measured peak x this: a run's peak varies with data and timing by some percent."""
+FLOOR = float(256 << 20)
+"""Never ask for less: the interpreter, torch and the supervisor need about this much."""
+
+
+def store_file() -> Path:
+    return registry.home() / "memory.json"
+
+
+def job_key(config: RunConfig, job: str) -> str:
+    """The same command and job, the same key (the command's arguments included)."""
+    command = list(config.command_for(TaskId(job, 0)))
+    return hashlib.sha256(json.dumps([command, job]).encode()).hexdigest()[:24]
+
+
+def _read() -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(store_file().read_text())
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def measured(config: RunConfig, job: str) -> float | None:
+    """The job's peak memory from the last run of the same command; None if never run."""
+    entry = _read().get(job_key(config, job))
+    peak = entry.get("peak") if isinstance(entry, dict) else None
+    return float(peak) if isinstance(peak, int | float) and peak > 0 else None
+
+
+def record(config: RunConfig, state: ClusterState) -> None:
+    """Keeps each job's measured peak (the largest of its tasks') from a run's state."""
+    peaks: dict[str, float] = {}
+    for task in state.tasks:
+        if task.memory_peak:
+            job = task.task.split(":")[0]
+            peaks[job] = max(peaks.get(job, 0.0), task.memory_peak)
+    if not peaks:
+        return
+    data = _read()
+    for job, peak in peaks.items():
+        data[job_key(config, job)] = {"job": job, "command": list(config.command), "peak": peak}
+    registry.write_json_atomic(store_file(), data)
+
+
+def size(config: RunConfig) -> tuple[RunConfig, frozenset[str]]:
+    """``config`` with a memory request for every job (on Ray); and the jobs sized
+    automatically (whose requests are placed but not enforced)."""
+    if config.backend != "ray":
+        return config, frozenset()
+    resources = {job: dict(r) for job, r in config.resources.items()}
+    automatic = set()
+    for job in {t.job for t in config.tasks()}:
+        wanted = resources.setdefault(job, {})
+        if wanted.get("memory"):
+            continue
+        if config.memory and config.memory != "auto":
+            wanted["memory"] = float(parse_size(config.memory, "--memory"))
+            continue
+        peak = measured(config, job)
+        wanted["memory"] = max(FLOOR, peak * HEADROOM) if peak else ESTIMATE
+        automatic.add(job)
+    return replace(config, resources=resources), frozenset(automatic)

@@ -1,0 +1,164 @@
+"""The standby pool: one warm supervisor waiting to replace a task that may die alone.
+
+A standby (``backends/supervisor.py``, ``CLUSTERFLOW_STANDBY=1``) starts a zygote with
+torch imported and one tiny step taken, then waits here in ``manager.standby`` (bounded
+rounds). When a respawnable task dies, the controller hands the task to it: the standby
+registers as that task and its zygote runs the job in-process, about 0.2 s instead of
+about 5 s for a cold start (docs/architecture.md section 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.manager.output import Label, OutputRouter
+from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.state import StandbyState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WAIT_S = 20.0
+"""A standby's round at the manager when it names none."""
+MAX_WAIT_S = 60.0
+"""The longest round: a standby must learn within a minute that its manager is gone."""
+
+
+@dataclass(slots=True)
+class _Standby:
+    process: TaskProcess
+    label: Label | None
+    waiting: bool = False
+    """Its ``manager.standby`` call is held here: it can take a task at once."""
+    task: str | None = None
+    """The task it was given; None while it waits."""
+
+
+class StandbyPool:
+    """Keeps at most one standby supervisor, and hands it a task (thread-safe).
+
+    Args:
+        backend: where the standby runs.
+        output: follows its output (first as ``standby``, then as its task's).
+        cluster: the cluster's folder (task logs, events).
+        stopping: true once the cluster stops: waiting standbys are told to exit.
+        on_change: told when what ``state()`` returns changed.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        output: OutputRouter,
+        cluster: ClusterDir,
+        *,
+        stopping: Callable[[], bool],
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._backend = backend
+        self._output = output
+        self._cluster = cluster
+        self._stopping = stopping
+        self._on_change = on_change
+        self._cond = threading.Condition()
+        self._standby: _Standby | None = None
+        self._handed: dict[int, str] = {}
+        """Standbys (by pid) given a task before they asked for one."""
+        self._closed = False
+
+    def keep(self, launch: Callable[[], TaskLaunch] | None) -> None:
+        """Keeps one standby alive while ``launch`` is given (a respawn may come).
+
+        ``launch`` builds the standby's launch (its environment names the manager);
+        None says no standby is needed now (nothing respawnable, or no restarts left).
+        """
+        with self._cond:
+            standby = self._standby
+            if standby is not None:
+                if standby.process.poll() is None:
+                    return
+                self._standby = None  # it died (killed by a user?): make another
+            if launch is None or self._closed:
+                return
+        process = self._backend.launch(launch())
+        label = None
+        if process.output is not None:
+            label = self._output.follow(
+                "standby", process.output, self._cluster.task_log("standby")
+            )
+        with self._cond:
+            self._standby = _Standby(process, label)
+        log.info("standby supervisor started (pid %d)", process.pid)
+        self._on_change()
+
+    def hand(self, task: str) -> TaskProcess | None:
+        """Gives ``task`` to the standby, if one runs; returns its process, or None."""
+        with self._cond:
+            standby = self._standby
+            if standby is None or standby.process.poll() is not None:
+                return None
+            # Even a standby still warming up beats a cold start: it has a head start.
+            standby.task = task
+            standby.waiting = False
+            self._standby = None
+            self._handed[standby.process.pid] = task
+            self._cond.notify_all()
+        if standby.label is not None:
+            standby.label.rename(task, self._cluster.task_log(task))
+        self._cluster.append_event("standby_took_over", task=task, pid=standby.process.pid)
+        self._on_change()
+        return standby.process
+
+    def wait(self, pid: Any, wait_s: Any) -> dict[str, Any]:
+        """A standby's ``manager.standby`` call: held until it is given a task.
+
+        Returns ``{"task": name}``, ``{"task": None}`` (the round ended: ask again) or
+        ``{"exit": True}`` (not the standby kept here, or the cluster stops).
+        """
+        seconds = float(wait_s) if isinstance(wait_s, int | float) and wait_s else DEFAULT_WAIT_S
+        deadline = time.monotonic() + min(max(seconds, 0.1), MAX_WAIT_S)
+        changed = False
+        try:
+            with self._cond:
+                handed = self._handed.pop(pid, None)
+                if handed is not None:
+                    return {"task": handed}  # given a task while it was still warming up
+                standby = self._standby
+                if standby is None or standby.process.pid != pid:
+                    return {"exit": True}  # not (or no longer) the standby kept here
+                if not standby.waiting:
+                    standby.waiting = changed = True
+                while standby.task is None and not (self._closed or self._stopping()):
+                    if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                        break
+                if standby.task is not None:
+                    self._handed.pop(standby.process.pid, None)
+                    return {"task": standby.task}
+                if self._closed or self._stopping():
+                    return {"exit": True}
+                return {"task": None}
+        finally:
+            if changed:
+                self._on_change()
+
+    def state(self) -> StandbyState | None:
+        with self._cond:
+            standby = self._standby
+            if standby is None:
+                return None
+            return StandbyState(pid=standby.process.pid, ready=standby.waiting)
+
+    def close(self) -> None:
+        """Releases waiting standbys and kills an idle one (it holds nothing to lose)."""
+        with self._cond:
+            self._closed = True
+            standby, self._standby = self._standby, None
+            self._cond.notify_all()
+        if standby is not None:
+            standby.process.signal(signal.SIGKILL)
+            standby.process.wait(5.0)

@@ -1,0 +1,86 @@
+"""``ParameterServerConfig``: every setting of ``ParameterServerStrategy`` in one value.
+
+The strategy takes one frozen, keyword-only config (torchtitan's habit, STYLE.md): a
+run's settings can be built, compared, logged and passed around whole, and a bad value
+fails here, when the config is built, not in the middle of training. The fields that
+every ps task must agree on travel to the ps as ``clusterflow.ps.api.PSConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from clusterflow.errors import ConfigError
+from clusterflow.ps.api import Mode, PSConfig, StalePolicy, WireDtype
+from clusterflow.ps.placement import Partitioner
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterServerConfig:
+    """How a ``ParameterServerStrategy`` trains. ``ParameterServerStrategy(mode="sync")``
+    builds one from its keyword arguments; pass ``config=`` to share one value."""
+
+    mode: Mode = "async"
+    """async: apply each push on arrival. sync: average the pushes of one step."""
+    backup_workers: int = 0
+    """sync only: a step takes the first N = replicas - k pushes; the k slowest drop."""
+    max_staleness: int | None = None
+    """async only: a push computed from values older than this many versions is stale."""
+    stale_policy: StalePolicy = "drop"
+    """``drop`` a stale push (its splits go back to the data service), or ``scale``
+    its learning rate by 1/staleness."""
+    staleness_aware_lr: bool = False
+    """async only: every push's learning rate is scaled by 1/staleness."""
+    warmup_steps: int = 0
+    """async only: the chief alone takes the first W global steps."""
+    reject_nonfinite: bool = True
+    """The ps refuses gradients holding NaN or Inf (nothing of such a push is applied)."""
+    variable_partitioner: Partitioner | None = None
+    """Splits large variables into shards across the ps tasks (None: whole variables)."""
+    gradient_wire_dtype: WireDtype = "float32"
+    """``bfloat16`` halves the bytes of every push."""
+    value_wire_dtype: WireDtype = "float32"
+    """``bfloat16`` halves the bytes of every pull."""
+    overlap_push: bool = True
+    """async only: a push travels while the next step computes (at most one in flight;
+    the step uses the newest values that arrived). Its splits are acked when its reply
+    comes, so exactly-once costs the step nothing."""
+    deadline_s: float = 120.0
+    """Every call to a ps must answer within this many seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("gradient_wire_dtype", "value_wire_dtype"):
+            value = getattr(self, name)
+            if value not in ("float32", "bfloat16"):
+                raise ConfigError(f"{name} must be float32 or bfloat16, got {value!r}")
+        if isinstance(self.deadline_s, bool) or not (
+            isinstance(self.deadline_s, int | float) and self.deadline_s > 0
+        ):
+            raise ConfigError(f"deadline_s must be a positive number, got {self.deadline_s!r}")
+        self.ps_config(self.backup_workers + 1)  # the fields the ps checks, checked now
+
+    def ps_config(self, num_replicas: int) -> PSConfig:
+        """What every ps task applies pushes by, for ``num_replicas`` replicas."""
+        return PSConfig(
+            mode=self.mode,
+            num_replicas=max(1, num_replicas),
+            backup_workers=self.backup_workers,
+            max_staleness=self.max_staleness,
+            stale_policy=self.stale_policy,
+            staleness_aware_lr=self.staleness_aware_lr,
+            warmup_steps=self.warmup_steps,
+            reject_nonfinite=self.reject_nonfinite,
+        )
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> ParameterServerConfig:
+        """A config from keyword arguments; an unknown one is a ``ConfigError`` naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"ParameterServerStrategy has no option {unknown[0]!r}; "
+                f"options: {', '.join(sorted(known))}"
+            )
+        return cls(**options)

@@ -1,0 +1,257 @@
+"""The worker's shards of a parameter-server model: declaring them, pulling, slicing.
+
+What ``ParameterServerStrategy`` does to move tensors between its local model and the
+ps tasks, as functions of a connection and the variables it tracks: kept apart so the
+strategy holds the order of calls (pull, step, push, settle) and nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from clusterflow.ps.api import Placement, PSConfig, Shard, VariableSpec, VersionTimeout
+from clusterflow.ps.client import PSConnection
+from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
+from clusterflow.rpc import RemoteError
+from clusterflow.strategies.variables import Recorded
+
+Tensors = dict[str, torch.Tensor]
+Values = tuple[list[int], dict[str, torch.Tensor]]
+"""Per ps task the version pulled, and every shard's value by shard name."""
+
+
+@dataclass(slots=True)
+class TrackedVar:
+    """A local tensor whose value lives on the ps tasks, as ``shards``."""
+
+    tensor: torch.Tensor
+    spec: VariableSpec
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """One replica's step, as it goes to every ps task (a message per task)."""
+
+    worker: str
+    versions: list[int]
+    """Per ps task, the version the gradients were computed from."""
+    grads: list[Tensors]
+    buffers: list[Tensors]
+    hyper: list[Any]
+    keys: tuple[tuple[str, int, int], ...]
+
+    def _request(
+        self, index: int, version: int, dtype: str, deadline: float, *, commit: bool, sync: bool
+    ) -> PushRequest:
+        return PushRequest(
+            worker=self.worker,
+            version=version,
+            grads=self.grads[index],
+            buffers=self.buffers[index],
+            hyper=self.hyper,
+            commit=commit,
+            keys=self.keys,
+            want_values=not sync,
+            values_dtype=dtype,
+            timeout=deadline,
+        )
+
+    def sync(self, ps: PSConnection, step: int, dtype: str, deadline: float) -> list[PushReply]:
+        """To every other shard first, then to ps 0 with ``commit``: ps 0 decides the step
+        once the gradients are buffered everywhere. Replies in ps order."""
+
+        def push(index: int) -> PushReply:
+            request = self._request(index, step, dtype, deadline, commit=index == 0, sync=True)
+            return ps.push(index, request)
+
+        replies = ps.map(push, [i for i in range(ps.num_ps) if i != 0])
+        return [push(0), *replies]
+
+    def async_(self, ps: PSConnection, dtype: str, deadline: float) -> list[PushReply]:
+        """To every shard at once; each applies on arrival and sends its values back."""
+
+        def push(index: int) -> PushReply:
+            version = self.versions[index]
+            request = self._request(index, version, dtype, deadline, commit=False, sync=False)
+            return ps.push(index, request)
+
+        return ps.map(push, range(ps.num_ps))
+
+
+def specs_of(items: Sequence[Recorded]) -> list[VariableSpec]:
+    return [
+        VariableSpec(
+            name=item.name,
+            shape=tuple(item.tensor.shape),
+            dtype=str(item.tensor.dtype).removeprefix("torch."),
+            trainable=item.trainable,
+            device=item.device,
+        )
+        for item in items
+    ]
+
+
+def shard_of(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
+    return tensor if shard.whole else tensor[shard.start : shard.stop]
+
+
+def declare(
+    ps: PSConnection, placement: Placement, tracked: Sequence[TrackedVar], config: PSConfig
+) -> None:
+    """Creates every shard on its ps task with the local initial value (first one wins)."""
+    by_name = {v.spec.name: v for v in tracked}
+
+    def create(index: int) -> None:
+        shards = placement.on_ps(index)
+        if not shards:
+            return
+        decl = [
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "dtype": by_name[s.variable].spec.dtype,
+                "trainable": by_name[s.variable].spec.trainable,
+            }
+            for s in shards
+        ]
+        values = {s.name: shard_of(by_name[s.variable].tensor.detach(), s) for s in shards}
+        ps.call(index, "create", {"config": config.to_dict(), "vars": decl}, values)
+
+    ps.map(create, range(ps.num_ps))
+
+
+def pull_all(
+    ps: PSConnection, min_versions: list[int], *, sync: bool, dtype: str, deadline: float
+) -> Values:
+    """Pulls every shard; in sync mode, all at one version.
+
+    ps 0 applies a step before it fans the step out, so a pull in between sees ps 0
+    one version ahead of the others. Gradients from such mixed values must not join
+    a step: lagging shards are pulled again up to the newest version seen (they
+    reach it as soon as the fan-out lands, since no shard runs ahead of ps 0).
+    """
+
+    def pull(index: int, min_version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        request = PullRequest(min_version=min_version, dtype=dtype, timeout=deadline)
+        reply = ps.pull(index, request)
+        return reply.version, reply.values
+
+    results = ps.map(lambda i: pull(i, min_versions[i]), range(ps.num_ps))
+    if sync:
+        newest = max(r[0] for r in results)
+        for _ in range(3):
+            lagging = [i for i, r in enumerate(results) if r[0] < newest]
+            if not lagging:
+                break
+            repulled = ps.map(functools.partial(_pull_at, pull, newest), lagging)
+            for i, again in zip(lagging, repulled, strict=True):
+                results[i] = again
+            newest = max(r[0] for r in results)
+    values: dict[str, torch.Tensor] = {}
+    for _, tensors in results:
+        values.update(tensors)
+    return [r[0] for r in results], values
+
+
+def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
+    return pull(index, version)
+
+
+def load_into(tracked: Iterable[TrackedVar], values: dict[str, torch.Tensor]) -> None:
+    """Copies pulled shard values into the local tensors."""
+    with torch.no_grad():
+        for var in tracked:
+            parts = [values[s.name] for s in var.shards]
+            var.tensor.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+
+
+def gradients(
+    tracked: Iterable[TrackedVar], num_ps: int, wire_dtype: str
+) -> list[dict[str, torch.Tensor]]:
+    """Per ps task, the gradient of each shard it holds (cast to the wire dtype)."""
+    per_ps: list[dict[str, torch.Tensor]] = [{} for _ in range(num_ps)]
+    for var in tracked:
+        grad = var.tensor.grad
+        if grad is None or not var.spec.trainable:
+            continue
+        grad = grad.detach()
+        if wire_dtype == "bfloat16" and grad.is_floating_point():
+            grad = grad.to(torch.bfloat16)
+        for shard in var.shards:
+            per_ps[shard.ps][shard.name] = shard_of(grad, shard)
+    return per_ps
+
+
+def buffers(tracked: Iterable[TrackedVar], num_ps: int) -> list[dict[str, torch.Tensor]]:
+    """Per ps task, the values of non-trainable variables (the chief's batch-norm stats).
+
+    Copies: the next forward updates buffers in place while a background push may still
+    be sending them.
+    """
+    per_ps: list[dict[str, torch.Tensor]] = [{} for _ in range(num_ps)]
+    for var in tracked:
+        if not var.spec.trainable:
+            for shard in var.shards:
+                per_ps[shard.ps][shard.name] = shard_of(var.tensor.detach(), shard).clone()
+    return per_ps
+
+
+def wait_for_version(ps: PSConnection, version: int, deadline: float) -> None:
+    """Waits, in rounds shorter than the call deadline, until ps 0 reached ``version``
+    (the chief's warm-up steps).
+
+    Each round is bounded on both sides (the ps gives up waiting before the client
+    does), so a dead ps fails the worker within one deadline, while a long warm-up
+    just takes more rounds.
+
+    Raises:
+        RpcError, PSError: the ps failed otherwise than by a round running out.
+    """
+    body = {"version": version, "timeout": deadline / 2}
+    while True:
+        try:
+            ps.call(0, "wait_version", body)
+            return
+        except VersionTimeout:
+            continue  # in process (CentralStorage): a round that ran out
+        except RemoteError as exc:
+            if exc.error_type != VersionTimeout.__name__:  # a real error, not a round
+                raise
+
+
+# The consistent cut ----------------------------------------------------------------
+
+
+def hold_all(ps: PSConnection, timeout: float = 60.0) -> list[int]:
+    """Holds every ps task's updates (pushes wait, none in flight); their versions.
+
+    ps 0 first: it decides sync steps and fans each out to the other shards, and its
+    quiesce waits for that fan-out, so once it holds no shard can still move. The
+    calls go one by one on the control connections, never through the pool: in sync
+    mode the pool's threads may be waiting in a prefetch for a step that cannot
+    finish until this checkpoint lets the held pushes through.
+    """
+    return [
+        int(ps.call(i, "quiesce", {"timeout": timeout})[0]["version"]) for i in range(ps.num_ps)
+    ]
+
+
+def states(ps: PSConnection) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """Every ps task's full state (variables, slots, version, applied split keys)."""
+    return [ps.call(i, "state") for i in range(ps.num_ps)]
+
+
+def load_states(
+    ps: PSConnection, loaded: Sequence[tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]]
+) -> None:
+    """Replaces every ps task's state with a checkpoint's."""
+    ps.map(
+        lambda i: ps.call(i, "load_state", dict(loaded[i][0]), dict(loaded[i][1])),
+        range(ps.num_ps),
+    )

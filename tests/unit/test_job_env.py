@@ -1,0 +1,106 @@
+"""The environment of a task (manager/job_env.py): pure functions, tested without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusterflow.cluster import ClusterSpec, TaskId
+from clusterflow.cluster.contract import TASK_ENVIRONMENT
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.job_env import (
+    ClusterPlace,
+    Incarnation,
+    job_env,
+    ranks,
+    replica_env,
+    supervisor_env,
+)
+
+PLACE = ClusterPlace(
+    cluster_id="c0ffee",
+    manager="127.0.0.1:5000",
+    secret_file="/home/u/.clusterflow/clusters/c0ffee/secret",
+    state_dir="/home/u/.clusterflow/clusters/c0ffee",
+    checkpoint_url="memory://ckpt",
+)
+FIRST = Incarnation(spec_version=1, attempt=0, restarts=0, restore=None, store_port=29500)
+
+
+def _spec(config: RunConfig) -> ClusterSpec:
+    jobs: dict[str, list[str]] = {}
+    for n, task in enumerate(config.tasks()):
+        jobs.setdefault(task.job, []).append(f"127.0.0.1:{7000 + n}")
+    return ClusterSpec(jobs)
+
+
+def test_supervisor_env_finds_the_manager_and_keeps_the_run_s_variables() -> None:
+    config = RunConfig(command=("python",), env={"EXTRA": "1", "PATH": "/run"})
+    env = supervisor_env({"PATH": "/usr/bin", "HOME": "/h"}, config, PLACE, TaskId("worker", 0))
+    assert env["CLUSTERFLOW_MANAGER"] == "127.0.0.1:5000"
+    assert env["CLUSTERFLOW_TASK"] == "worker:0"
+    assert env["CLUSTERFLOW_CLUSTER_ID"] == "c0ffee"
+    assert env["CLUSTERFLOW_SECRET_FILE"].endswith("/secret")
+    assert env["CLUSTERFLOW_HEARTBEAT_S"] == "1.0"
+    assert (env["EXTRA"], env["PATH"], env["HOME"]) == ("1", "/run", "/h")  # the run wins
+
+
+def test_ranks_are_the_chief_then_the_workers() -> None:
+    config = RunConfig(command=("p",), chief=True, ps=2, workers=2, evaluator=True)
+    assert ranks(config) == [TaskId("chief", 0), TaskId("worker", 0), TaskId("worker", 1)]
+
+
+def test_job_env_gives_tf_config_and_torchrun_variables_to_replicas() -> None:
+    config = RunConfig(command=("p",), chief=True, ps=1, workers=2, max_restarts=3)
+    spec = _spec(config)
+    now = Incarnation(spec_version=4, attempt=2, restarts=1, restore="120", store_port=29511)
+    env = job_env(config, PLACE, spec, TaskId("worker", 1), now)
+    tf_config = json.loads(env["TF_CONFIG"])
+    assert tf_config["task"] == {"type": "worker", "index": 1}
+    assert tf_config["cluster"]["ps"] == ["127.0.0.1:7001"]
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("2", "3", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29511")
+    assert env["CLUSTERFLOW_SPEC_VERSION"] == "4"
+    assert env["CLUSTERFLOW_ATTEMPT"] == "2"
+    assert env["CLUSTERFLOW_RESTORE"] == "120"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["CLUSTERFLOW_CHECKPOINT_DIR"] == "memory://ckpt"
+
+
+@pytest.mark.parametrize("task", [TaskId("ps", 0), TaskId("evaluator", 0)])
+def test_tasks_that_do_not_train_get_no_rank(task: TaskId) -> None:
+    config = RunConfig(command=("p",), ps=1, workers=1, evaluator=True)
+    env = job_env(config, PLACE, _spec(config), task, FIRST)
+    assert "RANK" not in env and "MASTER_PORT" not in env
+    assert env["CLUSTERFLOW_JOB"] == task.job and "CLUSTERFLOW_RESTORE" not in env
+
+
+def test_replica_env_numbers_processes_as_torchrun_nodes() -> None:
+    config = RunConfig(command=("p",), chief=True, workers=1, replicas_per_host=2)
+    assert replica_env(config, TaskId("worker", 0)) == [
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "4",
+            "CLUSTERFLOW_REPLICA": str(local),
+        }
+        for local, rank in ((0, 2), (1, 3))
+    ]
+    assert replica_env(RunConfig(command=("p",), workers=2), TaskId("worker", 1)) == []
+
+
+def test_every_variable_given_to_a_task_is_in_the_contract_table() -> None:
+    config = RunConfig(command=("p",), chief=True, workers=1, replicas_per_host=2)
+    task = TaskId("worker", 0)
+    now = Incarnation(spec_version=1, attempt=0, restarts=0, restore="5", store_port=1)
+    given = set(supervisor_env({}, config, PLACE, task))
+    given |= set(job_env(config, PLACE, _spec(config), task, now))
+    given |= {k for overrides in replica_env(config, task) for k in overrides}
+    assert given <= set(TASK_ENVIRONMENT), sorted(given - set(TASK_ENVIRONMENT))
