@@ -10,6 +10,7 @@ the assertions are about what happened, never about how long it took.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -106,11 +107,12 @@ def test_a_slow_evaluator_does_not_hold_training_and_the_run_ends_after_it(
 
 
 @pytest.mark.timeout(180)
-def test_a_hung_evaluator_does_not_hold_training(cf: Clusterflow) -> None:
+def test_a_hung_evaluator_holds_neither_training_nor_the_end_of_the_run(cf: Clusterflow) -> None:
     script = cf.script("job.py", JOB)
     ckpt, done, go = cf.workdir / "ckpt", cf.workdir / "trained", cf.workdir / "hung"
+    settings = cf.script("cluster.yaml", "evaluator_grace_s: 2\n")
     proc = cf.popen(
-        "start", "--workers", "1", "--evaluator", "--grace", "2", "--",
+        "start", "-c", str(settings), "--workers", "1", "--evaluator", "--grace", "2", "--",
         PY, str(script), "hung", str(ckpt), str(done), str(go),
     )  # fmt: skip
     assert proc.stdout is not None
@@ -133,5 +135,12 @@ def test_a_hung_evaluator_does_not_hold_training(cf: Clusterflow) -> None:
         )
         assert done.read_text() == str(STEPS)
         assert job.status() == psutil.STATUS_STOPPED  # still hung: nobody waited on it
+        # The run then ends by itself: the hung evaluator is stopped after its grace.
+        assert proc.wait(timeout=90) == 0
+        summary = cf.state(cluster_id).get("summary") or ""
+        assert "evaluator:0" in summary and "stopped" in summary, summary
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone, or at most unreaped
+            assert job.status() == psutil.STATUS_ZOMBIE
     finally:
-        job.send_signal(signal.SIGCONT)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            job.send_signal(signal.SIGCONT)

@@ -286,6 +286,10 @@ def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
         "1",
         "--workers",
         "2",
+        # Restarts allowed: the manager keeps a warm standby beside the cluster, which
+        # must not take a bundle of the group, and must be gone at the end too.
+        "--max-restarts",
+        "1",
         "--",
         sys.executable,
         *job,
@@ -406,6 +410,8 @@ def test_memory_is_measured_kept_for_the_next_run_and_grown_after_a_kill(cf: Any
     (task,) = _state(cf, cluster.name)["tasks"]
     assert task["memory_requested"] == 2**30  # the first run's estimate
     peak = task["memory_peak"]
+    shown = cf("describe", cluster.name).stdout  # requested vs measured, for people
+    assert f"memory asked 1024M, peak {peak / 2**20:.0f}M" in shown, shown
     assert peak > 250 << 20  # the job's 250 MiB and the interpreters under it
 
     # The same command and job again: measured peak x 1.25, not the estimate.
@@ -527,6 +533,7 @@ def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
         (task,) = first["tasks"]
         nodes = ray_cluster.probe()["nodes"]
         dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
+        assert first["manager"]["node_id"] == nodes["a"]  # the manager is on the head node
         ray_cluster.kill_node(dead)
 
         wait_until(lambda: "[worker:0] attempt 1" in _logs(cf, cluster_id), 120, "a restart")

@@ -205,3 +205,44 @@ def test_a_task_whose_step_stalls_past_the_timeout_is_dead() -> None:
     # A task that never reported a step is not judged by steps.
     quiet = TaskStatus(task="worker:2", tracked=True, exit_code=None)
     assert decide(status(quiet, stall_timeout_s=0.1)).decision == Decision.CONTINUE
+
+
+def _evaluator(exit_code: int | None = None) -> TaskStatus:
+    return TaskStatus(task="evaluator:0", tracked=True, exit_code=exit_code, trailing=True)
+
+
+def _done(name: str, age_s: float) -> TaskStatus:
+    return TaskStatus(task=name, tracked=True, exit_code=0, exit_age_s=age_s)
+
+
+def test_a_finished_run_waits_for_its_evaluator_within_the_grace() -> None:
+    verdict = decide(
+        status(_done("worker:0", 5.0), _done("worker:1", 3.0), _evaluator(), trailing_grace_s=4.0)
+    )
+    # worker:1 exited last, 3 s ago: the evaluator still has a second.
+    assert verdict.decision == Decision.CONTINUE
+
+
+def test_an_evaluator_past_the_grace_is_stopped_and_the_run_succeeds() -> None:
+    verdict = decide(
+        status(_done("worker:0", 9.0), _done("worker:1", 5.0), _evaluator(), trailing_grace_s=4.0)
+    )
+    assert verdict.decision == Decision.SUCCEED
+    assert "evaluator:0" in verdict.reason and "4s" in verdict.reason
+
+
+def test_an_evaluator_that_finishes_in_time_succeeds_plainly() -> None:
+    verdict = decide(status(_done("worker:0", 1.0), _evaluator(0), trailing_grace_s=4.0))
+    assert verdict == Verdict(Decision.SUCCEED)
+
+
+def test_the_grace_never_starts_while_training_runs() -> None:
+    # A worker still running: the evaluator is waited for, however long it has been.
+    worker = TaskStatus(task="worker:1", tracked=True, exit_code=None, heartbeat_age_s=0.5)
+    verdict = decide(status(_done("worker:0", 100.0), worker, _evaluator(), trailing_grace_s=1.0))
+    assert verdict.decision == Decision.CONTINUE
+
+
+def test_an_evaluator_that_fails_still_counts_as_a_failure() -> None:
+    verdict = decide(status(_done("worker:0", 100.0), _evaluator(3), trailing_grace_s=1.0))
+    assert verdict.decision == Decision.FAIL and verdict.failed_task == "evaluator:0"

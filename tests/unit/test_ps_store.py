@@ -66,6 +66,27 @@ def test_sync_step_averages_n_replicas_once() -> None:
     assert torch.allclose(store.vars["w"], torch.full((4, 3), 1.0 - 0.1 * 2.0))
 
 
+def test_a_replica_that_commits_then_leaves_still_waits_for_the_others() -> None:
+    # Its data ran out after its last push: the step it joined still takes the push of
+    # the replica that trains on, rather than dropping it as late (its data lost).
+    store = make_store(PSConfig(mode="sync", num_replicas=2))
+    store.push(worker="worker:1", version=0, grads=grads(3.0), commit=True)
+    assert store.leave("worker:1") is None and store.version == 0  # still waiting
+    last = store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)
+    assert last.applied and last.commit == {"version": 0, "workers": ["worker:1", "worker:0"]}
+    assert torch.allclose(store.vars["w"], torch.full((4, 3), 1.0 - 0.1 * 2.0))
+    # From then on the one replica left makes each step alone.
+    assert store.push(worker="worker:0", version=1, grads=grads(1.0), commit=True).commit
+    assert store.version == 2
+
+
+def test_a_replica_that_leaves_before_committing_no_longer_holds_a_step() -> None:
+    store = make_store(PSConfig(mode="sync", num_replicas=2))
+    store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)
+    assert store.leave("worker:1") == {"version": 0, "workers": ["worker:0"]}
+    assert store.version == 1
+
+
 def test_backup_worker_push_is_dropped_and_counted() -> None:
     store = make_store(PSConfig(mode="sync", num_replicas=3, backup_workers=1))
     store.push(worker="worker:0", version=0, grads=grads(1.0), commit=True)

@@ -402,3 +402,33 @@ def test_distribute_deals_out_an_iterable_but_passes_a_data_client_whole() -> No
     ids = [int(i) for batch in strategies[1].distribute(data) for i in batch.data["id"]]
     data.close()
     assert sorted(ids) == list(range(40))  # the dispatcher already gave this worker its share
+
+
+def test_a_keyed_step_does_not_wait_for_its_push_under_overlap() -> None:
+    """Acking after the apply must not serialize the overlapped push: ``run`` returns
+    while the push is still on its way, and its key settles when the reply comes."""
+    from clusterflow.data import SplitKey
+
+    class HeldPush(LocalPS):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hold = threading.Event()
+            self.arrived = threading.Event()
+
+        def push(self, index: int, request: Any) -> Any:
+            self.arrived.set()
+            assert self.hold.wait(30), "the test never let the push through"
+            return super().push(index, request)
+
+    connection = HeldPush()
+    s = ParameterServerStrategy(resolver(0, 1), _connection=connection)
+    with s.scope():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    key = SplitKey("ds", 0, 3)
+    s.run(step_fn(model, opt), batch(0, 0), completes=[key])  # returns, push held
+    assert connection.arrived.wait(30)
+    assert not s.settled()  # not applied yet: nothing to ack
+    connection.hold.set()
+    assert s.settled(wait=True).applied == (key,)
+    assert connection.store.snapshot_stats()["applied"] == 1

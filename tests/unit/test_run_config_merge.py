@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from clusterflow.errors import ConfigError
-from clusterflow.manager.config import RunConfig
+from clusterflow.manager.config import FILE_KEYS, RunConfig
 
 RESUMED = RunConfig(
     command=("python", "train.py"),
@@ -60,3 +62,7 @@ def test_the_file_form_of_resources_is_read_as_bytes() -> None:
 def test_a_bad_layer_is_one_clear_error(layer: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         RunConfig.merge(layer)
+
+
+def test_every_key_a_cluster_file_may_hold_is_a_setting() -> None:
+    assert {f.name for f in dataclasses.fields(RunConfig)} >= FILE_KEYS

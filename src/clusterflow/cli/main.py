@@ -78,31 +78,13 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"cluster file {path!r} must hold a mapping, not {type(data).__name__}")
-    known = {
-        "chief",
-        "ps",
-        "workers",
-        "evaluator",
-        "replicas_per_host",
-        "command",
-        "ps_command",
-        "untracked",
-        "env",
-        "max_restarts",
-        "checkpoint_dir",
-        "stall_timeout_s",
-        "backend",
-        "address",
-        "resources",
-        "labels",
-        "job_dir",
-        "memory",
-        "placement_timeout_s",
-    }
-    unknown = sorted(set(data) - known)
+    from clusterflow.manager.config import FILE_KEYS
+
+    unknown = sorted(set(data) - FILE_KEYS)
     if unknown:
         raise ConfigError(
-            f"cluster file {path!r}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            f"cluster file {path!r}: unknown key {unknown[0]!r}; "
+            f"known: {', '.join(sorted(FILE_KEYS))}"
         )
     return data
 

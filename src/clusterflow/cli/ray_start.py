@@ -15,14 +15,28 @@ from types import FrameType
 import click
 
 from clusterflow.cli import follow
+from clusterflow.errors import ClusterflowError
 from clusterflow.manager import ray_host, registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.state import ClusterState
+
+USAGE_EXIT = 2
+"""What ``start`` exits with when the cluster cannot be placed (as for any bad input)."""
 
 
 def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
     """Starts the cluster on Ray; returns the exit code for ``clusterflow start``."""
-    handle = ray_host.run(cluster, config, detach=detach)
+    try:
+        handle = ray_host.run(cluster, config, detach=detach)
+    except ClusterflowError as exc:
+        # Never started: recorded as failed, so `ps -a` shows why, not a cluster "created".
+        now = time.time()
+        never = ClusterState(
+            id=cluster.id, status="failed", backend="ray", command=config.command, created=now
+        )
+        cluster.write_state(never.finished(exit_code=USAGE_EXIT, summary=str(exc), ended=now))
+        raise
     if detach:
         deadline = time.monotonic() + config.register_timeout_s
         while time.monotonic() < deadline:

@@ -37,10 +37,11 @@ from clusterflow.data.api import (
     describe_source,
 )
 from clusterflow.data.batching import Batch
-from clusterflow.data.client import DataClient, DataConfig, DispatcherClient
+from clusterflow.data.client import DataClient, DataConfig
 from clusterflow.data.collate import numpy_collate, torch_collate
 from clusterflow.data.dataset import distributed_dataset
 from clusterflow.data.dispatcher import DispatcherConfig, DispatcherService
+from clusterflow.data.dispatcher_client import DispatcherClient
 from clusterflow.data.env import default_worker_name, resolve_dispatcher
 from clusterflow.data.leases import GrantStatus, LeaseBook
 from clusterflow.data.sources import ArrowSource, TensorSource, as_source

@@ -13,11 +13,9 @@ simple mode, automatically when the next batch is asked for).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from clusterflow.data.api import (
 )
 from clusterflow.data.batching import Batch, Batcher, ReadSplit
 from clusterflow.data.collate import Collate, take, torch_collate, writable
+from clusterflow.data.dispatcher_client import DispatcherClient
 from clusterflow.data.env import default_worker_name
 from clusterflow.data.splits import location_runs, shuffle_buffer_order, split_range, split_seed
 from clusterflow.errors import ConfigError
@@ -42,8 +41,6 @@ from clusterflow.rpc import Credentials, RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 
-INCARNATION = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-"""This process's identity: a restarted task reuses its name, never this."""
 MAX_WAIT_S = 0.02
 """Longest pause between asks while the last splits are out with other workers: the
 latency of the end-of-data barrier, against one cheap dispatcher call per pause."""
@@ -93,61 +90,6 @@ class DataConfig:
                 raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
         if self.shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer!r}")
-
-
-class DispatcherClient:
-    """Calls the dispatcher's ``data.*`` methods (thread-safe, as ``RpcClient`` is)."""
-
-    def __init__(self, rpc: RpcClient) -> None:
-        self.rpc = rpc
-
-    def register(self, spec: DatasetSpec, locations: list[list[Any]]) -> dict[str, Any]:
-        body = {"spec": spec.to_wire(), "locations": locations}
-        reply: dict[str, Any] = self.rpc.call("data.register", body).body
-        return reply
-
-    def lease(
-        self, name: str, worker: str, host: str | None, acks: list[int] | None = None
-    ) -> dict[str, Any]:
-        """The next split, after acking ``acks`` (one call instead of two)."""
-        body: dict[str, Any] = {
-            "name": name,
-            "worker": worker,
-            "host": host,
-            "incarnation": INCARNATION,
-        }
-        if acks:
-            body["acks"] = acks
-        reply: dict[str, Any] = self.rpc.call("data.lease", body).body
-        return reply
-
-    def ack(self, name: str, lease_ids: Iterable[int], worker: str | None = None) -> dict[str, int]:
-        """Marks leases applied.
-
-        Raises:
-            RemoteError: an id is unknown to the dispatcher (``error_type`` is
-                ``UnknownLeaseError``; the message names each id), or so is the dataset.
-        """
-        body = {"name": name, "leases": [int(x) for x in lease_ids], "worker": worker}
-        reply: dict[str, int] = self.rpc.call("data.ack", body).body
-        return reply
-
-    def release(self, name: str, worker: str, lease_ids: Iterable[int] | None = None) -> int:
-        body: dict[str, Any] = {"name": name, "worker": worker}
-        if lease_ids is not None:
-            body["leases"] = [int(x) for x in lease_ids]
-        return int(self.rpc.call("data.release", body).body["released"])
-
-    def status(self, name: str) -> dict[str, Any]:
-        reply: dict[str, Any] = self.rpc.call("data.status", {"name": name}).body
-        return reply
-
-    def state_dict(self) -> dict[str, Any]:
-        reply: dict[str, Any] = self.rpc.call("data.state_dict").body
-        return reply
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.rpc.call("data.load_state_dict", dict(state))
 
 
 @dataclass(slots=True)

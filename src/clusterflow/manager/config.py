@@ -13,6 +13,32 @@ from clusterflow.errors import ConfigError
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
+FILE_KEYS = frozenset(
+    {
+        "chief",
+        "ps",
+        "workers",
+        "evaluator",
+        "replicas_per_host",
+        "command",
+        "ps_command",
+        "untracked",
+        "env",
+        "max_restarts",
+        "checkpoint_dir",
+        "stall_timeout_s",
+        "evaluator_grace_s",
+        "backend",
+        "address",
+        "resources",
+        "labels",
+        "job_dir",
+        "memory",
+        "placement_timeout_s",
+    }
+)
+"""What a cluster file (``clusterflow start -c``) may set: the run's shape, commands,
+recovery and placement; not the manager's own limits (host, heartbeats, timeouts)."""
 REPLICA_JOBS = frozenset({"chief", "worker"})
 """Jobs whose tasks train (ranks of the collective); ``--replicas-per-host`` multiplies them."""
 
@@ -53,6 +79,10 @@ class RunConfig:
     """Where consistent checkpoints go (a path or fsspec URL); None: the cluster's folder."""
     stall_timeout_s: float | None = None
     """A task whose reported step stops advancing this long is dead (hung); None: never."""
+    evaluator_grace_s: float = 60.0
+    """How long the run waits for the evaluator once every other tracked task exited 0,
+    before it stops it: time for the last evaluation of the final checkpoint, while a
+    slow or hung evaluator can never keep a finished run from ending."""
     backend: str = "local"
     """Where tasks run: ``local`` processes, or actors on a ``ray`` cluster."""
     address: str | None = None
@@ -125,6 +155,7 @@ class RunConfig:
             "heartbeat_s",
             "heartbeat_timeout_s",
             "placement_timeout_s",
+            "evaluator_grace_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -244,6 +244,7 @@ class Controller:
             registration_overdue=self.rendezvous.overdue(),
             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
             stall_timeout_s=self.config.stall_timeout_s,
+            trailing_grace_s=self.config.evaluator_grace_s,
             restarts=self._restarts,
             max_restarts=self.config.max_restarts,
         )
@@ -251,7 +252,7 @@ class Controller:
     def _conclude(self, verdict: Verdict) -> int:
         self._shut_down()
         if verdict.decision == Decision.SUCCEED:
-            self._finish("succeeded", 0, "every tracked task exited 0")
+            self._finish("succeeded", 0, verdict.reason or "every tracked task exited 0")
             return 0
         if verdict.decision == Decision.STOP:
             self._finish("stopped", verdict.exit_code, "stopped on request")

@@ -9,6 +9,11 @@ timeout. While restarts remain (``max_restarts``), a dead task that declared its
 respawnable (a worker of a parameter-server strategy: nobody else holds its state) is
 respawned alone; any other death (all-reduce workers, ps, chief) restarts every task
 from the last committed checkpoint. Beyond the bound, the run fails naming the task.
+
+Success: every tracked task exited 0. A *trailing* task (the evaluator) is waited for
+only so long: once every other tracked task exited 0 it has ``trailing_grace_s`` to
+finish its last evaluation, and is then stopped, so a slow or hung evaluator can
+never keep a finished run from ending.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class TaskStatus:
     """Whether the run waits for this task to exit (jobs not in ``--untracked``)."""
     exit_code: int | None
     """None while running; negative for death by signal, as Popen reports it."""
+    exit_age_s: float | None = None
+    """Seconds since it exited; None while it runs."""
+    trailing: bool = False
+    """It follows training (the evaluator): once the rest of the run succeeded, it is
+    waited for only ``ClusterStatus.trailing_grace_s`` more."""
     heartbeat_age_s: float | None = None
     """Seconds since the last heartbeat from its supervisor; None before its command ran."""
     error: str | None = None
@@ -59,6 +69,8 @@ class ClusterStatus:
     heartbeat_timeout_s: float = 30.0
     stall_timeout_s: float | None = None
     """A task whose step stops advancing for this long is dead; None: never."""
+    trailing_grace_s: float = 60.0
+    """How long a trailing task may run on after the rest of the run succeeded."""
     restarts: int = 0
     """Recoveries (respawns and whole restarts) made so far."""
     max_restarts: int = 0
@@ -92,6 +104,16 @@ def decide(status: ClusterStatus) -> Verdict:
     tracked = [t for t in status.tasks if t.tracked]
     if tracked and all(t.exit_code == 0 for t in tracked):
         return Verdict(Decision.SUCCEED)
+    leading = [t for t in tracked if not t.trailing]
+    if leading and all(t.exit_code == 0 for t in leading):
+        ended_s = min(t.exit_age_s or 0.0 for t in leading)  # the last of them to exit
+        if ended_s > status.trailing_grace_s:
+            late = ", ".join(t.task for t in tracked if t.trailing and t.exit_code is None)
+            reason = (
+                f"training ended; {late} still running {status.trailing_grace_s:g}s later "
+                "was stopped"
+            )
+            return Verdict(Decision.SUCCEED, reason=reason)
     return Verdict(Decision.CONTINUE)
 
 

@@ -214,11 +214,11 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     Raises:
         PlacementError: the cluster cannot be placed (the manager is ended again).
     """
-    import ray
-
     from clusterflow.manager.memory_sizing import size
 
-    connect(config.address, config.job_dir)
+    connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
+    import ray
+
     secret = cluster.secret_file.read_text()
     sized, automatic = size(config)
     actor = (
@@ -244,14 +244,14 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
 
 
 def _on_head_node() -> Any:
-    """The manager goes to the head node when it can: the Ray cluster ends with that
-    node anyway, while any other node may be a spot machine that goes away."""
+    """The manager goes to the head node: the Ray cluster ends with that node anyway,
+    while any other node may be a spot machine that goes away."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     for node in ray.nodes():
         if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
-            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
     return "DEFAULT"
 
 

@@ -30,6 +30,8 @@ class TaskRecord:
     process: TaskProcess | None = None
     address: str | None = None
     exit_code: int | None = None
+    exited_at: float | None = None
+    """When its exit was recorded (monotonic clock)."""
     last_heartbeat: float | None = None
     """When the supervisor last reported; set once its command is released to run."""
     status: str = "starting"
@@ -151,6 +153,7 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
             if record.exit_code is not None:
                 return False
             record.exit_code = code
+            record.exited_at = time.monotonic()
             record.status = "stopped" if stopped else ("succeeded" if code == 0 else "failed")
             self._changed = True
             return True
@@ -159,6 +162,7 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
         """Forgets what the last incarnation reported; counts the restart."""
         with self.lock:
             record.exit_code = None
+            record.exited_at = None
             record.error = None
             record.last_heartbeat = None
             record.step_changed = None
@@ -178,6 +182,8 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
                     task=str(t.id),
                     tracked=t.tracked,
                     exit_code=t.exit_code,
+                    exit_age_s=None if t.exited_at is None else now - t.exited_at,
+                    trailing=t.id.job == "evaluator",
                     heartbeat_age_s=None if t.last_heartbeat is None else now - t.last_heartbeat,
                     error=t.error,
                     respawnable=t.respawnable,

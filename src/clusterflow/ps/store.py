@@ -387,7 +387,7 @@ class VariableStore:
         commits = self._commits.setdefault(version, [])
         if worker not in commits:
             commits.append(worker)
-        quorum = self._quorum(config)
+        quorum = self._quorum(config, version)
         if len(commits) < quorum:
             return PushResult(True, self.version, "committed")
         chosen = commits[:quorum]
@@ -396,9 +396,16 @@ class VariableStore:
             True, self.version, "applied", commit={"version": version, "workers": chosen}
         )
 
-    def _quorum(self, config: PSConfig) -> int:
-        """Pushes a sync step takes: N, or fewer once replicas have left for good."""
-        present = config.num_replicas - len(self._departed)
+    def _quorum(self, config: PSConfig, version: int) -> int:
+        """Pushes sync step ``version`` takes: N, or fewer once replicas left for good.
+
+        A replica that committed to this step and then left still counts for it: the
+        replicas still present push to this step too, and had the step been taken
+        without them their pushes would be dropped as late, and their data lost.
+        """
+        committed = self._commits.get(version, [])
+        left_after_committing = sum(1 for worker in committed if worker in self._departed)
+        present = config.num_replicas - len(self._departed) + left_after_committing
         return max(1, min(config.replicas_per_step, present))
 
     def leave(self, worker: str) -> dict[str, Any] | None:
@@ -414,7 +421,7 @@ class VariableStore:
             if config is None or config.mode != "sync":
                 return None
             commits = self._commits.get(self.version, [])
-            quorum = self._quorum(config)
+            quorum = self._quorum(config, self.version)
             if not commits or len(commits) < quorum:
                 return None
             version = self.version

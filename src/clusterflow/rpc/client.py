@@ -152,10 +152,23 @@ class RpcClient:
         Returns once the message is queued. The tensors are copied first (only their
         frames over 64 KiB cost anything): with no reply to wait for, a caller could
         otherwise not know when it may modify or reuse them.
+
+        Raises:
+            DeadlineExceeded: it could not even be queued within the client's deadline
+                (no connection to send on: see ``call``).
+            ClientClosed: ``close()`` was called.
         """
         frames = codec.encode(codec.KIND_ONEWAY, 0, method, body, tensors)
         with self._lock:
-            self._socket().send_multipart(frames, copy=True)
+            sock = self._socket()
+            sock.sndtimeo = max(1, int(self.deadline * 1000))
+            try:
+                sock.send_multipart(frames, copy=True)
+            except zmq.Again:
+                self._reset()  # part of the message may be queued: never send after it
+                raise DeadlineExceeded(
+                    f"{method} to {self.endpoint}: could not even send within {self.deadline:g}s"
+                ) from None
 
     # -------------------------------------------------------------------------------
 
