@@ -48,10 +48,10 @@ def _positive(text: str) -> int:
 def one_thread_per_process() -> None:
     """Every process this benchmark starts from now on runs torch and BLAS on one thread.
 
-    On two cores, two workers with torch's default of one thread per core each (plus a
-    ps) oversubscribe the cores: each window then depends on how the scheduler happens to
-    place the threads, and a ratio moved 2x between runs. Set in the environment so that
-    spawned children inherit it before they import torch.
+    Two workers with torch's default of a thread per core each (plus a ps) would
+    oversubscribe two cores, and each window would depend on where the scheduler put the
+    threads. The workers also call ``torch.set_num_threads(1)``; the environment makes
+    it hold from the import on, for every library, in every spawned child.
     """
     for name in THREAD_VARIABLES:
         os.environ[name] = "1"

@@ -146,8 +146,43 @@ class CheckpointParticipant(Protocol):
         ...
 
 
-class Strategy(ABC):
-    """How replicas share parameters. Subclasses: collective and parameter-server engines."""
+class SoloParticipant:
+    """The consistent cut's part of one process alone: rank 0 of 1, nothing to agree
+    on or quiesce, no parts of its own (the cut writes the model part itself).
+
+    The defaults of every ``Strategy``, and the participant of a run with no strategy.
+    """
+
+    def cut_role(self) -> CutRole:
+        return CutRole("replicated", rank=0, replicas=1, holds_model=False)
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def quiesce(self) -> int | None:
+        return None
+
+    def parts(self) -> list[Part]:
+        return []
+
+    def cut_meta(self) -> dict[str, Any]:
+        return {}
+
+    def resume(self) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
+        pass
+
+
+class Strategy(SoloParticipant, ABC):
+    """How replicas share parameters. Subclasses: collective and parameter-server engines.
+
+    Its ``CheckpointParticipant`` methods default to ``SoloParticipant``'s.
+    """
 
     @property
     @abstractmethod
@@ -188,7 +223,7 @@ class Strategy(ABC):
         """
         return ALONE
 
-    def check_placed(self, model: nn.Module) -> None:  # noqa: B027
+    def check_placed(self, model: nn.Module) -> None:
         """Fails unless ``model``'s variables were created in ``scope()``.
 
         A model built outside the scope would train, but wrongly (its gradients never
@@ -198,11 +233,11 @@ class Strategy(ABC):
             StrategyError: the model was not created in the scope; the message says how.
         """
 
-    def refresh_model(self) -> None:  # noqa: B027
+    def refresh_model(self) -> None:
         """Makes the local model hold the shared parameters' newest values (before
         evaluating it): a replica whose values lag the shared ones pulls them here."""
 
-    def finish(self, error: BaseException | None, leave: bool) -> None:  # noqa: B027
+    def finish(self, error: BaseException | None, leave: bool) -> None:
         """What a replica does when its training run ends.
 
         ``error``: what ended it, if anything: then the replica drops out at once, so
@@ -210,32 +245,6 @@ class Strategy(ABC):
         while others may go on (they must stop waiting for it). Errors are raised only
         when ``error`` is None.
         """
-
-    # The consistent cut (CheckpointParticipant); defaults: each process alone -------
-
-    def cut_role(self) -> CutRole:
-        return CutRole("replicated", rank=0, replicas=1, holds_model=False)
-
-    def agree(self, flag: bool) -> bool:
-        return flag
-
-    def quiesce(self) -> int | None:
-        return None
-
-    def parts(self) -> list[Part]:
-        return []
-
-    def cut_meta(self) -> dict[str, Any]:
-        return {}
-
-    def resume(self) -> None:  # noqa: B027
-        pass
-
-    def barrier(self) -> None:  # noqa: B027
-        pass
-
-    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:  # noqa: B027
-        pass
 
     # Exactly-once data --------------------------------------------------------------
 
@@ -268,7 +277,7 @@ class Strategy(ABC):
         """Worker-side state to checkpoint (step counters, versions); empty by default."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores what ``state_dict`` returned (nothing, by default)."""
 
 

@@ -50,7 +50,11 @@ from clusterflow.checkpoint.names import (
     worker_part,
 )
 from clusterflow.errors import ConfigError
-from clusterflow.strategies.api import CheckpointParticipant, CutRole, Part, ReadPart, Strategy
+from clusterflow.strategies.api import (
+    CheckpointParticipant,
+    SoloParticipant,
+    Strategy,
+)
 from clusterflow.strategies.variables import recording
 
 log = logging.getLogger(__name__)
@@ -110,7 +114,9 @@ class Checkpointer:
         ):
             raise ConfigError(f"every_secs must be a positive number, got {every_secs!r}")
         self.strategy = strategy
-        self.participant: CheckpointParticipant = strategy if strategy is not None else _Alone()
+        self.participant: CheckpointParticipant = (
+            strategy if strategy is not None else SoloParticipant()
+        )
         self.role = self.participant.cut_role()
         if model is None and not self.role.holds_model:
             raise ConfigError("Checkpointer needs the model (only parameter servers hold it)")
@@ -283,34 +289,6 @@ class Checkpointer:
     @property
     def _kind(self) -> str:
         return self.role.kind
-
-
-class _Alone:
-    """The cut's participant for one process without a strategy: it writes everything."""
-
-    def cut_role(self) -> CutRole:
-        return CutRole("replicated", rank=0, replicas=1, holds_model=False)
-
-    def agree(self, flag: bool) -> bool:
-        return flag
-
-    def quiesce(self) -> int | None:
-        return None
-
-    def parts(self) -> list[Part]:
-        return []
-
-    def cut_meta(self) -> dict[str, Any]:
-        return {}
-
-    def resume(self) -> None:
-        pass
-
-    def barrier(self) -> None:
-        pass
-
-    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
-        pass
 
 
 def load_module(
