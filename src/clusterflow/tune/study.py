@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +47,7 @@ SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("median", "asha", "none")
 DIRECTIONS = ("maximize", "minimize")
 INTERRUPTED = "interrupted"
+_HOST = socket.gethostname()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,9 +222,17 @@ class StudyRunner:
         return done, failed
 
     def _requeue_orphans(self) -> None:
-        """Trials left RUNNING by a tuner that died go back to the queue, marked interrupted."""
+        """Trials left RUNNING by a tuner of this host that died go back to the queue,
+        marked interrupted. A live tuner's trials (another on this host, or any on
+        another machine sharing the storage) are left alone."""
         state = self._optuna.trial.TrialState
         for t in self.study.get_trials(deepcopy=False, states=(state.RUNNING,)):
+            host, _, pid = str(t.user_attrs.get("tuner", ":")).rpartition(":")
+            if host != _HOST or (pid.isdigit() and registry.process_alive(int(pid), None)):
+                continue
+            cluster_id = t.user_attrs.get("cluster_id")
+            if cluster_id and (registry.home() / "clusters" / cluster_id).is_dir():
+                stop_cluster(registry.find(cluster_id), self.s.stop_grace_s)
             self.study.enqueue_trial(t.params, skip_if_exists=False)
             self._optuna.Trial(self.study, t._trial_id).set_user_attr(INTERRUPTED, True)
             self.study.tell(t.number, state=state.FAIL)
@@ -262,6 +272,7 @@ class StudyRunner:
 
     def _start_trial(self) -> _Running:
         trial = self.study.ask(self.distributions)
+        trial.set_user_attr("tuner", f"{_HOST}:{os.getpid()}")
         values = dict(trial.params)
         cluster = registry.create(_cluster_id(self.s.study, trial.number))
         env = {
