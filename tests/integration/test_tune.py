@@ -195,14 +195,15 @@ def test_ctrl_c_stops_every_trial_and_resume_loses_none(cf: Clusterflow, tmp_pat
 FIT_JOB = """
 import torch
 from torch import nn
-from clusterflow.train import fit
+from clusterflow.train import Checkpoint, fit
 
 torch.manual_seed(0)
 x = torch.randn(64, 4)
 y = (x.sum(1) > 0).long()
 model = nn.Linear(4, 2)
 fit(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=float({lr!r})),
-    (x, y), epochs=2, global_batch_size=16, validation_data=(x, y), metrics=["accuracy"])
+    (x, y), epochs=2, global_batch_size=16, validation_data=(x, y), metrics=["accuracy"],
+    hooks=[Checkpoint()])
 """
 
 
@@ -221,6 +222,16 @@ def test_fit_inside_a_trial_reports_with_no_extra_code(cf: Clusterflow) -> None:
     assert [r["step"] for r in reports] == [0, 1]
     assert t.intermediate_values == {r["step"]: r["metrics"]["val_loss"] for r in reports}
     assert t.value == reports[-1]["metrics"]["val_loss"]
+    # The best trial's checkpoint is kept, named by describe, and opens with load_module.
+    checkpoint = t.user_attrs["checkpoint"]
+    described = cf.run("tune", "describe", "fit").stdout
+    assert "0 (best)" in described and checkpoint in described
+    from torch import nn
+
+    from clusterflow.train.cut import load_module
+
+    loaded = load_module(checkpoint, lambda: nn.Linear(4, 2))
+    assert loaded is not None and loaded[1] == 8  # 2 epochs of 4 batches
 
 
 @pytest.mark.parametrize(
