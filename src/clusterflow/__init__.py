@@ -20,6 +20,7 @@ from clusterflow.errors import ClusterflowError, ConfigError
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from clusterflow import tune
     from clusterflow.cluster import ClusterSpec, DeviceSpec, TaskId, TFConfig
     from clusterflow.server import Server, create_local_server
     from clusterflow.strategies import (
@@ -79,6 +80,9 @@ _LAZY = {
     "Progress": "clusterflow.train",
     "Evaluate": "clusterflow.train",
     "run_evaluator": "clusterflow.train",
+    # the subpackage itself (`cf.tune.report`, `cf.tune.run`): it sits above the
+    # manager, so it is loaded only when asked for
+    "tune": "clusterflow.tune",
 }
 
 __all__ = [
@@ -113,6 +117,7 @@ __all__ = [
     "device",
     "fit",
     "run_evaluator",
+    "tune",
 ]
 
 

@@ -25,6 +25,8 @@ def lazy_exports(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]
         home = homes.get(name)
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(home), name)
+        module = importlib.import_module(home)
+        # A subpackage exported under its own name (``clusterflow.tune``): the module.
+        return module if home == f"{package}.{name}" else getattr(module, name)
 
     return __getattr__

@@ -9,11 +9,21 @@ torch): the job side only writes a file; running a study imports Optuna. docs/tu
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from clusterflow._lazy import lazy_exports
 from clusterflow.cluster.trial import in_trial, params, report
 from clusterflow.tune.space import Param, parse_params
-from clusterflow.tune.study import TuneSettings, default_storage
+
+if TYPE_CHECKING:
+    from clusterflow.tune.study import TuneSettings, default_storage
+
+# The job side (report, params) stays light: the study's loop (the manager's registry,
+# Optuna) loads only when a study runs.
+__getattr__ = lazy_exports(
+    __name__,
+    {"TuneSettings": "clusterflow.tune.study", "default_storage": "clusterflow.tune.study"},
+)
 
 __all__ = ["Param", "TuneSettings", "default_storage", "in_trial", "params", "report", "run"]
 
@@ -40,7 +50,7 @@ def run(
     ``params`` maps names to ``KIND:...`` (``{"lr": "loguniform:1e-4:1e-1"}``) or lists
     ``--param`` texts; ``cluster`` holds ``start``'s settings (``{"workers": 2}``).
     """
-    from clusterflow.tune.study import StudyRunner
+    from clusterflow.tune.study import StudyRunner, TuneSettings
 
     specs = [f"{k}={v}" for k, v in params.items()] if isinstance(params, Mapping) else params
     settings = TuneSettings(
