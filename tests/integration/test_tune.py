@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import optuna  # a test dependency (the `test` extra): its absence is a failure, not a skip
 import pytest
 
-optuna = pytest.importorskip("optuna")
-
-from clusterflow.manager.registry import TERMINAL  # noqa: E402
+from clusterflow.manager.registry import TERMINAL
 
 if TYPE_CHECKING:
     from conftest import Clusterflow

@@ -70,7 +70,8 @@ def test_to_spec_round_trips() -> None:
 
 
 def test_distributions_and_grid_are_optunas() -> None:
-    optuna = pytest.importorskip("optuna")
+    import optuna  # a test dependency: its absence is a failure, not a skip
+
     lr = parse_param("lr=loguniform:1e-3:1e-1")
     dist = distribution(lr)
     assert isinstance(dist, optuna.distributions.FloatDistribution) and dist.log

@@ -8,13 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna  # a test dependency (the `test` extra): its absence is a failure, not a skip
 import pytest
 
-optuna = pytest.importorskip("optuna")
-
-from clusterflow.errors import ConfigError  # noqa: E402
-from clusterflow.tune.space import parse_params  # noqa: E402
-from clusterflow.tune.study import (  # noqa: E402
+from clusterflow.errors import ConfigError
+from clusterflow.tune.space import parse_params
+from clusterflow.tune.study import (
     INTERRUPTED,
     StudyRunner,
     TuneSettings,

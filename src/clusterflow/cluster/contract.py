@@ -46,6 +46,9 @@ ENV_RESTORE: Final = "CLUSTERFLOW_RESTORE"
 ENV_ATTEMPT: Final = "CLUSTERFLOW_ATTEMPT"
 ENV_REPLICA: Final = "CLUSTERFLOW_REPLICA"
 ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
+ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
+ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
+ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
 
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
@@ -85,6 +88,9 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_ATTEMPT: EnvVar("job", "how often the whole cluster was restarted"),
         ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
         ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
+        ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),
+        ENV_TRIAL_REPORT: EnvVar("job", "the file a tuning trial's figures go to"),
+        ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
         "TF_CONFIG": EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
         "TF_GRPC_REUSE_PORT": EnvVar("job", "1: TensorFlow binds beside the reserved port"),
         "RANK": EnvVar("replica", "torchrun: this replica's global rank"),

@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from clusterflow.cluster.contract import ENV_TASK
+from clusterflow.cluster.contract import (
+    ENV_TASK,
+    ENV_TRIAL_PARAMS,
+    ENV_TRIAL_REPORT,
+    ENV_TRIAL_REPORTER,
+)
 
-ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
-ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
-ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
 REPORT_FILE: Final = "trial-report.jsonl"
 
 __all__ = [
