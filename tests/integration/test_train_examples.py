@@ -57,8 +57,10 @@ def test_digits_fit_alone(tmp_path: Path) -> None:
         ("mirrored", ["--workers", "2"], ["--data-service"], "worker:0", 0.85),
         ("ps-sync", ["--chief", "--ps", "1", "--workers", "2"], ["--data-service"], "chief:0", 0.8),
         # Asynchronous updates from stale values learn slower in the first epochs.
-        # 0.79-0.87 in four runs on a loaded 2-core machine (3 epochs); chance is 0.1.
-        ("ps-async", ["--ps", "1", "--workers", "2"], [], "worker:0", 0.7),
+        # 0.79-0.87 in four runs on a loaded 2-core machine and 0.697 once on a quiet one
+        # (3 epochs: which replica's stale push lands when varies); chance is 0.1, and a
+        # broken optimizer stays near it.
+        ("ps-async", ["--ps", "1", "--workers", "2"], [], "worker:0", 0.6),
     ],
 )
 def test_digits_fit_in_a_cluster(
