@@ -37,7 +37,9 @@ def mlp(seed: int = 0) -> nn.Sequential:
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    return torch.randn(ROWS, FEATURES, generator=gen), torch.randint(0, CLASSES, (ROWS,), generator=gen)
+    return torch.randn(ROWS, FEATURES, generator=gen), torch.randint(
+        0, CLASSES, (ROWS,), generator=gen
+    )
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -56,11 +58,22 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
         if schedule == "1f1b":
             hooks.append(cf.Checkpoint(str(ckpt), every_steps=4))
         history = cf.fit(
-            model, nn.CrossEntropyLoss(), optimizer, data(), strategy=strategy,
-            epochs=2, global_batch_size=16, seed=3, hooks=hooks, metrics=["accuracy"],
+            model,
+            nn.CrossEntropyLoss(),
+            optimizer,
+            data(),
+            strategy=strategy,
+            epochs=2,
+            global_batch_size=16,
+            seed=3,
+            hooks=hooks,
+            metrics=["accuracy"],
         )
-        result[schedule] = {"params": flat(model), "loss": history.history["loss"],
-                            "bounds": [(b.start, b.stop) for b in strategy.bounds]}
+        result[schedule] = {
+            "params": flat(model),
+            "loss": history.history["loss"],
+            "bounds": [(b.start, b.stop) for b in strategy.bounds],
+        }
         if schedule == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
             result["joined"] = {"params": flat(joined), "step": step}
@@ -72,13 +85,35 @@ def pipedream(out: Path, rank: int) -> dict[str, Any]:
     with strategy.scope():
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    cf.fit(model, nn.CrossEntropyLoss(), optimizer, data(), strategy=strategy,
-           epochs=2, global_batch_size=16, seed=3)
+    cf.fit(
+        model,
+        nn.CrossEntropyLoss(),
+        optimizer,
+        data(),
+        strategy=strategy,
+        epochs=2,
+        global_batch_size=16,
+        seed=3,
+    )
     engine = strategy.engine
     records = [r for r in engine.records] if engine is not None else []  # type: ignore[union-attr]
-    return {"params": flat(model), "stage": strategy.stage, "records": [
-        (r.microbatch, r.forward_version, r.backward_version, r.live_version,
-         r.stash_checksum, r.forward_checksum, r.live_checksum) for r in records]}
+    return {
+        "params": flat(model),
+        "stage": strategy.stage,
+        "bounds": [(b.start, b.stop) for b in strategy.bounds],
+        "records": [
+            (
+                r.microbatch,
+                r.forward_version,
+                r.backward_version,
+                r.live_version,
+                r.stash_checksum,
+                r.forward_checksum,
+                r.live_checksum,
+            )
+            for r in records
+        ],
+    }
 
 
 def digits(out: Path, rank: int) -> dict[str, Any]:
@@ -93,10 +128,20 @@ def digits(out: Path, rank: int) -> dict[str, Any]:
         strategy = cf.PipelineStrategy(schedule, microbatches=4, stages=2)
         with strategy.scope():
             torch.manual_seed(1)
-            model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+            model = nn.Sequential(
+                nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+            )
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        cf.fit(model, nn.CrossEntropyLoss(), optimizer, (x[train], y[train]), strategy=strategy,
-               epochs=6, global_batch_size=64, seed=5)
+        cf.fit(
+            model,
+            nn.CrossEntropyLoss(),
+            optimizer,
+            (x[train], y[train]),
+            strategy=strategy,
+            epochs=6,
+            global_batch_size=64,
+            seed=5,
+        )
         with torch.no_grad():
             accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item()
         result[schedule] = accuracy

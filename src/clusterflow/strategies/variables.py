@@ -124,9 +124,7 @@ def device(name: str) -> Iterator[None]:
     spec = DeviceSpec.parse(name)
     task = spec.task_id
     if task is None or task.job not in ("ps", "chief", "worker"):
-        raise ConfigError(
-            f"device {name!r} names no task: give /job:ps|chief|worker/task:N"
-        )
+        raise ConfigError(f"device {name!r} names no task: give /job:ps|chief|worker/task:N")
     stack: list[Any] = _devices() if task.job == "ps" else _placements()
     stack.append(task.index if task.job == "ps" else task)
     try:

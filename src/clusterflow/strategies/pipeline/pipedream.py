@@ -114,7 +114,7 @@ class PipeDreamEngine:
         """Updates this stage applied."""
         self._forwarded = 0
         self._inflight: deque[_InFlight] = deque()
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[Any, torch.Tensor]] = []
         self.records: list[StashRecord] | None = [] if record else None
         self.peak_stashes = 0
 
@@ -154,7 +154,8 @@ class PipeDreamEngine:
         while self._inflight:
             self._backward(lambda o, t: o, None)
         for work, _ in self._sends:
-            work.wait()
+            if work is not None:
+                work.wait()
         self._sends.clear()
 
     # One forward, one backward -------------------------------------------------------
@@ -172,9 +173,7 @@ class PipeDreamEngine:
             x.requires_grad_(x.is_floating_point())
         # The stash: the weights this micro-batch's backward must differentiate. A
         # stage whose backward comes before its next update uses the live weights.
-        stash = tuple(
-            p.detach().clone() if self.warmup else p.detach() for p in self._params
-        )
+        stash = tuple(p.detach().clone() if self.warmup else p.detach() for p in self._params)
         for tensor in stash:
             tensor.requires_grad_(True)
         weights = {**dict(zip(self._names, stash, strict=True)), **self._buffers}
@@ -185,7 +184,7 @@ class PipeDreamEngine:
         if self._next is not None:
             sent = out.detach().contiguous()
             self._sends.append((dist.isend(sent, dst=self._next), sent))
-        return out
+        return out  # type: ignore[no-any-return]
 
     def _backward(self, loss_fn: LossFn, target: Any) -> None:
         item = self._inflight.popleft()
@@ -221,7 +220,7 @@ class PipeDreamEngine:
         self.version += 1
 
     def _reap(self) -> None:
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        self._sends = [(w, t) for w, t in self._sends if w is not None and not w.is_completed()]
 
 
 def _split_targets(targets: Any, microbatches: int) -> Sequence[Any]:

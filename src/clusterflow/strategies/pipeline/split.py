@@ -8,6 +8,7 @@ without processes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -71,13 +72,13 @@ def by_points(points: Sequence[int | str], names: Sequence[str], chunks: int) ->
             f"{chunks}: give {chunks - 1} split points"
         )
     edges = [0, *indices, len(names)]
-    for stage, (begin, end) in enumerate(zip(edges, edges[1:], strict=False)):
+    for stage, (begin, end) in enumerate(itertools.pairwise(edges)):
         if not 0 <= begin < end <= len(names):
             raise PipelineError(
                 f"split {list(points)} leaves stage {stage} empty (layers {begin}..{end} "
                 f"of {len(names)}): split points must increase strictly within 1..{len(names) - 1}"
             )
-    return [range(b, e) for b, e in zip(edges, edges[1:], strict=False)]
+    return [range(b, e) for b, e in itertools.pairwise(edges)]
 
 
 def by_owner(owners: Sequence[int | None], chunks: int) -> Bounds:
@@ -137,7 +138,7 @@ def balanced(costs: Sequence[float], chunks: int) -> Bounds:
     for k in range(chunks, 0, -1):
         edges.append(cut[k][edges[-1]])
     edges.reverse()
-    return [range(b, e) for b, e in zip(edges, edges[1:], strict=False)]
+    return [range(b, e) for b, e in itertools.pairwise(edges)]
 
 
 def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:

@@ -58,7 +58,7 @@ from clusterflow.strategies.pipeline.api import (
 )
 from clusterflow.strategies.pipeline.layout import Layout
 from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
-from clusterflow.strategies.pipeline.state import join_names, optimizer_part, load_optimizer_part
+from clusterflow.strategies.pipeline.state import join_names, load_optimizer_part, optimizer_part
 from clusterflow.strategies.pipeline.sync import SyncEngine
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import current_placement
@@ -425,7 +425,8 @@ class PipelineStrategy(Strategy):
                 f"reduce() takes a tensor, a number, or a dict/list/tuple of them; got "
                 f"{type(value).__name__}"
             )
-        tensor = torch.as_tensor(value, dtype=None if isinstance(value, torch.Tensor) else torch.float64)
+        dtype = None if isinstance(value, torch.Tensor) else torch.float64
+        tensor = torch.as_tensor(value, dtype=dtype)
         tensor = tensor.detach().clone()
         if self.layout.pipelines > 1:
             with self._group.guard("reduce across pipelines"):
@@ -511,7 +512,8 @@ class PipelineStrategy(Strategy):
         tensors = {f"model/{k}": state[k].detach().cpu() for k in keys}
         meta: dict[str, Any] = {"stage": self.layout.stage, "optimizer": None}
         if self._optimizer is not None:
-            opt_meta, opt_tensors = optimizer_part(self._optimizer, set(map(id, self._my_parameters())))
+            mine = {id(p) for p in self._my_parameters()}
+            opt_meta, opt_tensors = optimizer_part(self._optimizer, mine)
             meta["optimizer"] = opt_meta
             tensors.update(opt_tensors)
         return [(join_names(self.layout.stages)[self.layout.stage], meta, tensors)]
@@ -569,7 +571,7 @@ class _LocalEngine:
         ):
             out = self._chunk(x)
             loss = loss_fn(out, y) / self._microbatches
-            loss.backward()
+            torch.autograd.backward(loss)
             outputs.append(out.detach())
             losses.append(loss.detach())
         return torch.stack(losses).sum(), torch.cat(outputs)

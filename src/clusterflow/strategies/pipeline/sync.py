@@ -58,7 +58,7 @@ class SyncEngine:
 
     def _build(self, shape: tuple[int, ...], loss_fn: LossFn) -> Any:
         layout = self._layout
-        stages = [
+        stages: list[Any] = [
             PipelineStage(self._chunks[c], c, layout.chunks, self._device, group=self._group)
             for c in layout.my_chunks()
         ]
@@ -72,6 +72,9 @@ class SyncEngine:
                 f"the {self._schedule.value} schedule cannot run {self._microbatches} "
                 f"micro-batches on {layout.stages} stages: {str(exc).splitlines()[0]}"
             ) from None
+
+    def _call_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self._loss_fn(outputs, targets)
 
     def step(
         self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
@@ -87,7 +90,7 @@ class SyncEngine:
         key = tuple(inputs.shape)
         schedule = self._built.get(key)
         if schedule is None:
-            schedule = self._built[key] = self._build(key, lambda out, tgt: self._loss_fn(out, tgt))
+            schedule = self._built[key] = self._build(key, self._call_loss)
         layout = self._layout
         mine = layout.my_chunks()
         args = (inputs,) if 0 in mine else ()
