@@ -22,6 +22,7 @@ import click
 from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.cli.tune import make_tune
+from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
@@ -575,6 +576,7 @@ def secret(path: str) -> None:
 
 
 cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's options, per trial
+cli.add_command(ui)  # `clusterflow ui` (cli/ui.py): the dashboard
 
 
 def main(argv: list[str] | None = None) -> None:
