@@ -27,6 +27,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "cli",
     },
     "server": {
@@ -39,6 +40,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "cli",
     },
     # checkpoint is storage and format only (manifest, safetensors parts, fsspec): ps
@@ -54,19 +56,25 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "cli",
     },
-    "ps": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "collective": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "data": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "strategies": {"train", "backends", "manager", "tune", "cli"},
-    "train": {"backends", "manager", "tune", "cli"},
-    "backends": {"manager", "tune", "cli"},
-    "manager": {"tune", "cli"},
+    "ps": {"strategies", "train", "backends", "manager", "tune", "cache", "cli"},
+    "collective": {"strategies", "train", "backends", "manager", "tune", "cache", "cli"},
+    "data": {"strategies", "train", "backends", "manager", "tune", "cache", "cli"},
+    "strategies": {"train", "backends", "manager", "tune", "cache", "cli"},
+    "train": {"backends", "manager", "tune", "cache", "cli"},
+    "backends": {"manager", "tune", "cache", "cli"},
+    # in-memory caches and their servers: above data (whose cache:// source reads the
+    # partition map), beside ps and manager; the CLI and nothing else uses them
+    "cache": {"ps", "collective", "strategies", "train", "backends", "manager", "tune", "cli"},
+    "manager": {"tune", "cache", "cli"},
     # studies of trial clusters: above the manager, beside train (a job reports to its
     # trial through clusterflow.cluster.trial, so train never imports tune)
     "tune": {"cli"},
     "cli": set(),
+    # the emulated-hosts harness of tests and benchmarks: beside everything, imports nothing
+    "testing": {"*"},
 }
 ALWAYS_ALLOWED = {"errors", "_lazy"}
 
