@@ -27,6 +27,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "ui",
         "cli",
     },
@@ -40,6 +41,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "ui",
         "cli",
     },
@@ -56,16 +58,30 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
         "ui",
         "cli",
     },
-    "ps": {"strategies", "train", "backends", "manager", "tune", "ui", "cli"},
-    "collective": {"strategies", "train", "backends", "manager", "tune", "ui", "cli"},
-    "data": {"strategies", "train", "backends", "manager", "tune", "ui", "cli"},
-    "strategies": {"train", "backends", "manager", "tune", "ui", "cli"},
-    "train": {"backends", "manager", "tune", "ui", "cli"},
-    "backends": {"manager", "tune", "ui", "cli"},
-    "manager": {"tune", "ui", "cli"},
+    "ps": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "collective": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "data": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "strategies": {"train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "train": {"backends", "manager", "tune", "cache", "ui", "cli"},
+    "backends": {"manager", "tune", "cache", "ui", "cli"},
+    # in-memory caches and their servers: above data (whose cache:// source reads the
+    # partition map), beside ps and manager; the CLI and the dashboard (ui) use them
+    "cache": {
+        "ps",
+        "collective",
+        "strategies",
+        "train",
+        "backends",
+        "manager",
+        "tune",
+        "ui",
+        "cli",
+    },
+    "manager": {"tune", "cache", "ui", "cli"},
     # studies of trial clusters: above the manager, beside train (a job reports to its
     # trial through clusterflow.cluster.trial, so train never imports tune)
     "tune": {"ui", "cli"},
@@ -73,6 +89,8 @@ FORBIDDEN: dict[str, set[str]] = {
     # manager and tune, below cli (docs/architecture.md section 2)
     "ui": {"cli"},
     "cli": set(),
+    # the emulated-hosts harness of tests and benchmarks: beside everything, imports nothing
+    "testing": {"*"},
 }
 ALWAYS_ALLOWED = {"errors", "_lazy"}
 

@@ -50,6 +50,8 @@ ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
 ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
 ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
 ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
+ENV_CACHE: Final = "CLUSTERFLOW_CACHE"
+ENV_NODE: Final = "CLUSTERFLOW_NODE"
 
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
@@ -93,6 +95,8 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),
         ENV_TRIAL_REPORT: EnvVar("job", "the file a tuning trial's figures go to"),
         ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
+        ENV_CACHE: EnvVar("job", "the cache of `start --cache`: cache:// reads it"),
+        ENV_NODE: EnvVar("job", "the node a task runs on, as cache maps name it (Ray)"),
         "TF_CONFIG": EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
         "TF_GRPC_REUSE_PORT": EnvVar("job", "1: TensorFlow binds beside the reserved port"),
         "RANK": EnvVar("replica", "torchrun: this replica's global rank"),
