@@ -35,6 +35,7 @@ FILE_KEYS = frozenset(
         "job_dir",
         "memory",
         "placement_timeout_s",
+        "cache",
     }
 )
 """What a cluster file (``clusterflow start -c``) may set: the run's shape, commands,
@@ -100,6 +101,9 @@ class RunConfig:
     as ``4G``; None is ``auto`` on Ray."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
+    cache: str | None = None
+    """An in-memory cache (``clusterflow cache``) the workers read: they are placed on its
+    partitions' nodes and ``cache://`` names it (``cli/cache.py`` ``cache_placement``)."""
 
     def __post_init__(self) -> None:
         if not self.command:

@@ -20,7 +20,9 @@ import torch
 
 from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.optimizer import OptimizerSpec
+from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
+from clusterflow.ps.tables import RowStore
 from clusterflow.rpc.codec import DTYPES
 
 Tensors = dict[str, torch.Tensor]
@@ -411,6 +413,8 @@ class PSHandler:
     def __init__(self, store: VariableStore, fan_out: FanOut | None = None) -> None:
         self.store = store
         self._fan_out = fan_out
+        self.tables = RowStore(store.ps_index)
+        """This task's rows of the embedding tables (``ps.rows_*``, ``ps/tables.py``)."""
 
     def create(self, request: CreateRequest) -> list[str]:
         return self.store.create(request.config, request.variables, request.values)
@@ -452,25 +456,34 @@ class PSHandler:
         return self.store.wait_version(request.version, request.timeout)
 
     def quiesce(self, request: QuiesceRequest) -> int:
-        return self.store.quiesce(request.timeout)
+        # The cut's step: the dense version, or the tables' where only tables train.
+        return max(self.store.quiesce(request.timeout), self.tables.quiesce(request.timeout))
 
     def resume(self) -> None:
         self.store.resume()
+        self.tables.resume()
 
     def state(self) -> PSState:
         meta, tensors = self.store.state()
+        self.tables.add_state(meta, tensors)
         return PSState(meta=meta, tensors=tensors)
 
     def load_state(self, request: PSState) -> None:
         self.store.load_state(request.meta, request.tensors)
+        self.tables.load_state(request.meta, request.tensors)
 
     def leave(self, request: LeaveRequest) -> None:
+        self.tables.leave(request.worker)
         commit = self.store.leave(request.worker)
         if commit is not None:
             self._commit(commit)
 
     def stats(self) -> dict[str, Any]:
-        return self.store.snapshot_stats()
+        stats = self.store.snapshot_stats()
+        if self.tables.tables:
+            stats["rows"] = self.tables.snapshot_stats()
+            stats["version"] = max(int(stats["version"]), self.tables.version)
+        return stats
 
     def _commit(self, commit: Mapping[str, Any]) -> None:
         if self._fan_out is None:
@@ -517,6 +530,8 @@ class PSHandler:
             return None, {}
         if method == "stats":
             return self.stats(), {}
+        if method in ROWS_METHODS:
+            return rows_dispatch(self.tables, method, body, tensors)
         raise MalformedRequest(f"unknown ps method {method!r}")
 
 
@@ -533,5 +548,6 @@ METHODS: tuple[str, ...] = (
     "load_state",
     "leave",
     "stats",
+    *ROWS_METHODS,
 )
 """Every method ``PSHandler.dispatch`` serves, registered as ``ps.<name>``."""
