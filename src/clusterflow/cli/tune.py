@@ -21,14 +21,60 @@ _NOT_FOR_TRIALS = {"detach", "resume_id", "command"}
 
 
 class _TuneGroup(click.Group):
-    """``tune [OPTIONS] -- COMMAND`` runs a study; ``tune ls`` / ``tune describe`` look."""
+    """``tune [OPTIONS] -- COMMAND`` runs a study; ``tune [--storage URL] ls`` and
+    ``tune [--storage URL] describe NAME`` look at studies.
+
+    A subcommand is the first word that is neither an option nor an option's value, and
+    only before ``--`` (after it, words are the trial's command, whatever they spell).
+    """
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] in self.commands:
-            click.Command.parse_args(self, ctx, [])
-            ctx._protected_args, ctx.args = args[:1], args[1:]
-            return ctx.args
-        return click.Command.parse_args(self, ctx, args)
+        at = self._subcommand_at(ctx, args)
+        if at is None:
+            return click.Command.parse_args(self, ctx, args)
+        click.Command.parse_args(self, ctx, args[:at])
+        ctx._protected_args, ctx.args = args[at : at + 1], args[at + 1 :]
+        return ctx.args
+
+    def _subcommand_at(self, ctx: click.Context, args: list[str]) -> int | None:
+        takes_value: dict[str, bool] = {}
+        for param in self.get_params(ctx):
+            if isinstance(param, click.Option):
+                for name in (*param.opts, *param.secondary_opts):
+                    takes_value[name] = not (param.is_flag or param.count)
+        i = 0
+        while i < len(args):
+            word = args[i]
+            if word == "--":
+                return None
+            if word.startswith("-") and word != "-":
+                if "=" not in word and takes_value.get(word, False):
+                    i += 1  # the option's value, whatever it spells
+                i += 1
+                continue
+            return i if word in self.commands else None
+        return None
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return ["[OPTIONS] -- COMMAND...  |  ls  |  describe NAME"]
+
+
+class _TrialCommand(click.Argument):
+    """The trial's command: no usage piece, so a subcommand's usage line reads
+    ``clusterflow tune ls [OPTIONS]`` (click puts the group's arguments into it)."""
+
+    def get_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return []
+
+
+def _only_storage(ctx: click.Context, subcommand: str) -> None:
+    """A subcommand takes the group's ``--storage`` and no other of its options."""
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name or "")
+        if param.name == "storage" or source in (None, click.core.ParameterSource.DEFAULT):
+            continue
+        flag = param.opts[0] if isinstance(param, click.Option) else str(param.name).upper()
+        raise click.UsageError(f"{flag} is for running a study, not for `tune {subcommand}`")
 
 
 def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +174,14 @@ def _print_best(study: Any) -> None:
     )
 
 
+def _storage(ctx: click.Context, own: str | None) -> str | None:
+    """A subcommand's ``--storage``, else the one given before it (``tune --storage X ls``)."""
+    given = ctx.parent.params.get("storage") if ctx.parent else None
+    if own and given and own != given:
+        raise click.UsageError(f"two storages given: {given!r} and {own!r}")
+    return own or given
+
+
 def _table(rows: list[dict[str, str]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -182,7 +236,7 @@ def make_tune(start: click.Command) -> click.Group:
     @click.option(
         "--resume", is_flag=True, help="Continue the study with the settings it was run with."
     )
-    @click.argument("command", nargs=-1, type=click.UNPROCESSED)
+    @click.argument("command", nargs=-1, type=click.UNPROCESSED, cls=_TrialCommand)
     @click.pass_context
     def tune(ctx: click.Context, /, **values: Any) -> None:
         """Tune hyperparameters: each trial runs COMMAND (after `--`) as a cluster.
@@ -195,6 +249,7 @@ def make_tune(start: click.Command) -> click.Group:
         """
         if ctx.invoked_subcommand is None:
             sys.exit(_run_study(values))
+        _only_storage(ctx, ctx.invoked_subcommand)
 
     for param in start.params:
         if param.name not in _NOT_FOR_TRIALS:
@@ -202,19 +257,21 @@ def make_tune(start: click.Command) -> click.Group:
 
     @tune.command(name="ls", context_settings=CONTEXT)
     @click.option("--storage", "storage_", help="An Optuna storage URL [default: the SQLite file].")
-    def ls_command(storage_: str | None) -> None:
+    @click.pass_context
+    def ls_command(ctx: click.Context, storage_: str | None) -> None:
         """List studies: trials done / running / pruned / failed, best value."""
         from clusterflow.tune.view import studies
 
-        _table(studies(storage_))
+        _table(studies(_storage(ctx, storage_)))
 
     @tune.command(context_settings=CONTEXT)
     @click.argument("name")
     @click.option("--storage", "storage_", help="An Optuna storage URL [default: the SQLite file].")
-    def describe(name: str, storage_: str | None) -> None:
+    @click.pass_context
+    def describe(ctx: click.Context, name: str, storage_: str | None) -> None:
         """Every trial of study NAME: params, value, status, cluster id, checkpoint."""
         from clusterflow.tune.view import trials
 
-        _table(trials(name, storage_))
+        _table(trials(name, _storage(ctx, storage_)))
 
     return tune

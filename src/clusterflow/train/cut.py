@@ -50,11 +50,13 @@ from clusterflow.checkpoint.names import (
     worker_part,
 )
 from clusterflow.errors import ConfigError
+from clusterflow.ps.tables import join_tables
 from clusterflow.strategies.api import (
     CheckpointParticipant,
     SoloParticipant,
     Strategy,
 )
+from clusterflow.strategies.ps_sparse import DENSE_PART
 from clusterflow.strategies.variables import recording
 
 log = logging.getLogger(__name__)
@@ -396,18 +398,23 @@ def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _ps_variables(storage: CheckpointStorage, manifest: Manifest) -> dict[str, torch.Tensor]:
     """Every variable of a parameter-server checkpoint, its shards joined on dim 0."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for index in range(int(manifest.meta.get("num_ps", 0))):
-        _, tensors = storage.read_tensors(manifest, ps_part(index))
+    parts = [
+        storage.read_tensors(manifest, ps_part(i)) for i in range(manifest.meta.get("num_ps", 0))
+    ]
+    if manifest.meta.get("dense_part"):  # dense="allreduce": the workers' dense values
+        parts.append(storage.read_tensors(manifest, DENSE_PART))
+    for _, tensors in parts:
         for key, tensor in tensors.items():
             if key.startswith("var/"):
                 name, _, part = key[4:].partition("/part_")
                 pieces.setdefault(name, []).append((int(part or 0), tensor))
-    return {
+    joined = {
         name: found[0][1]
         if len(found) == 1  # whole (possibly 0-dim, as a batch counter)
         else torch.cat([t for _, t in sorted(found, key=lambda p: p[0])])
         for name, found in pieces.items()
     }
+    return joined | join_tables(parts)  # embedding tables: their rows from every shard
 
 
 # State in safetensors: tensors by name, everything else as JSON -------------------------
