@@ -252,7 +252,8 @@ def _run_foreground(cluster: Any, config: Any) -> int:
     from clusterflow.backends.local import LocalBackend
     from clusterflow.manager import Controller
 
-    controller = Controller(cluster, config, LocalBackend(), echo=True)
+    backend = LocalBackend.split_gpus(config.gpu_hosts())
+    controller = Controller(cluster, config, backend, echo=True)
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()
