@@ -24,6 +24,7 @@ from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.tune import make_tune
+from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
@@ -251,7 +252,8 @@ def _run_foreground(cluster: Any, config: Any) -> int:
     from clusterflow.backends.local import LocalBackend
     from clusterflow.manager import Controller
 
-    controller = Controller(cluster, config, LocalBackend(), echo=True)
+    backend = LocalBackend.split_gpus(config.gpu_hosts())
+    controller = Controller(cluster, config, backend, echo=True)
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()
@@ -573,6 +575,7 @@ def secret(path: str) -> None:
 
 cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's options, per trial
 cli.add_command(cache_group)  # `clusterflow cache` (cli/cache.py)
+cli.add_command(ui)  # `clusterflow ui` (cli/ui.py): the dashboard
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -178,6 +178,12 @@ class RunConfig:
         """Processes ``task`` runs: ``replicas_per_host`` for chief and workers, else 1."""
         return self.replicas_per_host if task.job in REPLICA_JOBS else 1
 
+    def gpu_hosts(self) -> list[tuple[TaskId, int]]:
+        """The tasks that stand for a host of devices (``--replicas-per-host N``, N >= 2),
+        each with N: on the local backend each gets N GPUs of its own
+        (``LocalBackend.split_gpus``); a lone-process task sees every GPU, as before."""
+        return [(t, self.replicas_of(t)) for t in self.tasks() if self.replicas_of(t) > 1]
+
     def command_for(self, task: TaskId) -> tuple[str, ...]:
         if task.job == "ps":
             return self.ps_command or BUILTIN_PS_COMMAND
