@@ -159,7 +159,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     for schedule in ("gpipe", "1f1b"):
         live = [0, 0]
 
-        def pack(tensor: torch.Tensor) -> Any:
+        def pack(tensor: torch.Tensor, live: list[int] = live) -> Any:
             if tensor.untyped_storage().data_ptr() in params:
                 return tensor
             holder = _Held(tensor)
@@ -241,7 +241,8 @@ def main() -> None:
         print(
             f"stage {rank}: one micro-batch alone {stage['t_mb'] * 1e3:.2f} ms; 1F1B idle "
             f"{Spread.of(stage['idle'])}; peak saved activations gpipe "
-            f"{stage['memory']['gpipe'] / 2**20:.2f} MiB, 1f1b {stage['memory']['1f1b'] / 2**20:.2f} MiB"
+            f"{stage['memory']['gpipe'] / 2**20:.2f} MiB, "
+            f"1f1b {stage['memory']['1f1b'] / 2**20:.2f} MiB"
         )
     print(f"theory: idle (p-1)/(m+p-1) = {theory:.3f}")
     memory = max(s["memory"]["1f1b"] for s in stages) / max(s["memory"]["gpipe"] for s in stages)
