@@ -109,16 +109,17 @@ def test_tpe_beats_the_median_random_trial(cf: Clusterflow, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pruner", ["median", "asha"])
 def test_pruned_trials_stop_early_and_their_clusters_are_gone(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, pruner: str
 ) -> None:
-    steps = 8
+    steps, count = 8, {"median": "6", "asha": "4"}[pruner]
     done = _tune(
-        cf, "prune", "--trials", "6", "--sampler", "random", "--seed", "3",
-        "--pruner", "median", command=_job("score", steps, tmp_path / "marks"),
+        cf, pruner, "--trials", count, "--sampler", "random", "--seed", "3",
+        "--pruner", pruner, command=_job("score", steps, tmp_path / "marks"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
-    trials = _study(cf, "prune").get_trials()
+    trials = _study(cf, pruner).get_trials()
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, [(t.state.name, t.params) for t in trials]
     for t in pruned:
@@ -127,6 +128,18 @@ def test_pruned_trials_stop_early_and_their_clusters_are_gone(
         assert _gone(cf, cluster_id)
         assert cf.state(cluster_id)["status"] == "stopped"
     assert f"trial {pruned[0].number} pruned: pruned" in done.stdout
+    if pruner == "asha":
+        # Successive halving: a trial is stopped at a rung (step min_resource * 4**k)
+        # unless its value there is among the best quarter of the trials that reached it.
+        for t in pruned:
+            last = max(t.intermediate_values)
+            rung_values = [
+                o.intermediate_values[last]
+                for o in trials
+                if o.number < t.number and last in o.intermediate_values
+            ]
+            assert rung_values, t.number  # pruned against trials seen at the same rung
+            assert t.intermediate_values[last] < max(rung_values)
 
 
 @pytest.mark.timeout(120)
