@@ -32,10 +32,12 @@ def _job(mode: str, steps: int, marks: Path) -> list[str]:
     return [PY, JOB, mode, "{x}", str(steps), str(marks)]
 
 
-def _tune(cf: Clusterflow, study: str, *args: str, command: list[str]) -> Any:
+def _tune(
+    cf: Clusterflow, study: str, *args: str, command: list[str], env: dict[str, str] | None = None
+) -> Any:
     return cf.run(
         "tune", "--study", study, "--param", "x=uniform:0:1", "--metric", "score",
-        *args, "--", *command, timeout=120,
+        *args, "--", *command, timeout=120, env=env,
     )  # fmt: skip
 
 
@@ -55,9 +57,11 @@ def _gone(cf: Clusterflow, cluster_id: str) -> bool:
 
 @pytest.mark.timeout(120)
 def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path: Path) -> None:
+    # Two GPUs for the tuner to hand out (no GPU is touched: the job only reads the
+    # variable): each running trial gets one of its own.
     done = _tune(
         cf, "par", "--trials", "4", "--parallel", "2", "--pruner", "none", "--seed", "1",
-        command=_job("score", 3, tmp_path / "marks"),
+        command=_job("score", 3, tmp_path / "marks"), env={"CUDA_VISIBLE_DEVICES": "5,7"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     study = _study(cf, "par")
@@ -72,6 +76,8 @@ def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path
         assert t.value == pytest.approx(-((t.params["x"] - 0.3) ** 2))
         assert t.intermediate_values == {r["step"]: r["metrics"]["score"] for r in reports}
         seen.append(max(r["metrics"]["alive"] for r in reports))
+        assert {r["metrics"]["gpu"] for r in reports} <= {5.0, 7.0}
+        assert not any(r["metrics"]["shared"] for r in reports)  # never another's GPU
     assert max(seen) == 2, seen  # two trials saw each other alive ...
     assert all(n <= 2 for n in seen), seen  # ... and never more than --parallel
     listing = cf.run("ps", "--all")

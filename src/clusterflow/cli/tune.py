@@ -118,8 +118,6 @@ def _run_study(values: dict[str, Any]) -> int:
     cluster = dict(stored.get("cluster") or {})
     cluster.pop("command", None)
     cluster.update(_start_layer(values))
-    if cluster.get("backend") == "ray":
-        raise ConfigError("tune runs trials on the local backend only so far (--backend ray)")
 
     def pick(name: str, default: Any) -> Any:
         given = values.get(name)
@@ -144,7 +142,9 @@ def _run_study(values: dict[str, Any]) -> int:
         raise ConfigError("give --metric NAME: the figure the job reports")
     runner = StudyRunner(settings, echo=click.echo)
     if runner.parallel < settings.parallel:
-        click.echo(f"running {runner.parallel} trials at once: what this machine's cores hold")
+        click.echo(
+            f"running {runner.parallel} trials at once, not {settings.parallel}: {runner.why}"
+        )
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         runner.stop_requested.set()
