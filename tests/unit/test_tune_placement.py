@@ -32,8 +32,9 @@ def test_a_local_trial_takes_a_core_per_tracked_process_and_memory_per_process()
     config = _config(ps=1, workers=2, replicas_per_host=2)
     needs = local_needs(config, gpus=False)
     assert needs == {"CPU": 4.0, "memory": ESTIMATE * 5, "GPU": 0.0}  # the ps: memory only
-    assert local_needs(config, gpus=True)["GPU"] == 2.0  # its replicas on one host
-    assert gpus_per_trial(_config(workers=1)) == 1
+    assert local_needs(config, gpus=True)["GPU"] == 4.0  # each worker's two replicas
+    assert gpus_per_trial(_config(workers=2)) == 1  # lone processes share the trial's one
+    assert gpus_per_trial(_config(ps=1, workers=0, chief=True)) == 1
     assert gpus_per_trial(_config(workers=1, env={"CUDA_VISIBLE_DEVICES": "3"})) == 0
 
 

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -54,12 +55,15 @@ class TrialCluster(Protocol):
         ...
 
 
-def launch(cluster: ClusterDir, config: RunConfig) -> TrialCluster:
+def launch(
+    cluster: ClusterDir, config: RunConfig, manager_env: Mapping[str, str] | None = None
+) -> TrialCluster:
     """Starts the trial's cluster on ``config.backend``; its settings and secret are in
-    ``cluster``'s folder already."""
+    ``cluster``'s folder already. ``manager_env``: variables of a local manager's own
+    environment (the GPUs it may use, as a machine's manager sees its machine's)."""
     if config.backend == "ray":
         return RayTrial.start(cluster, config)
-    return LocalTrial.start(cluster)
+    return LocalTrial.start(cluster, manager_env or {})
 
 
 def stop(cluster: ClusterDir, grace_s: float) -> None:
@@ -81,12 +85,12 @@ class LocalTrial:
         self.proc = proc
 
     @classmethod
-    def start(cls, cluster: ClusterDir) -> LocalTrial:
+    def start(cls, cluster: ClusterDir, manager_env: Mapping[str, str]) -> LocalTrial:
         with (cluster.path / "manager.log").open("ab") as manager_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "clusterflow.manager", str(cluster.path)],
                 # Tagged like its tasks, so `stop` and cleanup find every process of it.
-                env={**os.environ, ENV_CLUSTER_ID: cluster.id},
+                env={**os.environ, **manager_env, ENV_CLUSTER_ID: cluster.id},
                 stdin=subprocess.DEVNULL,
                 stdout=manager_log,
                 stderr=subprocess.STDOUT,

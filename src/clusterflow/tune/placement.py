@@ -7,8 +7,9 @@ A trial's cluster is counted whole, by what each of its tasks takes:
   untracked job mostly waits); memory, as the platform sizes a task it never measured
   (``manager.memory_sizing.ESTIMATE`` per process, the first request of a task on Ray),
   against the memory free when the study starts; and, on a machine with GPUs, a GPU per
-  chief/worker replica on one host (``--replicas-per-host``, at least one): each running
-  trial is given GPUs of its own (``CUDA_VISIBLE_DEVICES``), never another trial's.
+  replica of each chief/worker task that runs several (``--replicas-per-host``), else
+  one: each running trial's manager is given GPUs of its own (``CUDA_VISIBLE_DEVICES``),
+  never another trial's.
 * **Ray**: each task's placement-group bundle, as ``start --backend ray`` asks for it
   (CPU, GPU, memory sized as ``--memory`` says, custom resources, node labels), packed
   onto the Ray cluster's nodes by their total resources: Ray places a cluster whole or
@@ -84,11 +85,13 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def gpus_per_trial(config: RunConfig) -> int:
-    """GPUs one local trial takes on a machine with GPUs: its replicas on one host."""
+    """GPUs one local trial takes on a machine with GPUs: one per replica of each task
+    that runs several (``--replicas-per-host``: the local manager gives each such task
+    GPUs of its own), else one, which its lone-process tasks share."""
     if ENV_VISIBLE in config.env:
         return 0  # the trial's own settings name its GPUs: the user placed it
-    jobs = {t.job for t in config.tasks() if t.job in GPU_JOBS}
-    return max(1, config.replicas_per_host) if jobs else 0
+    tasks = [t for t in config.tasks() if t.job in GPU_JOBS]
+    return max(1, sum(n for t in tasks if (n := config.replicas_of(t)) > 1)) if tasks else 0
 
 
 def local_needs(config: RunConfig, *, gpus: bool) -> dict[str, float]:

@@ -290,7 +290,6 @@ class StudyRunner:
         gpus: list[str] = []
         if self.free_gpus and share:
             gpus, self.free_gpus = self.free_gpus[:share], self.free_gpus[share:]
-            env[ENV_VISIBLE] = ",".join(gpus)
         config = RunConfig.merge(
             self.base.to_dict(), {"command": fill_command(self.s.command, values), "env": env}
         )
@@ -299,7 +298,9 @@ class StudyRunner:
         Credentials.generate().to_file(cluster.secret_file)
         registry.write_json_atomic(cluster.config_file, config.to_dict())
         trial.set_user_attr("cluster_id", cluster.id)
-        launched = launch.launch(cluster, config)
+        # The trial's manager sees its GPUs as a machine's manager sees the machine's: it
+        # splits them between its tasks, which never see another trial's.
+        launched = launch.launch(cluster, config, {ENV_VISIBLE: ",".join(gpus)} if gpus else {})
         shown = f" on GPUs {','.join(gpus)}" if gpus else ""
         self.echo(f"trial {trial.number} started: cluster {cluster.id}{shown} {values}")
         return _Running(trial, launched, gpus)
