@@ -35,6 +35,7 @@ FILE_KEYS = frozenset(
         "job_dir",
         "memory",
         "placement_timeout_s",
+        "cache",
     }
 )
 """What a cluster file (``clusterflow start -c``) may set: the run's shape, commands,
@@ -100,6 +101,9 @@ class RunConfig:
     as ``4G``; None is ``auto`` on Ray."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
+    cache: str | None = None
+    """An in-memory cache (``clusterflow cache``) the workers read: they are placed on its
+    partitions' nodes and ``cache://`` names it (``cli/cache.py`` ``cache_placement``)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -173,6 +177,12 @@ class RunConfig:
     def replicas_of(self, task: TaskId) -> int:
         """Processes ``task`` runs: ``replicas_per_host`` for chief and workers, else 1."""
         return self.replicas_per_host if task.job in REPLICA_JOBS else 1
+
+    def gpu_hosts(self) -> list[tuple[TaskId, int]]:
+        """The tasks that stand for a host of devices (``--replicas-per-host N``, N >= 2),
+        each with N: on the local backend each gets N GPUs of its own
+        (``LocalBackend.split_gpus``); a lone-process task sees every GPU, as before."""
+        return [(t, self.replicas_of(t)) for t in self.tasks() if self.replicas_of(t) > 1]
 
     def command_for(self, task: TaskId) -> tuple[str, ...]:
         if task.job == "ps":

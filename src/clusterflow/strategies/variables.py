@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_hooks
 
-from clusterflow.cluster import DeviceSpec
+from clusterflow.cluster import DeviceSpec, TaskId
 from clusterflow.errors import ConfigError
 
 _local = threading.local()
@@ -96,18 +96,37 @@ def current_device() -> int | None:
     return stack[-1] if stack else None
 
 
+def _placements() -> list[TaskId]:
+    if not hasattr(_local, "placements"):
+        _local.placements = []
+    stack: list[TaskId] = _local.placements
+    return stack
+
+
+def current_placement() -> TaskId | None:
+    """The chief or worker task of the innermost ``device`` block, if any."""
+    stack = _placements()
+    return stack[-1] if stack else None
+
+
 @contextlib.contextmanager
 def device(name: str) -> Iterator[None]:
-    """Places the variables created inside on one ps task: ``device("/job:ps/task:1")``.
+    """Places what is created inside on one task, as ``tf.device`` does.
+
+    ``device("/job:ps/task:1")``: the variables go to that ps task (parameter servers).
+    ``device("/job:worker/task:1")`` (or ``chief``): the modules built inside run on that
+    task: a ``PipelineStrategy`` makes them that task's stage; outside any strategy,
+    ``clusterflow.strategies.pipeline.placed`` runs them there over RPC (in-graph).
 
     Raises:
-        ConfigError: a device string that names no ps task.
+        ConfigError: a device string that names no ps, chief or worker task.
     """
     spec = DeviceSpec.parse(name)
-    if spec.job != "ps" or spec.task is None:
-        raise ConfigError(f"variables can be placed on ps tasks only, not {name!r}")
-    stack = _devices()
-    stack.append(spec.task)
+    task = spec.task_id
+    if task is None or task.job not in ("ps", "chief", "worker"):
+        raise ConfigError(f"device {name!r} names no task: give /job:ps|chief|worker/task:N")
+    stack: list[Any] = _devices() if task.job == "ps" else _placements()
+    stack.append(task.index if task.job == "ps" else task)
     try:
         yield
     finally:
