@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,8 @@ class Site:
     base: str
     cluster_id: str
     home: Path
+    data: str
+    """The Parquet file the cluster's workers read (400 records)."""
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str, Any]:
         request = urllib.request.Request(self.base + path, headers=headers or {})
@@ -150,7 +153,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     try:
         assert started.returncode == 0 and cluster_id, started.stderr
         ui, url = _start_ui(home)
-        yield Site(url.split("/?")[0], cluster_id, home)
+        yield Site(url.split("/?")[0], cluster_id, home, data)
     finally:
         if ui is not None:
             _end(ui)
@@ -238,6 +241,7 @@ def test_the_list_page_shows_the_cluster(site: Site, page: Any) -> None:
 
 
 def test_metrics_parse_with_prometheus_own_parser(site: Site) -> None:
+    _wait(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
     code, body, headers = site.get("/metrics")
     assert code == 200 and headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body)}
@@ -289,7 +293,7 @@ def test_off_loopback_every_request_needs_the_token(site: Site) -> None:
     try:
         assert f"token={TOKEN}" in url
         base = url.split("/?")[0].replace("0.0.0.0", "127.0.0.1")
-        other = Site(base, site.cluster_id, site.home)
+        other = Site(base, site.cluster_id, site.home, site.data)
         logs = f"/api/clusters/{site.cluster_id}"
         for path in ("/", logs, f"{logs}/stream", "/metrics"):
             assert other.get(path)[0] == 401, path
@@ -300,6 +304,60 @@ def test_off_loopback_every_request_needs_the_token(site: Site) -> None:
         assert other.get("/metrics", {"Cookie": f"clusterflow_ui_token={TOKEN}"})[0] == 200
     finally:
         _end(proc)
+
+
+@pytest.fixture(scope="module")
+def cache_name(site: Site) -> Iterator[str]:
+    """A real cache of the cluster's Parquet file: two partitions held by a cache server."""
+    name = "dashcache"
+    made = subprocess.run(
+        [*CLI, "cache", "create", name, "--from", site.data, "--partitions", "2"],
+        capture_output=True,
+        text=True,
+        env=_env(site.home),
+        timeout=60,
+        check=False,
+    )
+    try:
+        assert made.returncode == 0, made.stderr
+        yield name
+    finally:
+        subprocess.run(
+            [*CLI, "cache", "drop", name],
+            capture_output=True,
+            env=_env(site.home),
+            timeout=60,
+            check=False,
+        )
+
+
+def test_studies_and_caches_have_pages(site: Site, cache_name: str) -> None:
+    import optuna
+
+    study = optuna.create_study(
+        study_name="dash-study", storage=f"sqlite:///{site.home / 'studies.db'}"
+    )
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={"lr": 0.01},
+            distributions={"lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)},
+            value=0.75,
+            user_attrs={"cluster_id": site.cluster_id},
+        )
+    )
+    code, body, _ = site.get("/studies")
+    assert code == 200 and 'href="/studies/dash-study"' in body and "0.75" in body
+    code, body, _ = site.get("/studies/dash-study")
+    assert code == 200 and f'href="/clusters/{site.cluster_id}"' in body
+    assert site.get("/studies/no-such-study")[0] == 404
+
+    code, body, _ = site.get("/caches")
+    assert code == 200 and f'href="/caches/{cache_name}"' in body and "400" in body
+    code, body, _ = site.get(f"/caches/{cache_name}")
+    ranges = [(int(a), int(b)) for a, b in re.findall(r"<td>\[(\d+), (\d+)\)</td>", body)]
+    assert code == 200 and len(ranges) == 2  # the two partitions, tiling the 400 records
+    assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 400
+    assert site.get("/caches/no-such-cache")[0] == 404
 
 
 def test_the_stop_button_stops_the_cluster_and_the_page_shows_it(site: Site, page: Any) -> None:

@@ -57,6 +57,7 @@ from clusterflow.manager.stopper import cluster_processes, kill_processes
 from clusterflow.manager.store_host import StoreHost
 from clusterflow.manager.tasks import TaskRecord, TaskTable
 from clusterflow.rpc import Credentials, Request, RpcServer
+from clusterflow.rpc.message import map_body
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class Controller:
             (ManagerMethod.SPEC, self._on_spec, False),
             (ManagerMethod.REPORT, self._on_report, False),
         ):
-            self._rpc.register(method, handler, blocking=blocking)
+            self._rpc.register(method, map_body(handler), blocking=blocking)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
         self.data = (data or DispatcherService()).register_on(self._rpc)

@@ -70,7 +70,7 @@ class OptimizerSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerSpec:
         name = data.get("name")
-        if name not in SUPPORTED:
+        if not isinstance(name, str) or name not in SUPPORTED:
             raise ConfigError(f"unsupported optimizer {name!r} on the ps")
         return cls(str(name), tuple(dict(g) for g in data.get("groups") or [{}]))
 

@@ -53,7 +53,26 @@ def _field(method: str, body: Mapping[str, Any], key: str, kind: type[_T], defau
         raise MalformedRequest(
             f"ps.{method} request: {key!r} must be {kind.__name__}, got {value!r:.80}"
         )
+    low, high = _BOUNDED.get(key, (None, None))
+    if low is not None and not low <= value <= high:  # type: ignore[operator]
+        raise MalformedRequest(
+            f"ps.{method} request: {key!r} must be in {low:g}..{high:g}, got {value!r:.80}"
+        )
     return value
+
+
+MAX_WAIT_S = 3600.0
+"""The longest wait a request may ask for: a NaN, an infinity or a year would hold a
+handler thread of the ps for good (docs/failure-semantics.md, "Hostile bytes")."""
+
+_BOUNDED: Mapping[str, tuple[float, float]] = {
+    "timeout": (0.0, MAX_WAIT_S),
+    "min_version": (-(2.0**62), 2.0**62),
+    "version": (-(2.0**62), 2.0**62),
+}
+"""Fields whose value must lie in ``low..high`` (a NaN lies nowhere): a version is a step
+counter, so one near 2**63 is not a version a ps will ever reach, only a handler thread
+held for nothing."""
 
 
 SplitKeyWire = tuple[str, int, int]
@@ -87,7 +106,11 @@ def _body(method: str, body: Any) -> Mapping[str, Any]:
 
 
 def _wire_dtype(method: str, value: Any) -> str | None:
-    if value is not None and (value not in DTYPES or not getattr(torch, value).is_floating_point):
+    if value is not None and (
+        not isinstance(value, str)
+        or value not in DTYPES
+        or not getattr(torch, value).is_floating_point
+    ):
         raise MalformedRequest(f"ps.{method} request: no floating wire dtype {value!r:.40}")
     return None if value is None else str(value)
 
