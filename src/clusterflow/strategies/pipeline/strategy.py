@@ -61,7 +61,7 @@ from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
 from clusterflow.strategies.pipeline.state import join_names, load_optimizer_part, optimizer_part
 from clusterflow.strategies.pipeline.sync import SyncEngine
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
-from clusterflow.strategies.variables import current_placement
+from clusterflow.strategies.variables import current_placement, pipeline_scope
 
 __all__ = ["PipelineStrategy"]
 
@@ -200,7 +200,7 @@ class PipelineStrategy(Strategy):
         handle = module_hooks.register_module_parameter_registration_hook(note)
         self._scope_open = True
         try:
-            with recorder.recording():
+            with recorder.recording(), pipeline_scope():
                 yield self
         finally:
             handle.remove()
