@@ -93,7 +93,7 @@ def test_a_replaced_worker_is_fenced_by_the_ps_and_stops_itself(
 
     # The partition heals: the zombie's next push is refused, and it stops there (a push
     # overlaps the next step's compute: its answer is read by that step at the latest).
-    with pytest.raises(TaskFenced, match="worker:1 incarnation 0 is fenced"):  # noqa: PT012
+    with pytest.raises(TaskFenced, match="worker:1 incarnation 0 is fenced"):
         zombie.run(zombie_step)
         zombie.run(zombie_step)
     assert _ps_version(address, creds) == 4
