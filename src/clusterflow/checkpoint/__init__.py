@@ -14,6 +14,7 @@ from __future__ import annotations
 from clusterflow.checkpoint.manifest import (
     MANIFEST_FILE,
     CheckpointError,
+    CheckpointWriteError,
     Manifest,
     PartInfo,
     PartKind,
@@ -26,6 +27,7 @@ from clusterflow.checkpoint.storage import CheckpointStorage, CheckpointWriter
 __all__ = [
     "MANIFEST_FILE",
     "CheckpointError",
+    "CheckpointWriteError",
     "CheckpointStorage",
     "CheckpointWriter",
     "Manifest",

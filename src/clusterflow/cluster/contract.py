@@ -52,6 +52,10 @@ ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
 ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
 ENV_CACHE: Final = "CLUSTERFLOW_CACHE"
 ENV_NODE: Final = "CLUSTERFLOW_NODE"
+GLOO_IFNAME: Final = "GLOO_SOCKET_IFNAME"
+"""torch's gloo binds and advertises the address of the host name unless told an
+interface; where the host name resolves to loopback, peers on other nodes cannot reach
+it. The Ray backend names the interface of the node's address (``backends/ray.py``)."""
 
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
@@ -113,6 +117,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         "TORCHELASTIC_RESTART_COUNT": EnvVar("job", "times this task was relaunched"),
         "TORCHELASTIC_MAX_RESTARTS": EnvVar("job", "the run's bound on restarts"),
         "PYTHONUNBUFFERED": EnvVar("supervisor", "1: output reaches the log line by line"),
+        GLOO_IFNAME: EnvVar("job", "Ray: the interface of the node's address, for gloo"),
     }
 )
 """Every variable a task may receive or read, with who receives it and what it means."""
