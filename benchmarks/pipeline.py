@@ -10,7 +10,8 @@ that never flushes).
 
 Figures (each ratio the median over rounds of the same round's windows):
 
-* ``onef1b_vs_gpipe``, ``pipedream_vs_1f1b``: samples/s.
+* ``onef1b_vs_gpipe``, ``pipedream_vs_1f1b``, ``pipedream_2bw_vs_1f1b``: samples/s
+  (PipeDream updates once per micro-batch; PipeDream-2BW once per batch, as 1F1B).
 * ``bubble_vs_theory``: 1F1B's measured idle fraction over ``(p-1)/(m+p-1)``. A stage's
   idle fraction is ``1 - m * t_mb / t_step``: ``t_mb`` its forward and backward of one
   micro-batch measured alone (best of several), ``t_step`` its pipelined step; the
@@ -49,7 +50,7 @@ WIDTH = 512
 LAYERS = 8
 BATCH = 256
 MICROBATCHES = 8
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-2bw")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,11 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     steps: dict[str, Any] = {}
     strategies: dict[str, Any] = {}
     for schedule in SCHEDULES:
-        strategy = PipelineStrategy(schedule, microbatches=MICROBATCHES)
+        strategy = PipelineStrategy(
+            schedule.removesuffix("-2bw"),
+            microbatches=MICROBATCHES,
+            two_bw=schedule.endswith("-2bw"),
+        )
         with strategy.scope():
             model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
@@ -249,6 +254,7 @@ def main() -> None:
     spreads: dict[str, float | Spread] = {
         "onef1b_vs_gpipe": ratio(figures["1f1b"], figures["gpipe"]),
         "pipedream_vs_1f1b": ratio(figures["pipedream"], figures["1f1b"]),
+        "pipedream_2bw_vs_1f1b": ratio(figures["pipedream-2bw"], figures["1f1b"]),
         "bubble_vs_theory": bubble,
         "memory_1f1b_vs_gpipe": memory,
     }
