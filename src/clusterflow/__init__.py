@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         CentralStorageStrategy,
         ParameterServerStrategy,
     )
+    from clusterflow.strategies.pipeline import PipelineStrategy
     from clusterflow.strategies.variables import Variable, device
     from clusterflow.train import (
         Checkpoint,
@@ -68,6 +69,7 @@ _LAZY = {
     "RemoteValue": "clusterflow.strategies",
     "ParameterServerStrategy": "clusterflow.strategies.parameter_server",
     "CentralStorageStrategy": "clusterflow.strategies.parameter_server",
+    "PipelineStrategy": "clusterflow.strategies.pipeline",
     "Variable": "clusterflow.strategies.variables",
     "device": "clusterflow.strategies.variables",
     "fit": "clusterflow.train",
@@ -99,6 +101,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "PipelineStrategy",
     "Progress",
     "ReduceOp",
     "RemoteValue",

@@ -188,6 +188,9 @@ def options_of(command: click.Command) -> set[str]:
         if isinstance(param, click.Option):
             names.update(param.opts)
             names.update(param.secondary_opts)
+    if isinstance(command, click.Group) and command is not cli:  # `cache create --from`
+        for sub in command.commands.values():
+            names |= options_of(sub)
     return names
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from clusterflow.backends.gpu_topology import choose, parse_topology, replica_devices
+from clusterflow.backends.gpu_topology import choose, parse_topology, replica_devices, split
+from clusterflow.backends.local import LocalBackend
+from clusterflow.cluster import TaskId
+from clusterflow.manager.config import RunConfig
 
 DGX1_HEADER = (  # underlined on a terminal: the escapes are part of the record
     "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7"
@@ -117,3 +120,65 @@ def test_what_cannot_be_split_is_left_alone(env: dict[str, str]) -> None:
 
 def test_a_machine_without_gpus_changes_nothing() -> None:
     assert replica_devices({}, 2, None) is None
+
+
+# Between tasks on the local backend (LocalBackend.split_gpus) ------------------------------
+
+
+def test_tasks_get_disjoint_groups_each_the_best_connected_of_what_is_left() -> None:
+    dgx = parse_topology(DGX1)
+    # Two 4-replica tasks on a DGX-1: one NVLinked quad per socket, never across.
+    assert split(dgx, list(range(8)), [4, 4]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Four 2-replica tasks: each a double-NVLink pair.
+    pairs = split(dgx, list(range(8)), [2, 2, 2, 2])
+    assert pairs == [[0, 3], [1, 2], [4, 7], [5, 6]]
+    assert all(dgx[(a, b)] == "NV2" for a, b in pairs)
+    # Two tasks on the PCIe box: each the pair behind one switch.
+    assert split(parse_topology(PCIE), [0, 1, 2, 3], [2, 2]) == [[0, 1], [2, 3]]
+
+
+def test_too_few_gpus_for_every_task_is_an_error() -> None:
+    with pytest.raises(ValueError, match="6 GPUs wanted, 4 visible"):
+        split(parse_topology(PCIE), [0, 1, 2, 3], [2, 4])
+
+
+def test_the_local_backend_gives_each_task_its_gpus_in_its_job_env() -> None:
+    worker = [TaskId("worker", i) for i in range(2)]
+    backend = LocalBackend.split_gpus(
+        [(worker[0], 2), (worker[1], 2)], env={}, topology=parse_topology(PCIE)
+    )
+    assert backend.job_env(worker[0]) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert backend.job_env(worker[1]) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert backend.job_env(TaskId("ps", 0)) == {}  # not asked: sees what the manager sees
+    # Within a task the supervisor then gives each replica one of them (as on Ray).
+    assert replica_devices(backend.job_env(worker[1]), 2, parse_topology(PCIE)) == ["2", "3"]
+    # The manager's own CUDA_VISIBLE_DEVICES bounds what is split (ids as the machine's).
+    limited = LocalBackend.split_gpus(
+        [(worker[0], 2), (worker[1], 2)],
+        env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        topology=parse_topology(DGX1),
+    )
+    assert limited.gpus == {"worker:0": "4,7", "worker:1": "5,6"}
+
+
+@pytest.mark.parametrize(
+    ("env", "topology"),
+    [
+        ({}, None),  # no GPUs (no nvidia-smi)
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, PCIE),  # too few for 2 x 2: shared, as before
+        ({"CUDA_VISIBLE_DEVICES": "GPU-8a1f,GPU-77c2,GPU-1,GPU-2"}, PCIE),  # UUIDs
+    ],
+)
+def test_what_cannot_be_split_between_tasks_is_shared_as_before(
+    env: dict[str, str], topology: str | None
+) -> None:
+    wants = [(TaskId("worker", 0), 2), (TaskId("worker", 1), 2)]
+    links = parse_topology(topology) if topology else None
+    backend = LocalBackend.split_gpus(wants, env=env, topology=links)
+    assert backend.gpus == {}
+
+
+def test_only_tasks_with_several_replicas_take_gpus_of_their_own() -> None:
+    config = RunConfig(command=("python",), ps=1, workers=2, replicas_per_host=2)
+    assert config.gpu_hosts() == [(TaskId("worker", 0), 2), (TaskId("worker", 1), 2)]
+    assert RunConfig(command=("python",), workers=2).gpu_hosts() == []

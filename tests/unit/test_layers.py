@@ -27,6 +27,8 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
+        "ui",
         "cli",
     },
     "server": {
@@ -39,6 +41,8 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
+        "ui",
         "cli",
     },
     # checkpoint is storage and format only (manifest, safetensors parts, fsspec): ps
@@ -54,18 +58,36 @@ FORBIDDEN: dict[str, set[str]] = {
         "backends",
         "manager",
         "tune",
+        "cache",
+        "ui",
         "cli",
     },
-    "ps": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "collective": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "data": {"strategies", "train", "backends", "manager", "tune", "cli"},
-    "strategies": {"train", "backends", "manager", "tune", "cli"},
-    "train": {"backends", "manager", "tune", "cli"},
-    "backends": {"manager", "tune", "cli"},
-    "manager": {"tune", "cli"},
+    "ps": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "collective": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "data": {"strategies", "train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "strategies": {"train", "backends", "manager", "tune", "cache", "ui", "cli"},
+    "train": {"backends", "manager", "tune", "cache", "ui", "cli"},
+    "backends": {"manager", "tune", "cache", "ui", "cli"},
+    # in-memory caches and their servers: above data (whose cache:// source reads the
+    # partition map), beside ps and manager; the CLI and the dashboard (ui) use them
+    "cache": {
+        "ps",
+        "collective",
+        "strategies",
+        "train",
+        "backends",
+        "manager",
+        "tune",
+        "ui",
+        "cli",
+    },
+    "manager": {"tune", "cache", "ui", "cli"},
     # studies of trial clusters: above the manager, beside train (a job reports to its
     # trial through clusterflow.cluster.trial, so train never imports tune)
-    "tune": {"cli"},
+    "tune": {"ui", "cli"},
+    # the dashboard: reads the manager's state (and tune's studies) for the browser; above
+    # manager and tune, below cli (docs/architecture.md section 2)
+    "ui": {"cli"},
     "cli": set(),
     # the emulated-hosts harness of tests and benchmarks: beside everything, imports nothing
     "testing": {"*"},
@@ -123,6 +145,7 @@ def test_package_root_never_imports_manager_or_cli() -> None:
         "clusterflow.checkpoint",
         "clusterflow.cli.main",
         "clusterflow.tune",
+        "clusterflow.ui.app",
     ],
 )
 def test_control_plane_starts_without_torch(module: str) -> None:

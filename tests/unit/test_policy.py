@@ -246,3 +246,34 @@ def test_the_grace_never_starts_while_training_runs() -> None:
 def test_an_evaluator_that_fails_still_counts_as_a_failure() -> None:
     verdict = decide(status(_done("worker:0", 100.0), _evaluator(3), trailing_grace_s=1.0))
     assert verdict.decision == Decision.FAIL and verdict.failed_task == "evaluator:0"
+
+
+# Memory (docs/ray.md, "Memory sized by the platform") ---------------------------------------
+
+
+def test_a_kill_for_memory_restarts_with_more_without_counting_a_restart() -> None:
+    oom = TaskStatus(task="worker:1", tracked=True, exit_code=-9, memory_kill=True)
+    verdict = decide(status(task("worker:0"), oom))  # max_restarts 0: still not a failure
+    assert verdict == Verdict(
+        Decision.RESTART,
+        "worker:1",
+        137,
+        "task worker:1 was killed by SIGKILL for outgrowing its memory request",
+        memory=True,
+    )
+
+
+def test_a_respawnable_task_killed_for_memory_restarts_everything() -> None:
+    # A lone respawn would go back into its bundle as it was; only a new group is larger.
+    oom = TaskStatus(
+        task="worker:1", tracked=True, exit_code=-9, respawnable=True, memory_kill=True
+    )
+    verdict = decide(status(task("worker:0"), oom, max_restarts=2))
+    assert verdict.decision == Decision.RESTART and verdict.memory
+
+
+def test_a_kill_for_memory_that_cannot_grow_counts_as_any_death() -> None:
+    # At the largest node's memory the backend no longer reports a memory kill.
+    killed = TaskStatus(task="worker:0", tracked=True, exit_code=-9)
+    verdict = decide(status(killed, max_restarts=1, restarts=1))
+    assert verdict.decision == Decision.FAIL and not verdict.memory

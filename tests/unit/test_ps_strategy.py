@@ -287,7 +287,7 @@ def test_misuse_gives_clear_errors() -> None:
         s.run(step_fn(model, torch.optim.LBFGS(model.parameters())), batch(0, 0))
     with pytest.raises(ConfigError, match=r"inside strategy\.scope"):
         Variable(torch.zeros(2))
-    with pytest.raises(ConfigError, match="ps tasks only"), device("/job:worker/task:0"):
+    with pytest.raises(ConfigError, match="names no task"), device("/job:evaluator/task:0"):
         pass
     with pytest.raises(ConfigError, match="wire_dtype"):
         ParameterServerStrategy(resolver(0, 1), _connection=LocalPS(), gradient_wire_dtype="int8")  # type: ignore[arg-type]

@@ -46,6 +46,12 @@ class TaskProcess(Protocol):
         """The exit code once the supervisor ended (negative: killed by that signal)."""
         ...
 
+    @property
+    def memory_kill(self) -> bool:
+        """It was killed for outgrowing its memory request, and a relaunch can ask for
+        more (the manager then restarts it with more instead of counting a failure)."""
+        ...
+
     def wait(self, timeout: float) -> int | None:
         """Blocks up to ``timeout`` seconds for the exit; None if still running."""
         ...
@@ -60,4 +66,13 @@ class Backend(Protocol):
 
     def launch(self, launch: TaskLaunch) -> TaskProcess:
         """Starts the task's supervisor; returns at once (registration comes later)."""
+        ...
+
+    def adopt(self, process: TaskProcess, task: TaskId) -> None:
+        """A standby (launched earlier) took ``task`` over: ``process`` now runs it."""
+        ...
+
+    def job_env(self, task: TaskId) -> Mapping[str, str]:
+        """What this backend adds to ``task``'s job environment (its GPUs), whichever
+        supervisor runs it (a standby's too)."""
         ...

@@ -7,6 +7,11 @@ whose weakest pairwise link is best (an NVLink before a shared PCIe switch befor
 host bridge before a cross-socket hop), then the most links of that kind, then the
 lowest ids, and gives replica ``i`` the ``i``-th of them as its only visible device.
 The supervisor does this for both backends, so a task chooses alike wherever it runs.
+
+Between tasks: Ray gives each task its own GPUs. On the local backend every task sees
+the whole machine, so the manager splits the machine's GPUs first (``split``): each
+chief and worker task gets as many as it runs replicas, task by task, each the best
+connected group of what is left, as its ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -83,6 +88,38 @@ def choose(topology: Mapping[tuple[int, int], str], visible: Sequence[int], n: i
     return best[2]
 
 
+def visible_gpus(env: Mapping[str, str], topology: Topology | None) -> list[int] | None:
+    """The GPUs a process may use: ``CUDA_VISIBLE_DEVICES`` (ids), else every GPU in
+    ``topology``; None when unknown (no GPUs, or GPUs named by UUID)."""
+    raw = env.get(ENV_VISIBLE)
+    if raw is None:
+        return sorted({a for a, _ in topology} | {0}) if topology else None
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    if not names or not all(name.isdigit() for name in names):
+        return None
+    return [int(name) for name in names]
+
+
+def split(
+    topology: Topology | None, visible: Sequence[int], wants: Sequence[int]
+) -> list[list[int]]:
+    """Disjoint GPUs for tasks that want ``wants[i]`` each, in order: each takes the best
+    connected group (``choose``) of the GPUs the tasks before it left.
+
+    Raises:
+        ValueError: the tasks want more GPUs than ``visible`` has.
+    """
+    if sum(wants) > len(visible):
+        raise ValueError(f"{sum(wants)} GPUs wanted, {len(visible)} visible")
+    left = list(visible)
+    out = []
+    for n in wants:
+        chosen = choose(topology or {}, left, n) if n else []
+        left = [gpu for gpu in left if gpu not in chosen]
+        out.append(chosen)
+    return out
+
+
 def read_topology() -> Topology | None:
     """This machine's matrix from ``nvidia-smi topo -m``; None without nvidia-smi or GPUs."""
     if shutil.which("nvidia-smi") is None:
@@ -111,17 +148,8 @@ def replica_devices(
     there are fewer than ``replicas`` of them, or they are named by UUID, nothing is
     changed (replicas then share their devices, as before).
     """
-    raw = env.get(ENV_VISIBLE)
-    if raw is None:
-        if not topology:
-            return None
-        visible = sorted({a for a, _ in topology} | {0})
-    else:
-        names = [name.strip() for name in raw.split(",") if name.strip()]
-        if not all(name.isdigit() for name in names):
-            return None
-        visible = [int(name) for name in names]
-    if replicas < 2 or len(visible) < replicas:
+    visible = visible_gpus(env, topology)
+    if visible is None or replicas < 2 or len(visible) < replicas:
         return None
     chosen = choose(topology or {}, visible, replicas)
     return [str(gpu) for gpu in chosen]

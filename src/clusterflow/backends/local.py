@@ -8,13 +8,24 @@ reaches the supervisor, the job command and anything the job started.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from typing import IO
 
-from clusterflow.backends.api import TaskLaunch
+from clusterflow.backends.api import TaskLaunch, TaskProcess
+from clusterflow.backends.gpu_topology import (
+    ENV_VISIBLE,
+    Topology,
+    read_topology,
+    split,
+    visible_gpus,
+)
 from clusterflow.cluster import TaskId
+
+log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
 
@@ -41,6 +52,10 @@ class LocalProcess:
     def poll(self) -> int | None:
         return self._popen.poll()
 
+    @property
+    def memory_kill(self) -> bool:
+        return False  # local tasks ask for no memory: nothing to grow
+
     def wait(self, timeout: float) -> int | None:
         try:
             return self._popen.wait(timeout)
@@ -54,7 +69,46 @@ class LocalProcess:
 
 
 class LocalBackend:
+    """Supervisors as child processes.
+
+    Args:
+        gpus: each task's ``CUDA_VISIBLE_DEVICES`` (``split_gpus``); tasks left out see
+            what the manager sees.
+    """
+
     name = "local"
+
+    def __init__(self, gpus: Mapping[str, str] | None = None) -> None:
+        self.gpus = dict(gpus or {})
+
+    @classmethod
+    def split_gpus(
+        cls,
+        wants: Sequence[tuple[TaskId, int]],
+        env: Mapping[str, str] = os.environ,
+        topology: Topology | bool | None = True,
+    ) -> LocalBackend:
+        """A backend giving each task in ``wants`` its own ``n`` GPUs of this machine,
+        chosen by topology (``gpu_topology.split``; ``topology`` True: read it here).
+        Without GPUs, or with too few for every task, tasks share them as before."""
+        links = read_topology() if topology is True else topology or None
+        visible = visible_gpus(env, links)
+        wanted = [(task, n) for task, n in wants if n > 0]
+        if not visible or not wanted:
+            return cls()
+        try:
+            groups = split(links, visible, [n for _, n in wanted])
+        except ValueError as exc:
+            log.warning("GPUs not split between tasks (they share them): %s", exc)
+            return cls()
+        return cls(
+            {str(task): ",".join(map(str, g)) for (task, _), g in zip(wanted, groups, strict=True)}
+        )
+
+    def job_env(self, task: TaskId) -> dict[str, str]:
+        """The task's own GPUs, if the machine's were split."""
+        gpus = self.gpus.get(str(task))
+        return {ENV_VISIBLE: gpus} if gpus is not None else {}
 
     def launch(self, launch: TaskLaunch) -> LocalProcess:
         popen = subprocess.Popen(
@@ -66,3 +120,6 @@ class LocalBackend:
             start_new_session=True,
         )
         return LocalProcess(launch.task, popen)
+
+    def adopt(self, process: TaskProcess, task: TaskId) -> None:
+        """Nothing to do: the manager's own records say which task a process runs."""

@@ -38,15 +38,16 @@ from dataclasses import replace
 from typing import IO, Any
 
 from clusterflow.backends.api import TaskLaunch
+from clusterflow.backends.memory_watch import MemoryWatch, tree_rss
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
-from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY
+from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY, GLOO_IFNAME
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
-NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES"})
+NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES", GLOO_IFNAME})
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0
 """How long one output read waits on the node for something to send."""
@@ -54,6 +55,8 @@ CALL_DEADLINE_S = 30.0
 """The deadline of one call to a supervisor's actor (the read's wait included)."""
 EXIT_DRAIN_S = 2.0
 """After the supervisor exits, how long its last output may take to reach the pipe."""
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its own id (``ray.util.placement_group``)."""
 SAMPLE_S = 0.2
 """How often a task's memory (its whole process tree) is measured."""
 
@@ -79,6 +82,9 @@ class SupervisorHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         full = {**os.environ, **env, ENV_SECRET_FILE: secret_file, ENV_BIND_HOST: self.node_ip}
+        iface = interface_of(self.node_ip)
+        if iface and GLOO_IFNAME not in env:
+            full[GLOO_IFNAME] = iface  # gloo's peers on other nodes reach it there
         self._popen = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR_MODULE],
             env=full,
@@ -90,22 +96,13 @@ class SupervisorHost:
         self._buffer = bytearray()
         self._eof = False
         self._cond = threading.Condition()
-        self._limit = memory_limit
-        self.memory_peak = 0
-        """The largest resident memory of the supervisor's process tree seen (bytes)."""
-        self.oom = False
-        """The tree outgrew ``memory_limit`` and was killed for it."""
+        self._memory = MemoryWatch(memory_limit)
         threading.Thread(target=self._read_pipe, name="output", daemon=True).start()
         threading.Thread(target=self._measure, name="memory", daemon=True).start()
 
     def _measure(self) -> None:
-        """Samples the tree's memory; kills the tree once it outgrows the task's request.
-
-        Ray schedules by the ``memory`` resource but does not enforce it: a task over its
-        request would crowd its node's other tasks until the kernel's OOM killer picks a
-        victim. Killing it here makes the failure the task's own, and tells the manager
-        why (``oom``), so it is restarted with more.
-        """
+        """Samples the tree's memory; kills the tree once it outgrows the task's request
+        (``memory_watch``: enforced here, since Ray only places by it)."""
         import psutil
 
         try:
@@ -113,15 +110,11 @@ class SupervisorHost:
         except psutil.Error:
             return
         while self._popen.poll() is None:
-            total = 0
-            with contextlib.suppress(psutil.Error):
-                for proc in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        total += proc.memory_info().rss
-            self.memory_peak = max(self.memory_peak, total)
-            if self._limit and total > self._limit and not self.oom:
-                self.oom = True
-                log.warning("%s uses %d bytes, over its %d: killed", self.task, total, self._limit)
+            total = tree_rss(root)
+            if self._memory.sample(total):
+                log.warning(
+                    "%s uses %d bytes, over its %d: killed", self.task, total, self._memory.limit
+                )
                 self.signal(signal.SIGKILL)
             time.sleep(SAMPLE_S)
 
@@ -169,7 +162,8 @@ class SupervisorHost:
         code = self._popen.poll() if not data else None
         if code is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        return {"data": data, "code": code, "memory_peak": self.memory_peak, "oom": self.oom}
+        oom = self._memory.killed_for_memory(code)
+        return {"data": data, "code": code, "memory_peak": self._memory.peak, "oom": oom}
 
     def signal(self, signum: int) -> None:
         """``signum`` to the supervisor's process group (it, the job and its children)."""
@@ -204,7 +198,9 @@ class RayProcess:
         self.memory_peak = 0
         """The task's measured peak memory (bytes, its whole process tree)."""
         self.oom = False
-        """It was killed for outgrowing its memory (by its actor, or by Ray's OOM killer)."""
+        """It was killed for memory: over its request (by its actor), by Ray's OOM
+        killer, or by the kernel's (a cgroup limit)."""
+        self._growable = False
         self._placed = threading.Event()
         self._done = threading.Event()
         threading.Thread(target=self._pump, name=f"ray-{task}", daemon=True).start()
@@ -222,6 +218,12 @@ class RayProcess:
     @property
     def output(self) -> IO[bytes] | None:
         return self._output
+
+    @property
+    def memory_kill(self) -> bool:
+        """Killed for memory, and its job's request is below the largest node's memory
+        (so a relaunch can ask for more); known once it ended."""
+        return self._done.is_set() and self.oom and self._growable
 
     @property
     def placement(self) -> dict[str, Any] | None:
@@ -279,18 +281,51 @@ class RayProcess:
                 if got["code"] is not None:
                     code = got["code"]
                     break
-        except ray.exceptions.OutOfMemoryError as exc:
-            self.oom = True
-            log.warning("%s: killed by Ray's OOM killer (%s)", self._task, exc)
         except ray.exceptions.RayError as exc:
-            log.warning("%s: its actor is gone (%s); counted as killed", self._task, exc)
+            if _ray_oom(exc):
+                self.oom = True
+                log.warning("%s: killed by Ray's OOM killer (%s)", self._task, exc)
+            else:
+                log.warning("%s: its actor is gone (%s); counted as killed", self._task, exc)
         finally:
             self._placed.set()
             with contextlib.suppress(OSError):
                 os.close(self._write_fd)
             self.end()  # frees the task's bundle at once, for its replacement
+            if self.oom:
+                asked = self._request.bundle().get("memory") or 0.0
+                with contextlib.suppress(Exception):
+                    self._growable = asked < _largest_node_memory()
             self._code = code
             self._done.set()
+
+
+def _ray_oom(exc: BaseException) -> bool:
+    """Whether Ray's error says its memory monitor killed the actor's worker."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, ray.exceptions.RayActorError) and (
+        "low on memory" in text or "Memory on the node" in text
+    )
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface holding ``address``; None if none
+    does (or it is a loopback address: gloo finds that one by itself)."""
+    import ipaddress
+
+    import psutil
+
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(address).is_loopback:
+            return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -376,8 +411,16 @@ class RayBackend:
             request = self._requests[launch.task]
         if standby:
             # A standby waits idle beside the running tasks, whose bundles are all taken:
-            # it holds nothing, on a node the job's labels select, until it takes a task.
-            options: dict[str, Any] = {"num_cpus": 0, "label_selector": dict(request.labels)}
+            # it holds nothing, on a node the job's labels select, until it takes a task;
+            # on a node none of the job's tasks runs on when there is one, so that a node
+            # that dies does not take the standby with the task it is to replace.
+            labels = dict(request.labels)
+            options: dict[str, Any] = {"num_cpus": 0, "label_selector": labels}
+            busy = self._nodes_of(launch.task.job)
+            if busy:
+                elsewhere = f"!in({','.join(sorted(busy))})"
+                options["label_selector"] = {**labels, NODE_ID_LABEL: elsewhere}
+                options["fallback_strategy"] = [{"label_selector": labels}]
         else:
             bundle = request.bundle()
             options = {
@@ -390,8 +433,8 @@ class RayBackend:
                     placement_group_bundle_index=self._bundles[launch.task],
                 ),
             }
-        enforced = not standby and request.memory_enforced
-        limit = request.bundle().get("memory") if enforced else None
+        # A standby holds no bundle (nothing to enforce); a task is held to its bundle's.
+        limit = None if standby else request.bundle().get("memory")
         actor = (
             _actor_class()
             .options(name=None, **options)
@@ -434,6 +477,20 @@ class RayBackend:
             [grown[t] for t in self._order], self._group_name, self._placement_timeout_s
         )
         self._requests = grown
+
+    def job_env(self, task: TaskId) -> dict[str, str]:
+        return {}  # Ray sets each actor's CUDA_VISIBLE_DEVICES itself
+
+    def _nodes_of(self, job: str) -> set[str]:
+        """The nodes the job's current tasks run on (those placed so far)."""
+        with self._lock:
+            processes = [p for t, p in self._processes.items() if TaskId.parse(t).job == job]
+        return {str(p.placement["node_id"]) for p in processes if p.placement is not None}
+
+    def adopt(self, process: Any, task: TaskId) -> None:
+        """A standby took ``task`` over: its node is the task's now (``placements``)."""
+        with self._lock:
+            self._processes[str(task)] = process
 
     def placements(self) -> dict[str, dict[str, Any]]:
         """Each task's node and resources, as its current actor reported them."""

@@ -39,9 +39,9 @@ class TaskRequest:
     """Ray resource names: ``CPU``, ``GPU``, ``memory`` (bytes), custom ones."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """A Ray label selector: ``{"gpu-type": "A100"}``; values may be ``!v``, ``in(a,b)``."""
-    memory_enforced: bool = True
-    """A task over its ``memory`` is killed (a request the user named); False: the request
-    was sized automatically and is only measured (manager/memory_sizing.py)."""
+    memory_named: bool = True
+    """The ``memory`` is the user's; False: sized automatically (manager/memory_sizing.py).
+    Either is enforced (``memory_watch``); only a named one is blamed in an error."""
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle: the resources, one CPU unless CPUs were named."""
@@ -110,7 +110,7 @@ def unplaceable(requests: Sequence[TaskRequest], nodes: Sequence[Mapping[str, An
             missing = [
                 k
                 for k in bundle
-                if k in request.resources and (k != "memory" or request.memory_enforced)
+                if k in request.resources and (k != "memory" or request.memory_named)
             ]
         return f"job {request.task.job} needs {request.describe(missing)}: no node has it"
     return None

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,7 +22,9 @@ import click
 
 from clusterflow import __version__
 from clusterflow.cli import follow
+from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.tune import make_tune
+from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
@@ -146,6 +149,7 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
     help="Per job on Ray: node labels its tasks need, JOB:KEY=VALUE,... (repeatable).",
 )
 @click.option("--job-dir", help="A folder or .zip shipped to every Ray node; jobs run in it.")
+@click.option("--cache", help="An in-memory cache (`clusterflow cache`): workers go to its nodes.")
 @click.option(
     "--memory",
     help="Memory per task on Ray where --resources names none: auto (measured) or a size.",
@@ -174,6 +178,7 @@ def start(
     labels_: tuple[str, ...],
     job_dir: str | None,
     memory: str | None,
+    cache: str | None,
     grace: float,
     command: tuple[str, ...],
 ) -> None:
@@ -200,6 +205,7 @@ def start(
         "address": address,
         "job_dir": job_dir,
         "memory": memory,
+        "cache": cache,
         "command": command or None,
         "ps_command": ps_cmd or None,
         "untracked": untracked,
@@ -212,6 +218,7 @@ def start(
         _load_cluster_file(config_file) if config_file else {},
         {k: v for k, v in flags.items() if v is not None},
     )
+    config = cache_placement(config) if config.cache else config  # cli/cache.py
 
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
@@ -245,7 +252,8 @@ def _run_foreground(cluster: Any, config: Any) -> int:
     from clusterflow.backends.local import LocalBackend
     from clusterflow.manager import Controller
 
-    controller = Controller(cluster, config, LocalBackend(), echo=True)
+    backend = LocalBackend.split_gpus(config.gpu_hosts())
+    controller = Controller(cluster, config, backend, echo=True)
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()
@@ -296,8 +304,7 @@ def _start_detached(cluster: Any) -> None:
 def _uptime(state: ClusterState) -> str:
     if not state.created:
         return "-"
-    end = state.ended or time.time()
-    seconds = int(max(0.0, end - state.created))
+    seconds = int(max(0.0, (state.ended or time.time()) - state.created))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
@@ -306,10 +313,7 @@ def _uptime(state: ClusterState) -> str:
 def _task_summary(state: ClusterState) -> str:
     tasks = state.tasks
     running = sum(1 for t in tasks if t.exit_code is None and t.status == "running")
-    jobs: dict[str, int] = {}
-    for t in tasks:
-        job = t.task.split(":")[0]
-        jobs[job] = jobs.get(job, 0) + 1
+    jobs = Counter(t.task.split(":")[0] for t in tasks)
     shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
     return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
 
@@ -325,15 +329,10 @@ def _figures(state: ClusterState) -> tuple[str, str]:
 
 
 def _task_figures(task: TaskState) -> str:
-    parts = []
-    if task.step is not None:
-        parts.append(f"step {task.step}")
-    if task.loss is not None:
-        parts.append(f"loss {task.loss:.4g}")
-    if task.samples_per_s is not None:
-        parts.append(f"{task.samples_per_s:.0f} samples/s")
-    if task.restarts:
-        parts.append(f"restarts {task.restarts}")
+    parts = [f"step {task.step}"] if task.step is not None else []
+    parts += [f"loss {task.loss:.4g}"] if task.loss is not None else []
+    parts += [f"{task.samples_per_s:.0f} samples/s"] if task.samples_per_s is not None else []
+    parts += [f"restarts {task.restarts}"] if task.restarts else []
     return ("  " + ", ".join(parts)) if parts else ""
 
 
@@ -575,6 +574,8 @@ def secret(path: str) -> None:
 
 
 cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's options, per trial
+cli.add_command(cache_group)  # `clusterflow cache` (cli/cache.py)
+cli.add_command(ui)  # `clusterflow ui` (cli/ui.py): the dashboard
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ ENV_MANAGER_TIMEOUT: Final = "CLUSTERFLOW_MANAGER_TIMEOUT"
 ENV_STANDBY: Final = "CLUSTERFLOW_STANDBY"
 ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
 ENV_HOME: Final = "CLUSTERFLOW_HOME"
+ENV_UI_TOKEN: Final = "CLUSTERFLOW_UI_TOKEN"
 
 # The job command's environment (from the manager's registration reply) --------------------
 
@@ -44,11 +45,18 @@ ENV_STATE_DIR: Final = "CLUSTERFLOW_STATE_DIR"
 ENV_CHECKPOINT_DIR: Final = "CLUSTERFLOW_CHECKPOINT_DIR"
 ENV_RESTORE: Final = "CLUSTERFLOW_RESTORE"
 ENV_ATTEMPT: Final = "CLUSTERFLOW_ATTEMPT"
+ENV_INCARNATION: Final = "CLUSTERFLOW_INCARNATION"
 ENV_REPLICA: Final = "CLUSTERFLOW_REPLICA"
 ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
 ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
 ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
 ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
+ENV_CACHE: Final = "CLUSTERFLOW_CACHE"
+ENV_NODE: Final = "CLUSTERFLOW_NODE"
+GLOO_IFNAME: Final = "GLOO_SOCKET_IFNAME"
+"""torch's gloo binds and advertises the address of the host name unless told an
+interface; where the host name resolves to loopback, peers on other nodes cannot reach
+it. The Ray backend names the interface of the node's address (``backends/ray.py``)."""
 
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
@@ -78,6 +86,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_STANDBY: EnvVar("supervisor", "1: a warm standby, waiting for a task"),
         ENV_ZYGOTE_READY_FD: EnvVar("supervisor", "the pipe a zygote says it is warm on"),
         ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
+        ENV_UI_TOKEN: EnvVar("user", "`clusterflow ui`: its token, instead of a fresh one"),
         ENV_LISTEN_FD: EnvVar("job", "the reserved, bound socket of the task's port"),
         ENV_JOB: EnvVar("job", "this task's job name"),
         ENV_TASK_INDEX: EnvVar("job", "this task's index in its job"),
@@ -86,11 +95,14 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_CHECKPOINT_DIR: EnvVar("job", "where checkpoints go (a path or fsspec URL)"),
         ENV_RESTORE: EnvVar("job", "the step of the checkpoint every task restores"),
         ENV_ATTEMPT: EnvVar("job", "how often the whole cluster was restarted"),
+        ENV_INCARNATION: EnvVar("job", "this launch of the task; ps and dispatcher fence older"),
         ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
         ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
         ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),
         ENV_TRIAL_REPORT: EnvVar("job", "the file a tuning trial's figures go to"),
         ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
+        ENV_CACHE: EnvVar("job", "the cache of `start --cache`: cache:// reads it"),
+        ENV_NODE: EnvVar("job", "the node a task runs on, as cache maps name it (Ray)"),
         "TF_CONFIG": EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
         "TF_GRPC_REUSE_PORT": EnvVar("job", "1: TensorFlow binds beside the reserved port"),
         "RANK": EnvVar("replica", "torchrun: this replica's global rank"),
@@ -107,9 +119,16 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         "TORCHELASTIC_RESTART_COUNT": EnvVar("job", "times this task was relaunched"),
         "TORCHELASTIC_MAX_RESTARTS": EnvVar("job", "the run's bound on restarts"),
         "PYTHONUNBUFFERED": EnvVar("supervisor", "1: output reaches the log line by line"),
+        GLOO_IFNAME: EnvVar("job", "Ray: the interface of the node's address, for gloo"),
     }
 )
 """Every variable a task may receive or read, with who receives it and what it means."""
+
+
+TENSORBOARD_FILE: Final = "tensorboard"
+"""A file in the cluster's folder (``CLUSTERFLOW_STATE_DIR``) that the chief's ``Summary``
+hook writes: the absolute path of the run's TensorBoard folder, which only the job knows.
+``clusterflow ui`` shows it."""
 
 
 class ManagerMethod:

@@ -87,7 +87,8 @@ def distributed_dataset(
             credentials=credentials,
             collate_fn=collate_fn,
             worker=worker,
-            host=host,
+            # A cache's partitions are located by node (cache_map.py), not by host name.
+            host=host if host is not None else getattr(records, "node", None),
             _owned=owned,
         )
     except BaseException:

@@ -101,6 +101,8 @@ class LeaseBook:
         """Leases taken back (worker died or went silent), for a clear late-ack reply."""
         self.granted_per_worker: dict[str, dict[int, int]] = {}
         """Leases granted per worker per epoch: what balance is judged by."""
+        self.locality = {"located": 0, "local": 0}
+        """Leases of splits with a known host, and those lent to a worker on that host."""
 
     # Queries --------------------------------------------------------------------------
 
@@ -131,6 +133,7 @@ class LeaseBook:
             "granted": {
                 w: {str(e): n for e, n in per.items()} for w, per in self.granted_per_worker.items()
             },
+            "locality": dict(self.locality),
         }
 
     # Transitions ----------------------------------------------------------------------
@@ -168,6 +171,7 @@ class LeaseBook:
             for ep in sorted(self._live.values(), key=lambda e: e.epoch):
                 split = ep.queue.pop(host)
                 if split is not None:
+                    self._count_locality(split, host)
                     return Grant(GrantStatus.LEASE, self._lend(ep.epoch, split, worker))
             if not self._exhausted():
                 self._open_next()
@@ -390,6 +394,12 @@ class LeaseBook:
         ep = self._live.get(found.epoch)
         if ep is not None:
             ep.queue.push_front(found.split)
+
+    def _count_locality(self, split: int, host: str | None) -> None:
+        where = self._hosts.get(split)
+        if where is not None:
+            self.locality["located"] += 1
+            self.locality["local"] += where == host
 
     def _touch(self, worker: str, now: float) -> None:
         """Records a call; keeps ``_last_seen`` in call order (``now`` never goes back)."""

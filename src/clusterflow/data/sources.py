@@ -173,6 +173,17 @@ class ArrowSource:
 
     def read(self, start: int, stop: int) -> Columns:
         """Records ``[start, stop)``, reading only the chunks that hold them."""
+        return arrow_columns(self.read_table(start, stop))
+
+    def file_schemas(self) -> list[Any]:
+        """Each file's own Arrow schema (the dataset itself takes the first file's)."""
+        try:
+            return [fragment.physical_schema for fragment in self._dataset.get_fragments()]
+        except _arrow_errors() as exc:
+            raise SourceError(f"cannot read the schemas of {self.uri!r}: {exc}") from exc
+
+    def read_table(self, start: int, stop: int) -> Any:
+        """Records ``[start, stop)`` as a pyarrow Table (what ``read`` converts)."""
         import pyarrow as pa  # type: ignore[import-untyped]
 
         if not 0 <= start <= stop <= self.num_records():
@@ -187,9 +198,8 @@ class ArrowSource:
             pieces.append(table.slice(lo, hi - lo))
             k += 1
         if not pieces:
-            return {name: np.empty(0) for name in self._dataset.schema.names}
-        table = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
-        return arrow_columns(table)
+            return _select(self._dataset.schema.empty_table(), self.columns)
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
 
     @property
     def has_locations(self) -> bool:
@@ -328,11 +338,16 @@ def arrow_columns(table: Any) -> dict[str, Any]:
 
 
 def as_source(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> Source:
-    """A ``Source`` from a source, a path / URL (``ArrowSource``) or columns (``TensorSource``).
+    """A ``Source`` from a source, a path / URL (``ArrowSource``), ``cache://NAME``
+    (``CacheSource``) or columns (``TensorSource``).
 
     Raises:
         ConfigError: the value is none of those.
     """
+    if isinstance(source, str) and source.startswith("cache://"):
+        from clusterflow.data.cache_source import CacheSource  # it imports this module
+
+        return CacheSource(source)
     if isinstance(source, str | os.PathLike):
         return ArrowSource(source)
     if isinstance(source, Mapping):

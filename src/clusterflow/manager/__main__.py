@@ -21,9 +21,9 @@ def main() -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     cluster = ClusterDir(Path(sys.argv[1]))
-    controller = Controller(
-        cluster, RunConfig.from_dict(cluster.read_config()), LocalBackend(), echo=False
-    )
+    config = RunConfig.from_dict(cluster.read_config())
+    backend = LocalBackend.split_gpus(config.gpu_hosts())
+    controller = Controller(cluster, config, backend, echo=False)
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()

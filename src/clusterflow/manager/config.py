@@ -10,6 +10,7 @@ from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
+from clusterflow.manager.limits import check_task_count
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
@@ -35,6 +36,7 @@ FILE_KEYS = frozenset(
         "job_dir",
         "memory",
         "placement_timeout_s",
+        "cache",
     }
 )
 """What a cluster file (``clusterflow start -c``) may set: the run's shape, commands,
@@ -100,6 +102,9 @@ class RunConfig:
     as ``4G``; None is ``auto`` on Ray."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
+    cache: str | None = None
+    """An in-memory cache (``clusterflow cache``) the workers read: they are placed on its
+    partitions' nodes and ``cache://`` names it (``cli/cache.py`` ``cache_placement``)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -122,6 +127,7 @@ class RunConfig:
         n = self.replicas_per_host
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"--replicas-per-host must be a positive integer, got {n!r}")
+        check_task_count(self.ps, self.workers, n)
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
             raise ConfigError(
@@ -173,6 +179,12 @@ class RunConfig:
     def replicas_of(self, task: TaskId) -> int:
         """Processes ``task`` runs: ``replicas_per_host`` for chief and workers, else 1."""
         return self.replicas_per_host if task.job in REPLICA_JOBS else 1
+
+    def gpu_hosts(self) -> list[tuple[TaskId, int]]:
+        """The tasks that stand for a host of devices (``--replicas-per-host N``, N >= 2),
+        each with N: on the local backend each gets N GPUs of its own
+        (``LocalBackend.split_gpus``); a lone-process task sees every GPU, as before."""
+        return [(t, self.replicas_of(t)) for t in self.tasks() if self.replicas_of(t) > 1]
 
     def command_for(self, task: TaskId) -> tuple[str, ...]:
         if task.job == "ps":

@@ -57,6 +57,7 @@ from clusterflow.manager.stopper import cluster_processes, kill_processes
 from clusterflow.manager.store_host import StoreHost
 from clusterflow.manager.tasks import TaskRecord, TaskTable
 from clusterflow.rpc import Credentials, Request, RpcServer
+from clusterflow.rpc.message import map_body
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Controller:
         self._created = time.time()
         self._store: StoreHost | None = None
         self._restarts = 0
+        self._memory_restarts = 0
         self._attempt = 0
         self.output = output or OutputRouter(cluster.output_file, echo=echo)
         self._rpc = rpc or _manager_server(cluster, config, len(self.tasks))
@@ -149,7 +151,7 @@ class Controller:
             (ManagerMethod.SPEC, self._on_spec, False),
             (ManagerMethod.REPORT, self._on_report, False),
         ):
-            self._rpc.register(method, handler, blocking=blocking)
+            self._rpc.register(method, map_body(handler), blocking=blocking)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
         self.data = (data or DispatcherService()).register_on(self._rpc)
@@ -200,6 +202,7 @@ class Controller:
             spec_version=version,
             restarts=self._restarts,
             max_restarts=self.config.max_restarts,
+            memory_restarts=self._memory_restarts,
             standby=self.standby.state(),
             checkpoint_dir=self.restore_points.url,
             tasks=self.tasks.states(),
@@ -369,17 +372,23 @@ class Controller:
             "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
         )
         self.tasks.relaunching(task)
+        self.data.fences.raise_to(str(task.id), task.restarts)  # the old one is a zombie now
         self._launch(task, self._choose_checkpoint(restore_data=False))
         self._write_state()
 
     def _restart_all(self, verdict: Verdict) -> None:
-        """Stops every task and relaunches them all from the last committed checkpoint."""
-        self._restarts += 1
+        """Stops every task and relaunches them all from the last committed checkpoint
+        (after a kill for memory: with more memory, not counted in ``restarts``)."""
+        if verdict.memory:
+            self._memory_restarts += 1
+        else:
+            self._restarts += 1
         self._attempt += 1
         live = [t for t in self.tasks.values() if t.exit_code is None]
         self._kill(live)
         log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
-        self.output.line(f"clusterflow: {verdict.reason}; restarting every task")
+        more = " with more memory" if verdict.memory else ""
+        self.output.line(f"clusterflow: {verdict.reason}; restarting every task{more}")
         # A new barrier: the restarted supervisors register anew (new addresses), and
         # the registration timeout counts afresh.
         self.rendezvous.reopen()
@@ -396,6 +405,7 @@ class Controller:
             task=verdict.failed_task,
             reason=verdict.reason,
             restarts=self._restarts,
+            memory=verdict.memory,
             checkpoint=restore,
         )
         for task in self.tasks.values():
@@ -477,9 +487,12 @@ class Controller:
         return {
             "spec": spec.as_dict(),
             "spec_version": version,
-            "env": job_env(
-                self.config, self.place, spec, task.id, self._incarnation(task.id, version)
-            ),
+            "env": {
+                **job_env(
+                    self.config, self.place, spec, task.id, self._incarnation(task.id, version)
+                ),
+                **self.backend.job_env(task.id),
+            },
             "replicas": replica_env(self.config, task.id),
             "command": list(self.config.command_for(task.id)),
         }

@@ -7,10 +7,12 @@ and job, in ``$CLUSTERFLOW_HOME/memory.json`` of the machine that runs the CLI. 
 run of the same command (a new ``start``, or ``--resume``) asks for the measured peak
 times ``HEADROOM``; a job never measured asks for ``ESTIMATE``.
 
-An automatic request is not enforced by clusterflow (only Ray's OOM killer, or the
-kernel's, acts on it), since the first one is a guess; a request the user named
-(``--resources JOB:memory=...`` or ``--memory SIZE``) is: a task over it is killed and,
-when the cluster restarts, its job asks for 1.5 times as much.
+Every request, automatic or named (``--resources JOB:memory=...``, ``--memory SIZE``),
+is enforced on the node (``backends/memory_watch.py``): a task whose process tree
+outgrows it is killed, and the cluster restarts with the job asking 1.5 times as much,
+bounded by the largest node; such a restart does not count against ``--max-restarts``
+(``manager/policy.py``). A first guess that was too small thus costs a restart from the
+last checkpoint, never the run.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def record(config: RunConfig, state: ClusterState) -> None:
 
 def size(config: RunConfig) -> tuple[RunConfig, frozenset[str]]:
     """``config`` with a memory request for every job (on Ray); and the jobs sized
-    automatically (whose requests are placed but not enforced)."""
+    automatically (not named by the user: an error blames only what the user named)."""
     if config.backend != "ray":
         return config, frozenset()
     resources = {job: dict(r) for job, r in config.resources.items()}

@@ -10,6 +10,13 @@ respawnable (a worker of a parameter-server strategy: nobody else holds its stat
 respawned alone; any other death (all-reduce workers, ps, chief) restarts every task
 from the last committed checkpoint. Beyond the bound, the run fails naming the task.
 
+Memory: a task its backend killed for outgrowing its memory request, when a relaunch
+can be given more (``TaskStatus.memory_kill``, the Ray backend), restarts every task
+(so the placement is made anew, larger) and does not count against ``max_restarts``:
+the request was the platform's guess, not the job's fault. It is bounded all the same:
+each such restart asks 1.5 times as much, and once a request reaches the largest node's
+memory the backend no longer reports a kill as ``memory_kill`` (docs/ray.md).
+
 Success: every tracked task exited 0. A *trailing* task (the evaluator) is waited for
 only so long: once every other tracked task exited 0 it has ``trailing_grace_s`` to
 finish its last evaluation, and is then stopped, so a slow or hung evaluator can
@@ -58,6 +65,8 @@ class TaskStatus:
     """The job declared that this task alone can be relaunched (its peers keep going)."""
     step_age_s: float | None = None
     """Seconds since the task's reported step last advanced; None if it never reported."""
+    memory_kill: bool = False
+    """It was killed for outgrowing its memory request, and a relaunch can ask for more."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +91,8 @@ class Verdict:
     failed_task: str | None = None
     exit_code: int = 0
     reason: str = ""
+    memory: bool = False
+    """A restart with more memory (not counted against ``max_restarts``)."""
 
 
 def decide(status: ClusterStatus) -> Verdict:
@@ -93,6 +104,9 @@ def decide(status: ClusterStatus) -> Verdict:
         if death is None:
             continue
         reason, code = death
+        if task.memory_kill and task.exit_code is not None:
+            reason += " for outgrowing its memory request"
+            return Verdict(Decision.RESTART, task.task, code, reason, memory=True)
         if status.restarts < status.max_restarts:
             decision = Decision.RESPAWN if task.respawnable else Decision.RESTART
             return Verdict(decision, task.task, code, reason)

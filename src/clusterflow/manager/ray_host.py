@@ -60,7 +60,7 @@ def task_requests(config: RunConfig, automatic: frozenset[str]) -> list[TaskRequ
             task=task,
             resources=dict(config.resources.get(task.job, {})),
             labels=dict(config.labels.get(task.job, {})),
-            memory_enforced=task.job not in automatic,
+            memory_named=task.job not in automatic,
         )
         for task in config.tasks()
     ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.cluster import TaskId
 from clusterflow.manager.output import Label, OutputRouter
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.state import StandbyState
@@ -108,6 +109,7 @@ class StandbyPool:
             self._standby = None
             self._handed[standby.process.pid] = task
             self._cond.notify_all()
+        self._backend.adopt(standby.process, TaskId.parse(task))
         if standby.label is not None:
             standby.label.rename(task, self._cluster.task_log(task))
         self._cluster.append_event("standby_took_over", task=task, pid=standby.process.pid)

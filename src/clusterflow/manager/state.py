@@ -156,6 +156,8 @@ class ClusterState:
     spec_version: int = 0
     restarts: int = 0
     max_restarts: int = 0
+    memory_restarts: int = 0
+    """Restarts with more memory after a kill for memory (not in ``restarts``)."""
     standby: StandbyState | None = None
     checkpoint_dir: str | None = None
     tasks: tuple[TaskState, ...] = ()
@@ -182,6 +184,7 @@ class ClusterState:
             "spec_version": self.spec_version,
             "restarts": self.restarts,
             "max_restarts": self.max_restarts,
+            "memory_restarts": self.memory_restarts,
             "standby": (
                 {"pid": self.standby.pid, "ready": self.standby.ready} if self.standby else None
             ),
@@ -218,6 +221,7 @@ class ClusterState:
             spec_version=_typed(data, "spec_version", int, 0),
             restarts=_typed(data, "restarts", int, 0),
             max_restarts=_typed(data, "max_restarts", int, 0),
+            memory_restarts=_typed(data, "memory_restarts", int, 0),
             standby=(
                 StandbyState(
                     pid=_typed(standby, "pid", int, 0), ready=_typed(standby, "ready", bool, False)

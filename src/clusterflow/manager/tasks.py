@@ -188,6 +188,9 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
                     error=t.error,
                     respawnable=t.respawnable,
                     step_age_s=None if t.step_changed is None else now - t.step_changed,
+                    memory_kill=t.exit_code is not None
+                    and t.process is not None
+                    and t.process.memory_kill,
                 )
                 for t in self._records.values()
             )

@@ -70,7 +70,7 @@ class OptimizerSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerSpec:
         name = data.get("name")
-        if name not in SUPPORTED:
+        if not isinstance(name, str) or name not in SUPPORTED:
             raise ConfigError(f"unsupported optimizer {name!r} on the ps")
         return cls(str(name), tuple(dict(g) for g in data.get("groups") or [{}]))
 
@@ -97,7 +97,11 @@ def build(spec: OptimizerSpec, groups: list[list[torch.Tensor]]) -> torch.optim.
         hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.groups[i].items()}
         # A 0-element group is legal for torch only with params=[]; keep group indices.
         param_groups.append({"params": params, **hyper})
-    optimizer: torch.optim.Optimizer = cls(param_groups)
+    # Adagrad fills its "sum" state from the constructor's argument, not the group's.
+    extra: dict[str, Any] = {}
+    if spec.name == "Adagrad" and spec.groups and "initial_accumulator_value" in spec.groups[0]:
+        extra["initial_accumulator_value"] = spec.groups[0]["initial_accumulator_value"]
+    optimizer: torch.optim.Optimizer = cls(param_groups, **extra)
     return optimizer
 
 

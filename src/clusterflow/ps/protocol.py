@@ -20,7 +20,9 @@ import torch
 
 from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.optimizer import OptimizerSpec
+from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
+from clusterflow.ps.tables import RowStore
 from clusterflow.rpc.codec import DTYPES
 
 Tensors = dict[str, torch.Tensor]
@@ -51,7 +53,26 @@ def _field(method: str, body: Mapping[str, Any], key: str, kind: type[_T], defau
         raise MalformedRequest(
             f"ps.{method} request: {key!r} must be {kind.__name__}, got {value!r:.80}"
         )
+    low, high = _BOUNDED.get(key, (None, None))
+    if low is not None and not low <= value <= high:  # type: ignore[operator]
+        raise MalformedRequest(
+            f"ps.{method} request: {key!r} must be in {low:g}..{high:g}, got {value!r:.80}"
+        )
     return value
+
+
+MAX_WAIT_S = 3600.0
+"""The longest wait a request may ask for: a NaN, an infinity or a year would hold a
+handler thread of the ps for good (docs/failure-semantics.md, "Hostile bytes")."""
+
+_BOUNDED: Mapping[str, tuple[float, float]] = {
+    "timeout": (0.0, MAX_WAIT_S),
+    "min_version": (-(2.0**62), 2.0**62),
+    "version": (-(2.0**62), 2.0**62),
+}
+"""Fields whose value must lie in ``low..high`` (a NaN lies nowhere): a version is a step
+counter, so one near 2**63 is not a version a ps will ever reach, only a handler thread
+held for nothing."""
 
 
 SplitKeyWire = tuple[str, int, int]
@@ -85,7 +106,11 @@ def _body(method: str, body: Any) -> Mapping[str, Any]:
 
 
 def _wire_dtype(method: str, value: Any) -> str | None:
-    if value is not None and (value not in DTYPES or not getattr(torch, value).is_floating_point):
+    if value is not None and (
+        not isinstance(value, str)
+        or value not in DTYPES
+        or not getattr(torch, value).is_floating_point
+    ):
         raise MalformedRequest(f"ps.{method} request: no floating wire dtype {value!r:.40}")
     return None if value is None else str(value)
 
@@ -411,6 +436,8 @@ class PSHandler:
     def __init__(self, store: VariableStore, fan_out: FanOut | None = None) -> None:
         self.store = store
         self._fan_out = fan_out
+        self.tables = RowStore(store.ps_index)
+        """This task's rows of the embedding tables (``ps.rows_*``, ``ps/tables.py``)."""
 
     def create(self, request: CreateRequest) -> list[str]:
         return self.store.create(request.config, request.variables, request.values)
@@ -452,25 +479,34 @@ class PSHandler:
         return self.store.wait_version(request.version, request.timeout)
 
     def quiesce(self, request: QuiesceRequest) -> int:
-        return self.store.quiesce(request.timeout)
+        # The cut's step: the dense version, or the tables' where only tables train.
+        return max(self.store.quiesce(request.timeout), self.tables.quiesce(request.timeout))
 
     def resume(self) -> None:
         self.store.resume()
+        self.tables.resume()
 
     def state(self) -> PSState:
         meta, tensors = self.store.state()
+        self.tables.add_state(meta, tensors)
         return PSState(meta=meta, tensors=tensors)
 
     def load_state(self, request: PSState) -> None:
         self.store.load_state(request.meta, request.tensors)
+        self.tables.load_state(request.meta, request.tensors)
 
     def leave(self, request: LeaveRequest) -> None:
+        self.tables.leave(request.worker)
         commit = self.store.leave(request.worker)
         if commit is not None:
             self._commit(commit)
 
     def stats(self) -> dict[str, Any]:
-        return self.store.snapshot_stats()
+        stats = self.store.snapshot_stats()
+        if self.tables.tables:
+            stats["rows"] = self.tables.snapshot_stats()
+            stats["version"] = max(int(stats["version"]), self.tables.version)
+        return stats
 
     def _commit(self, commit: Mapping[str, Any]) -> None:
         if self._fan_out is None:
@@ -517,6 +553,8 @@ class PSHandler:
             return None, {}
         if method == "stats":
             return self.stats(), {}
+        if method in ROWS_METHODS:
+            return rows_dispatch(self.tables, method, body, tensors)
         raise MalformedRequest(f"unknown ps method {method!r}")
 
 
@@ -533,5 +571,6 @@ METHODS: tuple[str, ...] = (
     "load_state",
     "leave",
     "stats",
+    *ROWS_METHODS,
 )
 """Every method ``PSHandler.dispatch`` serves, registered as ``ps.<name>``."""

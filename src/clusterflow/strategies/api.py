@@ -127,6 +127,14 @@ class CheckpointParticipant(Protocol):
         """The strategy's own state as checkpoint parts, while quiesced (chief only)."""
         ...
 
+    def own_parts(self) -> list[Part]:
+        """Parts this process writes itself (a pipeline stage's layers); every process."""
+        ...
+
+    def own_part_names(self) -> list[str]:
+        """The names of every process's ``own_parts``, for the chief to collect."""
+        ...
+
     def cut_meta(self) -> dict[str, Any]:
         """Facts for the manifest that a restore checks (shard counts, mode)."""
         ...
@@ -163,6 +171,12 @@ class SoloParticipant:
         return None
 
     def parts(self) -> list[Part]:
+        return []
+
+    def own_parts(self) -> list[Part]:
+        return []
+
+    def own_part_names(self) -> list[str]:
         return []
 
     def cut_meta(self) -> dict[str, Any]:
@@ -222,6 +236,17 @@ class Strategy(SoloParticipant, ABC):
         whose ``distribute()`` is not the loop's to second-guess).
         """
         return ALONE
+
+    def train_step(
+        self, model: nn.Module, loss_fn: Callable[[Any, Any], Any], optimizer: Any
+    ) -> Callable[[Any, Any, float], tuple[torch.Tensor, Any]] | None:
+        """The step ``fit`` runs instead of its own, or None (the default: fit's own).
+
+        A strategy whose schedule runs the forward, backward and update itself (a
+        pipeline's) returns ``step(inputs, targets, loss_scale) -> (loss, outputs)``.
+        Call before training (before a restore, which may load ``optimizer``).
+        """
+        return None
 
     def check_placed(self, model: nn.Module) -> None:
         """Fails unless ``model``'s variables were created in ``scope()``.

@@ -36,7 +36,7 @@ from clusterflow.ps.api import (
     VariableSpec,
 )
 from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
-from clusterflow.ps.optimizer import OptimizerSpec, hyperparameters
+from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
@@ -51,6 +51,7 @@ from clusterflow.strategies.api import (
     parse_reduce_op,
 )
 from clusterflow.strategies.batches import deal_out
+from clusterflow.strategies.embedding import intercepting
 from clusterflow.strategies.ps_config import ParameterServerConfig
 from clusterflow.strategies.ps_keys import KeyLedger
 from clusterflow.strategies.ps_shards import (
@@ -65,10 +66,12 @@ from clusterflow.strategies.ps_shards import (
     load_into,
     load_states,
     pull_all,
+    register_optimizer,
     specs_of,
     states,
     wait_for_version,
 )
+from clusterflow.strategies.ps_sparse import SparseSide
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
 
@@ -145,6 +148,7 @@ class ParameterServerStrategy(Strategy):
         self._cut_versions: list[int] = []
         self._declared = _connection is not None  # in process: no manager to tell
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ps-prefetch")
+        self._sparse = SparseSide(self.options, self.config, self._ps, self._worker, self._resolver)
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
 
     def _declare(self) -> None:
@@ -184,9 +188,9 @@ class ParameterServerStrategy(Strategy):
     @contextlib.contextmanager
     def scope(self) -> Iterator[ParameterServerStrategy]:
         """Variables created inside are placed on the ps tasks when the scope closes."""
-        with recording() as recorder:
+        with recording() as recorder, intercepting() as tables:
             yield self
-        self._create(recorder.items)
+        self._create(self._sparse.create(recorder.items, tables))
 
     def run(
         self,
@@ -212,12 +216,13 @@ class ParameterServerStrategy(Strategy):
             StrategyError: no variables were created in ``scope()``, or ``fn`` computed
                 gradients but never called ``optimizer.step()``.
         """
-        if not self._vars:
+        if not self._vars and not self._sparse.active:
             raise StrategyError("no variables: create the model inside strategy.scope() first")
         if not self._declared:
             self._declare()
         self._wait_warmup()
-        self._load_values()
+        if self._vars:
+            self._load_values()
         self._in_run, self._pushed = True, False
         self._keys = tuple(completes)
         try:
@@ -249,9 +254,10 @@ class ParameterServerStrategy(Strategy):
             self.flush()
             if self._ledger.waiting_for_steps and self._next is not None:
                 self._load_values()  # the step's commit: ps 0 moved past it
+            self._sparse.wait()
         else:
             self._collect_inflight(wait=False)
-        self._ledger.reached(self._versions[0] if self._versions else 0)
+        self._ledger.reached(self._versions[0] if self._vars else self._sparse.reached())
         return self._ledger.take()
 
     def reduce(self, op: ReduceOp | str, value: Any) -> Any:
@@ -322,7 +328,10 @@ class ParameterServerStrategy(Strategy):
 
     def unplaced(self, module: torch.nn.Module) -> list[str]:
         """Names of ``module``'s parameters that were made outside ``scope()``."""
-        return [name for name, p in module.named_parameters() if id(p) not in self._by_tensor]
+        mine = self._by_tensor
+        return [
+            n for n, p in module.named_parameters() if not (id(p) in mine or self._sparse.owns(p))
+        ]
 
     # For replicas built elsewhere: all that strategies/coordinator/ uses -------------
 
@@ -336,17 +345,7 @@ class ParameterServerStrategy(Strategy):
 
         Not the partitioner: the placement travels with ``variables()``.
         """
-        c = self.config
-        return {
-            "mode": c.mode,
-            "max_staleness": c.max_staleness,
-            "stale_policy": c.stale_policy,
-            "staleness_aware_lr": c.staleness_aware_lr,
-            "reject_nonfinite": c.reject_nonfinite,
-            "gradient_wire_dtype": self._grad_dtype,
-            "value_wire_dtype": self._value_dtype,
-            "deadline_s": self._deadline,
-        }
+        return self.options.replica_options()
 
     def variables(self) -> list[tuple[torch.Tensor, VariableSpec, tuple[Shard, ...]]]:
         """Every variable tracked here, in creation order: (local tensor, spec, shards)."""
@@ -388,11 +387,13 @@ class ParameterServerStrategy(Strategy):
 
     def parts(self) -> list[Part]:
         """Every ps task's state: variables, slots, version, applied split keys."""
-        return [(ps_part(i), meta, tensors) for i, (meta, tensors) in enumerate(states(self._ps))]
+        parts = [(ps_part(i), meta, tensors) for i, (meta, tensors) in enumerate(states(self._ps))]
+        return parts + self._sparse.parts()
 
     def cut_meta(self) -> dict[str, Any]:
         c = self.config
-        return {"mode": c.mode, "num_ps": self._ps.num_ps, "versions": self._cut_versions}
+        meta = {"mode": c.mode, "num_ps": self._ps.num_ps, "versions": self._cut_versions}
+        return meta | self._sparse.cut_meta()
 
     def resume(self) -> None:
         """Lets held updates through again (after :meth:`quiesce`)."""
@@ -411,6 +412,7 @@ class ParameterServerStrategy(Strategy):
         if not restored and self.is_chief:
             load_states(self._ps, [read(ps_part(i)) for i in range(num_ps)])
             self._next = self._staged = None
+        self._sparse.restore(meta, read)
         self.pull_values()
 
     def pull_values(self) -> None:
@@ -433,6 +435,7 @@ class ParameterServerStrategy(Strategy):
         if not self._left:
             self._left = True
             self._ps.call(0, "leave", {"worker": self._worker})
+            self._sparse.leave()
 
     def close(self) -> None:
         """Leaves, removes the optimizer hook and closes the connections."""
@@ -514,6 +517,7 @@ class ParameterServerStrategy(Strategy):
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._in_run:
             return
+        rows = self._sparse.step(optimizer, [(k.dataset, k.epoch, k.split) for k in self._keys])
         tracked = [
             (g, self._by_tensor[id(p)])
             for g, group in enumerate(optimizer.param_groups)
@@ -521,27 +525,24 @@ class ParameterServerStrategy(Strategy):
             if id(p) in self._by_tensor
         ]
         if not tracked:
+            if rows is not None:  # the rows decide the step's keys
+                self._count(self._sparse.settle(self._ledger, self._keys, rows))
+            self._pushed = rows is not None
             return
         if id(optimizer) not in self._optimizers:
-            self._register_optimizer(optimizer, tracked)
+            register_optimizer(self._ps, optimizer, tracked)
+            self._optimizers.add(id(optimizer))
         hyper = [hyperparameters(g) for g in optimizer.param_groups]
         per_ps = gradients((var for _, var in tracked), self._ps.num_ps, self._grad_dtype)
         held = buffers(self._vars if self.is_chief else (), self._ps.num_ps)
-        self._push(per_ps, held, hyper)
+        self._push(per_ps, held, hyper, rows or [])
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
         self._pushed = True
 
-    def _register_optimizer(
-        self, optimizer: torch.optim.Optimizer, tracked: list[tuple[int, TrackedVar]]
+    def _push(
+        self, grads: list[Tensors], held: list[Tensors], hyper: list[Any], rows: list[Any]
     ) -> None:
-        spec = OptimizerSpec.of(optimizer).to_dict()
-        group_of = {shard.name: g for g, var in tracked for shard in var.shards}
-        body = {"spec": spec, "group_of": group_of}
-        self._ps.map(lambda i: self._ps.call(i, "optimizer", body), range(self._ps.num_ps))
-        self._optimizers.add(id(optimizer))
-
-    def _push(self, grads: list[Tensors], held: list[Tensors], hyper: list[Any]) -> None:
         sync = self.config.mode == "sync"
         # sync: one step version on every shard; if the pull was mixed, the push is late
         # at ps 0 (which decides), so it is never counted with gradients missing.
@@ -558,7 +559,7 @@ class ParameterServerStrategy(Strategy):
 
         def push_all() -> None:
             replies = push.async_(self._ps, self._value_dtype, self._deadline)
-            self._count(self._ledger.async_replies(keys, replies))
+            self._count(self._ledger.async_replies(keys, [*replies, *rows]))
             if all(r.values or not self.placement.on_ps(i) for i, r in enumerate(replies)):
                 values: Tensors = {}
                 for reply in replies:

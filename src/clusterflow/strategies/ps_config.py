@@ -9,11 +9,12 @@ every ps task must agree on travel to the ps as ``clusterflow.ps.api.PSConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from clusterflow.errors import ConfigError
 from clusterflow.ps.api import Mode, PSConfig, StalePolicy, WireDtype
 from clusterflow.ps.placement import Partitioner
+from clusterflow.ps.rows import Init, Sharding
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,6 +49,20 @@ class ParameterServerConfig:
     comes, so exactly-once costs the step nothing."""
     deadline_s: float = 120.0
     """Every call to a ps must answer within this many seconds."""
+    dense: Literal["ps", "allreduce"] = "ps"
+    """Where the dense parameters live: on the ps tasks like any variable, or on every
+    worker, averaged by the collective engine each step (``allreduce``; docs/embeddings.md).
+    Embedding tables built in the scope are on the ps tasks either way."""
+    table_sharding: Sharding = "hash"
+    """How tables are cut by rows over the ps tasks: ``hash`` (row % P) or ``range``."""
+    table_init: Init = "normal"
+    """The tables' initial rows: ``normal`` as nn.Embedding, ``uniform``, or ``zeros``."""
+    table_seed: int = 0
+    """Seeds the rows each ps task draws for its shards."""
+    row_cache_steps: int = 0
+    """A worker serves rows it pulled at most this many steps ago from its cache (0: off)."""
+    row_cache_rows: int = 0
+    """How many rows per table that cache holds."""
 
     def __post_init__(self) -> None:
         for name in ("gradient_wire_dtype", "value_wire_dtype"):
@@ -58,6 +73,10 @@ class ParameterServerConfig:
             isinstance(self.deadline_s, int | float) and self.deadline_s > 0
         ):
             raise ConfigError(f"deadline_s must be a positive number, got {self.deadline_s!r}")
+        if self.dense not in ("ps", "allreduce"):
+            raise ConfigError(f"dense must be 'ps' or 'allreduce', got {self.dense!r}")
+        if self.row_cache_steps < 0 or self.row_cache_rows < 0:
+            raise ConfigError("row_cache_steps and row_cache_rows must be >= 0")
         self.ps_config(self.backup_workers + 1)  # the fields the ps checks, checked now
 
     def ps_config(self, num_replicas: int) -> PSConfig:
@@ -72,6 +91,13 @@ class ParameterServerConfig:
             warmup_steps=self.warmup_steps,
             reject_nonfinite=self.reject_nonfinite,
         )
+
+    def replica_options(self) -> dict[str, Any]:
+        """The options that make another process's strategy push and pull as one of this
+        config (``ParameterServerStrategy.replica_options``); not the partitioner."""
+        names = "mode max_staleness stale_policy staleness_aware_lr reject_nonfinite"
+        names += " gradient_wire_dtype value_wire_dtype deadline_s"
+        return {name: getattr(self, name) for name in names.split()}
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> ParameterServerConfig:

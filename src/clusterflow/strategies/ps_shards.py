@@ -16,6 +16,7 @@ import torch
 
 from clusterflow.ps.api import Placement, PSConfig, Shard, VariableSpec, VersionTimeout
 from clusterflow.ps.client import PSConnection
+from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.rpc import RemoteError
 from clusterflow.strategies.variables import Recorded
@@ -200,6 +201,16 @@ def buffers(tracked: Iterable[TrackedVar], num_ps: int) -> list[dict[str, torch.
             for shard in var.shards:
                 per_ps[shard.ps][shard.name] = shard_of(var.tensor.detach(), shard).clone()
     return per_ps
+
+
+def register_optimizer(
+    ps: PSConnection, optimizer: torch.optim.Optimizer, tracked: Sequence[tuple[int, TrackedVar]]
+) -> None:
+    """Builds ``optimizer`` on every ps task over its shards of the ``(group, var)`` pairs."""
+    spec = OptimizerSpec.of(optimizer).to_dict()
+    group_of = {shard.name: g for g, var in tracked for shard in var.shards}
+    body = {"spec": spec, "group_of": group_of}
+    ps.map(lambda i: ps.call(i, "optimizer", body), range(ps.num_ps))
 
 
 def wait_for_version(ps: PSConnection, version: int, deadline: float) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as module_hooks
 
-from clusterflow.cluster import DeviceSpec
+from clusterflow.cluster import DeviceSpec, TaskId
 from clusterflow.errors import ConfigError
 
 _local = threading.local()
@@ -96,22 +96,66 @@ def current_device() -> int | None:
     return stack[-1] if stack else None
 
 
+def _placements() -> list[TaskId]:
+    if not hasattr(_local, "placements"):
+        _local.placements = []
+    stack: list[TaskId] = _local.placements
+    return stack
+
+
+def current_placement() -> TaskId | None:
+    """The chief or worker task of the innermost ``device`` block, if any."""
+    stack = _placements()
+    return stack[-1] if stack else None
+
+
 @contextlib.contextmanager
 def device(name: str) -> Iterator[None]:
-    """Places the variables created inside on one ps task: ``device("/job:ps/task:1")``.
+    """Places what is created inside on one task, as ``tf.device`` does.
+
+    ``device("/job:ps/task:1")``: the variables go to that ps task (parameter servers).
+    ``device("/job:worker/task:1")`` (or ``chief``): the modules built inside run on that
+    task: a ``PipelineStrategy`` makes them that task's stage; outside its scope, on
+    the chief of a cluster, they run on that task over RPC (in-graph; see
+    ``strategies/pipeline/placed.py``).
 
     Raises:
-        ConfigError: a device string that names no ps task.
+        ConfigError: a device string that names no ps, chief or worker task.
     """
     spec = DeviceSpec.parse(name)
-    if spec.job != "ps" or spec.task is None:
-        raise ConfigError(f"variables can be placed on ps tasks only, not {name!r}")
-    stack = _devices()
-    stack.append(spec.task)
+    task = spec.task_id
+    if task is None or task.job not in ("ps", "chief", "worker"):
+        raise ConfigError(f"device {name!r} names no task: give /job:ps|chief|worker/task:N")
+    if task.job == "ps":
+        ps_stack = _devices()
+        ps_stack.append(task.index)
+        try:
+            yield
+        finally:
+            ps_stack.pop()
+        return
+    stack = _placements()
+    stack.append(task)
+    try:
+        if getattr(_local, "pipeline_scopes", 0):
+            yield  # a PipelineStrategy's scope makes the block's layers that task's stage
+        else:
+            from clusterflow.strategies.pipeline.placed import placing
+
+            with placing(task):  # in-graph: the block's modules run on that task
+                yield
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def pipeline_scope() -> Iterator[None]:
+    """Inside, ``device`` blocks of chief or worker tasks name pipeline stages."""
+    _local.pipeline_scopes = getattr(_local, "pipeline_scopes", 0) + 1
     try:
         yield
     finally:
-        stack.pop()
+        _local.pipeline_scopes -= 1
 
 
 def Variable(

@@ -50,11 +50,13 @@ from clusterflow.checkpoint.names import (
     worker_part,
 )
 from clusterflow.errors import ConfigError
+from clusterflow.ps.tables import join_tables
 from clusterflow.strategies.api import (
     CheckpointParticipant,
     SoloParticipant,
     Strategy,
 )
+from clusterflow.strategies.ps_sparse import DENSE_PART
 from clusterflow.strategies.variables import recording
 
 log = logging.getLogger(__name__)
@@ -242,6 +244,7 @@ class Checkpointer:
                 for name, meta, tensors in (participant.parts() if self.is_chief else [])
             ]
             parts.append(self._write_own(writer, step))
+            parts += [writer.write_tensors(n, t, m) for n, m, t in participant.own_parts()]
             if self.is_chief and not self.role.holds_model:
                 parts.append(self._write_model(writer))
             participant.barrier()  # every replica's part is written
@@ -251,6 +254,8 @@ class Checkpointer:
             # came to save, so the cursor holds exactly the records the model learned.
             parts += self._write_shared(writer)
             others = [worker_part(r) for r in range(self.replicas) if r != self.rank]
+            written = {part.name for part in parts}
+            others += [n for n in participant.own_part_names() if n not in written]
             parts += writer.collect(others)
             meta = {"kind": self.role.kind, "replicas": self.replicas, **participant.cut_meta()}
             if held is not None:
@@ -307,8 +312,7 @@ def load_module(
         return None
     if manifest.meta.get("kind") != "parameter_server":
         model = build()
-        _, tensors = storage.read_tensors(manifest, MODEL_PART)
-        model.load_state_dict(_model_state(tensors))
+        model.load_state_dict(_joined_state(storage, manifest))
         return model, manifest.step
     with recording() as recorder:
         model = build()
@@ -343,8 +347,7 @@ def load_into(model: nn.Module, directory: str, *, step: int | None = None) -> i
     if manifest is None:
         return 0
     if manifest.meta.get("kind") != "parameter_server":
-        _, tensors = storage.read_tensors(manifest, MODEL_PART)
-        model.load_state_dict(_model_state(tensors))
+        model.load_state_dict(_joined_state(storage, manifest))
         return manifest.step
     values = _ps_variables(storage, manifest)
     mine = [
@@ -377,6 +380,16 @@ def _committed(directory: str, step: int | None) -> tuple[CheckpointStorage, Man
     return storage, storage.latest() if step is None else storage.at(step)
 
 
+def _joined_state(storage: CheckpointStorage, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The model's state dict: the ``model`` part, or the parts each pipeline stage
+    wrote of its own layers (the manifest's ``joined_parts``), joined."""
+    state: dict[str, torch.Tensor] = {}
+    for part in manifest.meta.get("joined_parts") or [MODEL_PART]:
+        _, tensors = storage.read_tensors(manifest, part)
+        state.update(_model_state(tensors))
+    return state
+
+
 def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's state dict out of a ``model`` part (its keys carry ``model/``)."""
     return {k[6:]: t for k, t in tensors.items() if k.startswith("model/")}
@@ -385,18 +398,23 @@ def _model_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def _ps_variables(storage: CheckpointStorage, manifest: Manifest) -> dict[str, torch.Tensor]:
     """Every variable of a parameter-server checkpoint, its shards joined on dim 0."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for index in range(int(manifest.meta.get("num_ps", 0))):
-        _, tensors = storage.read_tensors(manifest, ps_part(index))
+    parts = [
+        storage.read_tensors(manifest, ps_part(i)) for i in range(manifest.meta.get("num_ps", 0))
+    ]
+    if manifest.meta.get("dense_part"):  # dense="allreduce": the workers' dense values
+        parts.append(storage.read_tensors(manifest, DENSE_PART))
+    for _, tensors in parts:
         for key, tensor in tensors.items():
             if key.startswith("var/"):
                 name, _, part = key[4:].partition("/part_")
                 pieces.setdefault(name, []).append((int(part or 0), tensor))
-    return {
+    joined = {
         name: found[0][1]
         if len(found) == 1  # whole (possibly 0-dim, as a batch counter)
         else torch.cat([t for _, t in sorted(found, key=lambda p: p[0])])
         for name, found in pieces.items()
     }
+    return joined | join_tables(parts)  # embedding tables: their rows from every shard
 
 
 # State in safetensors: tensors by name, everything else as JSON -------------------------

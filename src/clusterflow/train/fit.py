@@ -166,6 +166,9 @@ class _Loop:
         self.validation = validation
         self.history = History()
         self._client_validation: dict[int, dict[str, float]] = {}
+        # A pipeline's schedule runs forward, backward and update itself.
+        own = strategy.train_step(model, loss_fn, optimizer) if strategy is not None else None
+        self._step_fn = own or self._train_step
 
     # Synchronized data: every replica takes the same steps ----------------------------
 
@@ -278,7 +281,7 @@ class _Loop:
         self, session: TrainingSession, totals: Totals, feed: Feed, completes: Any = None
     ) -> None:
         args = (feed.inputs, feed.targets, feed.loss_scale)
-        loss, outputs = session.run(self._train_step, args, completes=completes)
+        loss, outputs = session.run(self._step_fn, args, completes=completes)
         values = totals.add(loss, outputs, feed.targets, feed.rows)
         session.step_done(loss=loss, samples=feed.rows, metrics=values)
 
@@ -375,7 +378,8 @@ def _detach(outputs: Any) -> Any:
 
 def _device_of(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
-        return tensor.device
+        if not tensor.is_meta:  # a ps-sharded embedding table's weight (issue 21)
+            return tensor.device
     return torch.device("cpu")
 
 

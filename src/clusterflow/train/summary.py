@@ -7,10 +7,13 @@ On the other tasks the hook creates nothing: no writer, no folder, no file.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterflow.cluster.contract import ENV_STATE_DIR, TENSORBOARD_FILE
 from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 if TYPE_CHECKING:
@@ -18,6 +21,8 @@ if TYPE_CHECKING:
 
 
 __all__ = ["Summary"]
+
+log = logging.getLogger(__name__)
 
 
 class Summary(Hook):
@@ -51,6 +56,7 @@ class Summary(Hook):
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(self.log_dir)
+        _tell_the_cluster(self.log_dir)
 
     def after_step(self, session: Session, info: StepInfo) -> None:
         writer = self._writer
@@ -90,3 +96,18 @@ def _learning_rate(session: Session) -> float | None:
         return None if lr is None else float(lr)
     except (TypeError, ValueError):
         return None
+
+
+def _tell_the_cluster(log_dir: str) -> None:
+    """Names the TensorBoard folder in the cluster's folder, for ``clusterflow ui``.
+
+    Only under ``clusterflow start`` (which sets ``CLUSTERFLOW_STATE_DIR``); a folder that
+    cannot be written costs the run nothing but the dashboard's line.
+    """
+    state_dir = os.environ.get(ENV_STATE_DIR)
+    if not state_dir:
+        return
+    try:
+        (Path(state_dir) / TENSORBOARD_FILE).write_text(os.path.abspath(log_dir) + "\n")
+    except OSError as exc:
+        log.debug("could not name the TensorBoard folder in %s: %s", state_dir, exc)

@@ -1,0 +1,103 @@
+"""The synchronous schedules: torch's ``PipelineStage`` and its GPipe, 1F1B and
+interleaved 1F1B schedules, over this rank's chunks of the model.
+
+Nothing of the schedules is written here: torch orders the micro-batches, sends the
+activations and gradients between stages and scales the gradients to the batch mean.
+This module builds the stages and schedules for a micro-batch shape (a new shape, a
+final partial batch, gets its own, since a stage sizes its buffers on first use) and
+translates torch's configuration errors into one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from clusterflow.strategies.pipeline.api import PipelineError, Schedule
+from clusterflow.strategies.pipeline.layout import Layout
+
+__all__ = ["SyncEngine"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class SyncEngine:
+    """Runs one synchronous pipeline step of this rank's stages.
+
+    Call :meth:`step` on every rank of a pipeline with the same batch; on return this
+    rank's chunks hold the batch-mean gradients of its pipeline (not yet averaged across
+    pipelines, not yet applied).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        chunks: Sequence[nn.Module],
+        schedule: Schedule,
+        microbatches: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self._layout = layout
+        self._chunks = list(chunks)
+        self._schedule = schedule
+        self._microbatches = microbatches
+        self._group = group
+        self._device = device
+        self._built: dict[tuple[int, ...], Any] = {}
+
+    def _build(self, shape: tuple[int, ...], loss_fn: LossFn) -> Any:
+        layout = self._layout
+        stages: list[Any] = [
+            PipelineStage(self._chunks[c], c, layout.chunks, self._device, group=self._group)
+            for c in layout.my_chunks()
+        ]
+        try:
+            if self._schedule is Schedule.INTERLEAVED:
+                return ScheduleInterleaved1F1B(stages, self._microbatches, loss_fn=loss_fn)
+            kind = ScheduleGPipe if self._schedule is Schedule.GPIPE else Schedule1F1B
+            return kind(stages[0], self._microbatches, loss_fn=loss_fn)
+        except ValueError as exc:  # torch's own rule, e.g. micro-batches per round
+            raise PipelineError(
+                f"the {self._schedule.value} schedule cannot run {self._microbatches} "
+                f"micro-batches on {layout.stages} stages: {str(exc).splitlines()[0]}"
+            ) from None
+
+    def _call_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self._loss_fn(outputs, targets)
+
+    def step(
+        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Forward and backward of every micro-batch of ``inputs``.
+
+        Returns:
+            on the rank of the last chunk: the batch's mean loss and its outputs
+            (micro-batches merged); elsewhere ``(None, None)``.
+        """
+        # The loss function is looked up at call time, so one schedule serves a run.
+        self._loss_fn = loss_fn
+        key = tuple(inputs.shape)
+        schedule = self._built.get(key)
+        if schedule is None:
+            schedule = self._built[key] = self._build(key, self._call_loss)
+        layout = self._layout
+        mine = layout.my_chunks()
+        args = (inputs,) if 0 in mine else ()
+        if layout.chunks - 1 in mine:
+            losses: list[torch.Tensor] = []
+            outputs = schedule.step(*args, target=targets, losses=losses)
+            loss = torch.stack([loss.detach() for loss in losses]).mean()
+            return loss, outputs.detach()
+        schedule.step(*args)
+        return None, None

@@ -1,0 +1,169 @@
+"""One replica of the pipeline tests: ``python pipeline_job.py OUT`` (see test_pipeline.py).
+
+Runs every scenario in one launch, since each replica pays torch's import on two cores:
+the synchronous schedules against one process (with a checkpoint the stages write and
+``load_module`` joins), PipeDream's weight stashes, and PipeDream against 1F1B on the
+digits. Writes ``OUT/<scenario>-<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import clusterflow as cf
+from clusterflow.train.cut import load_module
+
+ROWS, FEATURES, CLASSES = 64, 6, 3
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, CLASSES),
+    )
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(ROWS, FEATURES, generator=gen), torch.randint(
+        0, CLASSES, (ROWS,), generator=gen
+    )
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for schedule, stages in (("gpipe", 4), ("1f1b", 2), ("interleaved", 2)):
+        strategy = cf.PipelineStrategy(schedule, microbatches=4, stages=stages)
+        with strategy.scope():
+            model = mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        hooks = []
+        ckpt = out / f"ckpt-{schedule}"
+        if schedule == "1f1b":
+            hooks.append(cf.Checkpoint(str(ckpt), every_steps=4))
+        history = cf.fit(
+            model,
+            nn.CrossEntropyLoss(),
+            optimizer,
+            data(),
+            strategy=strategy,
+            epochs=2,
+            global_batch_size=16,
+            seed=3,
+            hooks=hooks,
+            metrics=["accuracy"],
+        )
+        result[schedule] = {
+            "params": flat(model),
+            "loss": history.history["loss"],
+            "bounds": [(b.start, b.stop) for b in strategy.bounds],
+        }
+        if schedule == "1f1b" and rank == 0:
+            joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
+            result["joined"] = {"params": flat(joined), "step": step}
+    return result
+
+
+def pipedream(out: Path, rank: int) -> dict[str, Any]:
+    result = _pipedream(two_bw=False)
+    result["2bw"] = _pipedream(two_bw=True)
+    return result
+
+
+def _pipedream(two_bw: bool) -> dict[str, Any]:
+    strategy = cf.PipelineStrategy(
+        "pipedream", microbatches=4, stages=2, record_stashes=True, two_bw=two_bw
+    )
+    with strategy.scope():
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cf.fit(
+        model,
+        nn.CrossEntropyLoss(),
+        optimizer,
+        data(),
+        strategy=strategy,
+        epochs=2,
+        global_batch_size=16,
+        seed=3,
+    )
+    engine = strategy.engine
+    records = [r for r in engine.records] if engine is not None else []  # type: ignore[union-attr]
+    return {
+        "params": flat(model),
+        "stage": strategy.stage,
+        "versions": engine.versions_made,  # type: ignore[union-attr]
+        "bounds": [(b.start, b.stop) for b in strategy.bounds],
+        "records": [
+            (
+                r.microbatch,
+                r.forward_version,
+                r.backward_version,
+                r.live_version,
+                r.stash_checksum,
+                r.forward_checksum,
+                r.live_checksum,
+            )
+            for r in records
+        ],
+    }
+
+
+def digits(out: Path, rank: int) -> dict[str, Any]:
+    from sklearn.datasets import load_digits
+
+    x_all, y_all = load_digits(return_X_y=True)
+    x = torch.tensor(x_all / 16.0, dtype=torch.float32)
+    y = torch.tensor(y_all)
+    train, test = slice(0, 1408), slice(1408, None)
+    result = {}
+    for schedule in ("1f1b", "pipedream"):
+        strategy = cf.PipelineStrategy(schedule, microbatches=4, stages=2)
+        with strategy.scope():
+            torch.manual_seed(1)
+            model = nn.Sequential(
+                nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        cf.fit(
+            model,
+            nn.CrossEntropyLoss(),
+            optimizer,
+            (x[train], y[train]),
+            strategy=strategy,
+            epochs=6,
+            global_batch_size=64,
+            seed=5,
+        )
+        with torch.no_grad():
+            accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item()
+        result[schedule] = accuracy
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    for name, scenario in (("sync", sync_schedules), ("pipedream", pipedream), ("digits", digits)):
+        torch.save(scenario(out, rank), out / f"{name}-{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
