@@ -48,9 +48,7 @@ def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tup
     # same bytes): the best of them is the base, so a noisy low base never lifts a ratio.
     base = max(figures.per_worker[f"async{s}"][1].median for s in _scale_hosts.SHARDS)
     for n in sizes:
-        effs = {
-            s: figures.per_worker[f"async{s}"][n].median / base for s in _scale_hosts.SHARDS
-        }
+        effs = {s: figures.per_worker[f"async{s}"][n].median / base for s in _scale_hosts.SHARDS}
         best[n] = max(effs.values())
         enough = [s for s, e in effs.items() if e >= EFFICIENT]
         shards_needed[n] = min(enough) if enough else None
