@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,8 @@ from clusterflow.data.cache_map import (
     NodeServer,
     cache_dir,
     check_name,
+    find_map,
     parse_url,
-    read_map,
 )
 from clusterflow.data.sources import arrow_columns
 from clusterflow.errors import ConfigError
@@ -98,7 +99,8 @@ class CacheSource:
     ) -> None:
         self.name = _cache_name(name)
         self.node = node or this_node()
-        self._refresh = refresh or (lambda: read_map(self.name))
+        self._secret_file: Path | None = None
+        self._refresh = refresh or self._find
         self.map = cache_map or self._refresh()
         if not self.map.status.startswith(("ready", "degraded")):
             raise SourceError(f"cache {self.name!r} is not ready: {self.map.status}")
@@ -163,6 +165,10 @@ class CacheSource:
                 client.close()
             self._clients.clear()
             self._mapped.clear()  # the mappings close when their last array goes
+
+    def _find(self) -> CacheMap:
+        cache, self._secret_file = find_map(self.name)
+        return cache
 
     # Local ------------------------------------------------------------------------------
 
@@ -257,9 +263,8 @@ class CacheSource:
         with self._lock:
             client = self._clients.get(server.address)
             if client is None:
-                credentials = self._credentials or Credentials.from_file(
-                    cache_dir(self.name) / "secret"
-                )
+                secret = self._secret_file or cache_dir(self.name) / "secret"
+                credentials = self._credentials or Credentials.from_file(secret)
                 client = RpcClient(server.address, credentials, deadline=REMOTE_DEADLINE_S)
                 self._clients[server.address] = client
             return client

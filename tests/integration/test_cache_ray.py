@@ -1,0 +1,193 @@
+"""Caches on a real multi-node Ray cluster (every node 127.0.0.1 inside a network
+namespace of this module's own, with distinct labels): a cache actor per node, workers
+placed on the partitions' nodes, reads local where they lie, and a cache node killed
+mid-epoch with every record still read exactly once.
+
+One Ray cluster serves the module (``test_ray.RayCluster``): head ``a`` and nodes
+``b``, ``c``, ``d`` (``zone=<name>``). The finalizer kills every process in the
+namespace, deletes it and removes the caches' shared memory, even when a test failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import wait_until
+from test_ray import ADDRESS, BIN, PORT, RayCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDS = 40_960
+JOB = textwrap.dedent(
+    """
+    import json, os, pathlib, sys, time
+    import torch, torch.distributed as dist
+    from clusterflow.data import distributed_dataset
+
+    out, pause = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo")
+    data = distributed_dataset("cache://", batch_size=256, split_size=1024, seed=1)
+    it, seen, steps = iter(data), [], 0
+    while True:  # in lockstep, as synchronous training steps: one batch each a step
+        batch = next(it, None)
+        more = torch.tensor([0 if batch is None else 1])
+        dist.all_reduce(more)
+        if batch is not None:
+            seen.extend(batch.data["id"].tolist())
+            steps += 1
+        if steps == pause:
+            name = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
+            (out / f"paused-{name}").write_text(os.environ["CLUSTERFLOW_NODE"])
+            while not (out / "go").exists():
+                time.sleep(0.05)
+        if more.item() == 0:
+            break
+    result = {"ids": seen, "stats": data.source.stats(), "locality": data.status()["locality"],
+              "node": os.environ["CLUSTERFLOW_NODE"]}
+    data.close()
+    name = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
+    (out / f"{name}.json").write_text(json.dumps(result))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    ns = f"cache-{secrets.token_hex(4)}"
+    root = Path(tempfile.mkdtemp(prefix="rc-"))  # short: Ray's socket paths are bounded
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    cluster = RayCluster(ns, root)
+    try:
+        cluster.run(["ip", "link", "set", "lo", "up"], check=True)
+        node_env = cluster.env(CLUSTERFLOW_HOME=str(root / "nodes-home"))
+        common = ["--object-store-memory=100000000", f"--temp-dir={root / 'ray'}"]
+        common += ["--disable-usage-stats"]
+        head = [str(BIN / "ray"), "start", "--head", f"--port={PORT}", "--num-cpus=1"]
+        head += ["--node-ip-address=127.0.0.1", "--include-dashboard=false", "--labels=zone=a"]
+        head_env = {
+            **node_env,
+            "RAY_health_check_period_ms": "500",
+            "RAY_health_check_failure_threshold": "4",
+        }
+        out = cluster.run(head + common, env=head_env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        for zone in "bcd":
+            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels=zone={zone}"]
+            out = cluster.run([*worker, "--num-cpus=1", *common], env=node_env, timeout=120)
+            assert out.returncode == 0, out.stderr
+
+        def four() -> dict[str, str] | None:
+            found: dict[str, str] = cluster.probe()["nodes"]
+            return found if len(found) >= 4 else None
+
+        cluster.nodes = wait_until(four, 90, "four Ray nodes")
+        yield cluster
+    finally:
+        pids = subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+        )
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cf(ray_cluster: RayCluster, tmp_path: Path) -> Iterator[Any]:
+    """``clusterflow ARGS`` in the namespace with this test's home; afterwards every cache
+    it made is dropped and its shared memory removed."""
+    home = tmp_path / "home"
+    env = ray_cluster.env(CLUSTERFLOW_HOME=str(home))
+    names: list[str] = []
+
+    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        if args[:2] == ("cache", "create"):
+            names.append(args[2])
+        cli = [sys.executable, "-m", "clusterflow.cli.main"]
+        return ray_cluster.run([*cli, *args], env=env, timeout=timeout, cwd=REPO)
+
+    run.home = home  # type: ignore[attr-defined]
+    yield run
+    for name in names:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run("cache", "drop", name, timeout=120)
+        for path in Path("/dev/shm").glob(f"clusterflow-cache-{name}-*"):
+            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm") / "clusterflow-caches" / name, ignore_errors=True)
+
+
+def write_parquet(folder: Path) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = np.arange(RECORDS)
+    x = np.random.default_rng(0).random((RECORDS, 4), dtype=np.float32)
+    table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4)})
+    pq.write_table(table, folder / "data.parquet", row_group_size=4096)
+    return str(folder / "data.parquet")
+
+
+def describe(cf: Any, name: str) -> dict[str, Any]:
+    out = cf("cache", "describe", name, "--json")
+    assert out.returncode == 0, out.stderr
+    data: dict[str, Any] = json.loads(out.stdout)
+    return data
+
+
+def results(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+
+
+def test_workers_run_on_the_partitions_nodes_and_read_locally(
+    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+) -> None:
+    source = write_parquet(tmp_path / "src")
+    name = f"loc{secrets.token_hex(2)}"
+    made = cf(
+        "cache", "create", name, "--from", source, "--partitions", "4",
+        "--backend", "ray", "--address", ADDRESS, "--label", "zone=in(b,c)",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    cache = describe(cf, name)
+    zones = {v: k for k, v in ray_cluster.nodes.items()}
+    owners = {zones[p[4]] for p in cache["partitions"]}
+    assert owners == {"b", "c"}
+    assert set(cache["servers"]) == {ray_cluster.nodes["b"], ray_cluster.nodes["c"]}
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "go").touch()
+    job = out / "job.py"
+    job.write_text(JOB)
+    done = cf(
+        "start", "--backend", "ray", "--address", ADDRESS, "--cache", name, "--workers", "2",
+        "--", sys.executable, str(job), str(out), "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = results(out)
+    assert len(got) == 2
+    assert {zones[r["node"]] for r in got} == {"b", "c"}  # each worker on a cache node
+    ids = sorted(i for r in got for i in r["ids"])
+    assert ids == list(range(RECORDS))  # every record exactly once
+    local = sum(r["stats"]["records_local"] for r in got)
+    assert sum(r["stats"]["records_remote"] for r in got) + local == RECORDS
+    assert local >= 0.95 * RECORDS, [r["stats"] for r in got]
+    locality = got[0]["locality"]  # the dispatcher's own count of where splits went
+    assert locality["located"] == RECORDS // 1024
+    assert locality["local"] >= 0.95 * locality["located"], locality
