@@ -89,7 +89,8 @@ def ray_cluster() -> Iterator[RayCluster]:
         out = cluster.run(head + common, env=head_env, timeout=120)
         assert out.returncode == 0, out.stderr
         for zone in "bcd":
-            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels=zone={zone}"]
+            label = f"--labels=zone={zone},tag={ns}-{zone}"  # the tag finds its raylet
+            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", label]
             out = cluster.run([*worker, "--num-cpus=1", *common], env=node_env, timeout=120)
             assert out.returncode == 0, out.stderr
 
@@ -191,3 +192,64 @@ def test_workers_run_on_the_partitions_nodes_and_read_locally(
     locality = got[0]["locality"]  # the dispatcher's own count of where splits went
     assert locality["located"] == RECORDS // 1024
     assert locality["local"] >= 0.95 * locality["located"], locality
+
+
+def test_a_cache_node_killed_mid_epoch_loses_no_record(
+    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+) -> None:
+    """Runs last: it kills a node. Partitions on b, c, d with a replica each; the two
+    workers pause mid-epoch; the cache node without a worker is killed; the keeper
+    rebalances (replicas promoted, new replicas loaded); the run completes with every
+    record read exactly once."""
+    source = write_parquet(tmp_path / "src")
+    name = f"ha{secrets.token_hex(2)}"
+    made = cf(
+        "cache", "create", name, "--from", source, "--partitions", "6", "--replicas", "1",
+        "--backend", "ray", "--address", ADDRESS, "--label", "zone=in(b,c,d)",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    zones = {v: k for k, v in ray_cluster.nodes.items()}
+    before = describe(cf, name)
+    assert {zones[p[4]] for p in before["partitions"]} == {"b", "c", "d"}
+    assert all(p[5] is not None and p[5] != p[4] for p in before["partitions"])
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = out / "job.py"
+    job.write_text(JOB)
+    cli = [sys.executable, "-m", "clusterflow.cli.main"]
+    env = ray_cluster.env(CLUSTERFLOW_HOME=str(cf.home))
+    argv = [*cli, "start", "--backend", "ray", "--address", ADDRESS, "--cache", name]
+    argv += ["--workers", "2", "--", sys.executable, str(job), str(out), "10"]
+    proc = ray_cluster.popen(argv, env=env, cwd=REPO)
+    try:
+
+        def both_paused() -> list[Path] | None:
+            found = list(out.glob("paused-*"))
+            return found if len(found) == 2 else None
+
+        paused = wait_until(both_paused, 240, "both workers paused mid-epoch")
+        busy = {zones[p.read_text()] for p in paused}
+        (idle,) = {"b", "c", "d"} - busy  # the cache node that runs no worker
+        ray_cluster.kill_node(f"{ray_cluster.ns}-{idle}")
+
+        def rebalanced() -> dict[str, Any] | None:
+            now = describe(cf, name)
+            held = {n for p in now["partitions"] for n in (p[4], p[5]) if n}
+            ok = now["status"] == "ready" and ray_cluster.nodes[idle] not in held
+            return now if ok else None
+
+        after = wait_until(rebalanced, 120, "the keeper's rebalance")
+        assert all(p[5] is not None for p in after["partitions"])  # replicas again
+        assert any("lost" in event for event in after["events"]), after["events"]
+        (out / "go").touch()
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    got = results(out)
+    assert len(got) == 2
+    ids = sorted(i for r in got for i in r["ids"])
+    assert ids == list(range(RECORDS))  # every record exactly once, the lost node's too

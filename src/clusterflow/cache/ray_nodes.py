@@ -125,7 +125,7 @@ class CacheKeeper:
 
     def map(self) -> dict[str, Any]:
         with self._lock:
-            return {**self._map.to_wire(), "events": list(self.events)}
+            return replace(self._map, events=tuple(self.events)).to_wire()
 
     def drop(self) -> None:
         import ray
@@ -314,7 +314,10 @@ def create(
         wire = cache.to_wire()
         ray.get([a.publish.remote(wire) for a in actors.values()], timeout=CALL_S)
         keeper_class.options(
-            name=keeper_name(name), namespace=NAMESPACE, lifetime="detached"
+            name=keeper_name(name),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=_on_head_node(),
         ).remote(wire, actors)
     except BaseException:
         for actor in actors.values():
@@ -327,6 +330,18 @@ def create(
     Credentials.from_hex(secret).to_file(folder / "secret")
     write_json_atomic(folder / "cache.json", cache.to_json())
     return cache
+
+
+def _on_head_node() -> Any:
+    """The keeper goes to the head node: the Ray cluster ends with that node anyway,
+    while any other node (a cache node among them) may go away."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+    return "DEFAULT"
 
 
 def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:

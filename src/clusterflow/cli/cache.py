@@ -156,6 +156,8 @@ def describe(name: str, as_json: bool) -> None:
             )
         )
     _print_table(rows)
+    for event in cache.events:
+        click.echo(f"event: {event}")
 
 
 @cache_group.command(context_settings=CONTEXT)
@@ -185,11 +187,7 @@ def _labels(text: str | None) -> dict[str, str]:
 
 
 def _as_dict(cache: CacheMap) -> dict[str, Any]:
-    return {
-        **cache.to_json(),
-        "bytes_per_node": cache.bytes_per_node(),
-        "servers": {n: s.to_json() for n, s in cache.servers.items()},
-    }
+    return {**cache.to_wire(), "bytes_per_node": cache.bytes_per_node()}
 
 
 def _print_table(rows: Sequence[Sequence[str]]) -> None:

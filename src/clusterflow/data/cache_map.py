@@ -123,6 +123,8 @@ class CacheMap:
     """Node -> its server, as the servers reported themselves."""
     address: str | None = None
     """Ray backend: the Ray cluster's address."""
+    events: tuple[str, ...] = ()
+    """What happened to the cache since it was made (a lost node, a rebalance)."""
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -160,12 +162,14 @@ class CacheMap:
 
     def to_wire(self) -> dict[str, Any]:
         """The plan and its servers in one value (Ray actors, a node's ``map.json``)."""
-        return {**self.to_json(), "servers": {n: s.to_json() for n, s in self.servers.items()}}
+        servers = {n: s.to_json() for n, s in self.servers.items()}
+        return {**self.to_json(), "servers": servers, "events": list(self.events)}
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> CacheMap:
         servers = {str(n): NodeServer.from_json(s) for n, s in (data.get("servers") or {}).items()}
-        return cls.from_json(data, servers)
+        events = tuple(str(e) for e in data.get("events") or ())
+        return replace(cls.from_json(data, servers), events=events)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``cache.json`` holds it (servers live in their own files)."""

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 READ_METHOD = "cache.read"
 """A remote read: ``{partition, start, stop}`` (offsets inside the partition) -> ``{ipc}``."""
-REMOTE_DEADLINE_S = 30.0
+REMOTE_DEADLINE_S = 10.0
 """One remote read's deadline: a dead server is an error within it, and the next holder
 is asked."""
 REMAP_WAIT_S = 60.0
@@ -109,6 +109,7 @@ class CacheSource:
         self._lock = threading.Lock()
         self._mapped: dict[int, _Mapped] = {}
         self._clients: dict[str, RpcClient] = {}
+        self._dead: set[str] = set()
         self.records_local = 0
         """Records read from this node's shared memory."""
         self.records_remote = 0
@@ -227,11 +228,14 @@ class CacheSource:
 
         deadline = time.monotonic() + REMAP_WAIT_S
         errors: list[str] = []
+        self._reread()  # a remote read is rare: take a rebalance into account first
         while True:
             part = self.map.partitions[index]
+            if self.node in part.holders() and self._local(index) is not None:
+                return self._read_part(index, lo, hi)  # moved here by a rebalance
             for node in part.holders():
                 server = self.map.servers.get(node)
-                if server is None or node == self.node:
+                if server is None or node == self.node or server.address in self._dead:
                     continue
                 try:
                     reply = self._client(server).call(
@@ -241,6 +245,7 @@ class CacheSource:
                     )
                 except RpcError as exc:
                     errors.append(f"{node}: {exc}")
+                    self._dead.add(server.address)  # not asked again: its node is gone
                     self._drop_client(server.address)
                     continue
                 data = reply.body["ipc"]
@@ -254,10 +259,15 @@ class CacheSource:
                     f"{REMAP_WAIT_S:g}s ({'; '.join(errors[-3:]) or 'no holder has a server'})"
                 )
             time.sleep(0.2)  # a rebalance takes seconds; re-read the map at this pace
-            try:
-                self.map = self._refresh()
-            except Exception as exc:  # the map's source is briefly unreadable: try again
-                errors.append(f"map: {exc}")
+            errors += self._reread()
+
+    def _reread(self) -> list[str]:
+        """Takes the newest map (a rebalance may have moved partitions); its errors."""
+        try:
+            self.map = self._refresh()
+        except Exception as exc:  # the map's file is briefly unreadable: the old one serves
+            return [f"map: {exc}"]
+        return []
 
     def _client(self, server: NodeServer) -> RpcClient:
         with self._lock:
