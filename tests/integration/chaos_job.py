@@ -193,6 +193,18 @@ class Counter(nn.Module):
         return self.counts[ids]
 
 
+class TableCounter(nn.Module):
+    """``table[i]`` counts record ``i``'s applied updates: an embedding table on the ps."""
+
+    def __init__(self, records: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(records, 1, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        compute()
+        return self.table(ids).squeeze(1)
+
+
 def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -> None:
     """``clusterflow.fit`` with a data-service client and a Checkpoint hook, as a user
     writes it; the chief writes every record's count to ``final.json``."""
@@ -209,7 +221,10 @@ def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -
     else:
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
-        if scenario == "fit_sync_ps":
+        if scenario == "fit_embedding_ps":
+            # The counters are rows of a table sharded over the ps tasks (issue 21).
+            strategy = ParameterServerStrategy(mode="async", table_init="zeros")
+        elif scenario == "fit_sync_ps":
             # Two replicas, one backup: each step takes the first push, the other is late
             # and its split goes back to the data service.
             strategy = ParameterServerStrategy(mode="sync", backup_workers=1)
@@ -217,7 +232,7 @@ def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -
             strategy = ParameterServerStrategy(mode="async")
         scale = 1.0
     with strategy.scope():
-        model = Counter(records)
+        model = TableCounter(records) if scenario == "fit_embedding_ps" else Counter(records)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     data = distributed_dataset(
         path,
@@ -247,7 +262,13 @@ def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -
     )
     data.close()
     if strategy.is_chief:
-        (out / "final.json").write_text(json.dumps({"counts": model.counts.detach().tolist()}))
+        if isinstance(model, TableCounter):
+            from clusterflow.strategies.embedding import read_table
+
+            counts = read_table(model.table).squeeze(1).tolist()
+        else:
+            counts = model.counts.detach().tolist()
+        (out / "final.json").write_text(json.dumps({"counts": counts}))
     if scenario == "fit_allreduce":
         strategy.shutdown()
     else:

@@ -81,7 +81,15 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
 
 
 def pipedream(out: Path, rank: int) -> dict[str, Any]:
-    strategy = cf.PipelineStrategy("pipedream", microbatches=4, stages=2, record_stashes=True)
+    result = _pipedream(two_bw=False)
+    result["2bw"] = _pipedream(two_bw=True)
+    return result
+
+
+def _pipedream(two_bw: bool) -> dict[str, Any]:
+    strategy = cf.PipelineStrategy(
+        "pipedream", microbatches=4, stages=2, record_stashes=True, two_bw=two_bw
+    )
     with strategy.scope():
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -100,6 +108,7 @@ def pipedream(out: Path, rank: int) -> dict[str, Any]:
     return {
         "params": flat(model),
         "stage": strategy.stage,
+        "versions": engine.versions_made,  # type: ignore[union-attr]
         "bounds": [(b.start, b.stop) for b in strategy.bounds],
         "records": [
             (

@@ -281,6 +281,24 @@ def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
 
 
 @pytest.mark.timeout(420)
+def test_fit_embedding_table_on_two_ps_under_kills_applies_every_record_once_per_epoch(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """Issue 21: the counters are the rows of an ``nn.Embedding`` sharded over two ps
+    tasks; worker kills (respawns) and ps or chief kills (restarts from a checkpoint of
+    the shards' rows and applied keys) leave every row counted once per epoch."""
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_embedding_ps",
+        ["chief:0", "worker:0", "ps:0", "ps:1"],
+        ["--chief", "--ps", "2", "--workers", "1"],
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
+
+
+@pytest.mark.timeout(420)
 def test_fit_sync_ps_with_a_backup_worker_under_kills_applies_every_record_once_per_epoch(
     cf: Clusterflow, tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
+from clusterflow.manager.limits import check_task_count
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
@@ -126,6 +127,7 @@ class RunConfig:
         n = self.replicas_per_host
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"--replicas-per-host must be a positive integer, got {n!r}")
+        check_task_count(self.ps, self.workers, n)
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
             raise ConfigError(

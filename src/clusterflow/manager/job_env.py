@@ -18,6 +18,7 @@ from clusterflow.cluster.contract import (
     ENV_CHECKPOINT_DIR,
     ENV_CLUSTER_ID,
     ENV_HEARTBEAT_S,
+    ENV_INCARNATION,
     ENV_JOB,
     ENV_MANAGER,
     ENV_REGISTER_TIMEOUT,
@@ -104,6 +105,7 @@ def job_env(
         ENV_STATE_DIR: place.state_dir,
         ENV_CHECKPOINT_DIR: place.checkpoint_url,
         ENV_ATTEMPT: str(now.attempt),
+        ENV_INCARNATION: str(now.restarts),  # rpc/fencing.py: older launches are refused
         # A TensorFlow gRPC server may then bind beside the reserved socket.
         "TF_GRPC_REUSE_PORT": "1",
     }

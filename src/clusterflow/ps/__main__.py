@@ -27,7 +27,9 @@ def main() -> int:
         return 2
     service = PSService(server)
     try:
-        restore_shard(service.store, server.cluster_spec.num_tasks("ps"))
+        restore_shard(
+            service.store, server.cluster_spec.num_tasks("ps"), tables=service.handler.tables
+        )
     except ClusterflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()

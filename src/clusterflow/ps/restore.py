@@ -9,14 +9,19 @@ from collections.abc import Mapping
 from clusterflow.checkpoint import CheckpointError, CheckpointStorage
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR, ENV_RESTORE, ps_part
 from clusterflow.ps.store import VariableStore
+from clusterflow.ps.tables import RowStore
 
 log = logging.getLogger(__name__)
 
 
 def restore_shard(
-    store: VariableStore, num_ps: int, environ: Mapping[str, str] | None = None
+    store: VariableStore,
+    num_ps: int,
+    environ: Mapping[str, str] | None = None,
+    tables: RowStore | None = None,
 ) -> int | None:
-    """Loads ``store``'s shard from the checkpoint named in the environment, if any.
+    """Loads ``store``'s shard (and ``tables``' rows) from the checkpoint named in the
+    environment, if any.
 
     Returns the checkpoint's step, or None when there is nothing to restore (a first
     start, or a checkpoint of an all-reduce job, which has no ps shards).
@@ -43,5 +48,7 @@ def restore_shard(
         )
     meta, tensors = storage.read_tensors(manifest, ps_part(store.ps_index))
     store.load_state(meta, tensors)
+    if tables is not None:
+        tables.load_state(meta, tensors)
     log.info("ps:%d restored version %s from %s", store.ps_index, meta.get("version"), url)
     return manifest.step

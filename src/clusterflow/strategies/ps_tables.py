@@ -168,8 +168,9 @@ class TableSession:
                 self.stats.bytes_pulled += got.numel() * 4 + per_ps[index].numel() * 8
                 self.stats.rows_pulled += got.shape[0]
             self._to_cache(table, wanted, rows[missing])
-        rows.requires_grad_(True)
-        self._lookups.setdefault(table, []).append((ids, rows))
+        if torch.is_grad_enabled():  # evaluation (no_grad) has nothing to push
+            rows.requires_grad_(True)
+            self._lookups.setdefault(table, []).append((ids, rows))
         return rows
 
     def _from_cache(self, table: str, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

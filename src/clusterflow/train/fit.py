@@ -378,7 +378,8 @@ def _detach(outputs: Any) -> Any:
 
 def _device_of(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
-        return tensor.device
+        if not tensor.is_meta:  # a ps-sharded embedding table's weight (issue 21)
+            return tensor.device
     return torch.device("cpu")
 
 
