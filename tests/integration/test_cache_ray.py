@@ -1,24 +1,22 @@
-"""Caches on a real multi-node Ray cluster (every node 127.0.0.1 inside a network
-namespace of this module's own, with distinct labels): a cache actor per node, workers
+"""Caches on a real multi-node Ray cluster (every node on an emulated host of its own,
+with distinct labels): a cache actor per node, workers
 placed on the partitions' nodes, reads local where they lie, and a cache node killed
 mid-epoch with every record still read exactly once.
 
-One Ray cluster serves the module (``test_ray.RayCluster``): head ``a`` and nodes
-``b``, ``c``, ``d`` (``zone=<name>``). The finalizer kills every process in the
-namespace, deletes it and removes the caches' shared memory, even when a test failed.
+One Ray cluster serves the module, one node per emulated host (``clusterflow.testing``,
+each its own network namespace and address): head ``a`` and nodes ``b``, ``c``, ``d``
+(``zone=<name>``). The finalizers kill every process on the hosts, remove them and the
+caches' shared memory, even when a test failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +27,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import wait_until
-from test_ray import ADDRESS, BIN, PORT, RayCluster
+
+from clusterflow.testing import available
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+if not available():
+    pytest.skip("needs root and iproute2 for the emulated hosts", allow_module_level=True)
+
+from clusterflow.testing.ray_nodes import RayNodes  # noqa: E402 (after the skip)
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = 40_960
@@ -68,62 +72,48 @@ JOB = textwrap.dedent(
 )
 
 
+ZONES = {"b": 1, "c": 2, "d": 3}
+"""Cache nodes by zone -> their host (host 0 is the head, zone a)."""
+
+
+class Nodes:
+    """The module's Ray cluster and its nodes' ids by zone."""
+
+    def __init__(self, ray: RayNodes) -> None:
+        self.ray = ray
+        self.address = ray.address
+        found = {n["labels"].get("zone"): n["id"] for n in ray.probe()["nodes"]}
+        self.ids: dict[str, str] = found
+        self.zones = {v: k for k, v in found.items()}
+
+
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayCluster]:
-    ns = f"cache-{secrets.token_hex(4)}"
-    root = Path(tempfile.mkdtemp(prefix="rc-"))  # short: Ray's socket paths are bounded
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    cluster = RayCluster(ns, root)
-    try:
-        cluster.run(["ip", "link", "set", "lo", "up"], check=True)
-        node_env = cluster.env(CLUSTERFLOW_HOME=str(root / "nodes-home"))
-        common = ["--object-store-memory=100000000", f"--temp-dir={root / 'ray'}"]
-        common += ["--disable-usage-stats"]
-        head = [str(BIN / "ray"), "start", "--head", f"--port={PORT}", "--num-cpus=1"]
-        head += ["--node-ip-address=127.0.0.1", "--include-dashboard=false", "--labels=zone=a"]
-        head_env = {
-            **node_env,
-            "RAY_health_check_period_ms": "500",
-            "RAY_health_check_failure_threshold": "4",
-        }
-        out = cluster.run(head + common, env=head_env, timeout=120)
-        assert out.returncode == 0, out.stderr
-        for zone in "bcd":
-            label = f"--labels=zone={zone},tag={ns}-{zone}"  # the tag finds its raylet
-            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", label]
-            out = cluster.run([*worker, "--num-cpus=1", *common], env=node_env, timeout=120)
-            assert out.returncode == 0, out.stderr
+def ray_cluster() -> Iterator[Nodes]:
+    with RayNodes(4, prefix="cache") as ray:
+        ray.start_head("--num-cpus=1", "--labels=zone=a")
+        for zone, host in ZONES.items():
+            ray.start_node(host, "--num-cpus=1", f"--labels=zone={zone}")
 
-        def four() -> dict[str, str] | None:
-            found: dict[str, str] = cluster.probe()["nodes"]
-            return found if len(found) >= 4 else None
+        def four() -> bool:
+            return len(ray.probe()["nodes"]) >= 4
 
-        cluster.nodes = wait_until(four, 90, "four Ray nodes")
-        yield cluster
-    finally:
-        pids = subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
-        )
-        for pid in pids.stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        shutil.rmtree(root, ignore_errors=True)
+        wait_until(four, 90, "four Ray nodes")
+        yield Nodes(ray)
 
 
 @pytest.fixture
-def cf(ray_cluster: RayCluster, tmp_path: Path) -> Iterator[Any]:
+def cf(ray_cluster: Nodes, tmp_path: Path) -> Iterator[Any]:
     """``clusterflow ARGS`` in the namespace with this test's home; afterwards every cache
     it made is dropped and its shared memory removed."""
     home = tmp_path / "home"
-    env = ray_cluster.env(CLUSTERFLOW_HOME=str(home))
+    env = ray_cluster.ray.env(CLUSTERFLOW_HOME=str(home))
     names: list[str] = []
 
     def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
         if args[:2] == ("cache", "create"):
             names.append(args[2])
         cli = [sys.executable, "-m", "clusterflow.cli.main"]
-        return ray_cluster.run([*cli, *args], env=env, timeout=timeout, cwd=REPO)
+        return ray_cluster.ray.run([*cli, *args], env=env, timeout=timeout, cwd=REPO)
 
     run.home = home  # type: ignore[attr-defined]
     yield run
@@ -156,20 +146,21 @@ def results(out: Path) -> list[dict[str, Any]]:
 
 
 def test_workers_run_on_the_partitions_nodes_and_read_locally(
-    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+    ray_cluster: Nodes, cf: Any, tmp_path: Path
 ) -> None:
     source = write_parquet(tmp_path / "src")
+    address = ray_cluster.address
     name = f"loc{secrets.token_hex(2)}"
     made = cf(
         "cache", "create", name, "--from", source, "--partitions", "4",
-        "--backend", "ray", "--address", ADDRESS, "--label", "zone=in(b,c)",
+        "--backend", "ray", "--address", address, "--label", "zone=in(b,c)",
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
     cache = describe(cf, name)
-    zones = {v: k for k, v in ray_cluster.nodes.items()}
+    zones = ray_cluster.zones
     owners = {zones[p[4]] for p in cache["partitions"]}
     assert owners == {"b", "c"}
-    assert set(cache["servers"]) == {ray_cluster.nodes["b"], ray_cluster.nodes["c"]}
+    assert set(cache["servers"]) == {ray_cluster.ids["b"], ray_cluster.ids["c"]}
 
     out = tmp_path / "out"
     out.mkdir()
@@ -177,7 +168,7 @@ def test_workers_run_on_the_partitions_nodes_and_read_locally(
     job = out / "job.py"
     job.write_text(JOB)
     done = cf(
-        "start", "--backend", "ray", "--address", ADDRESS, "--cache", name, "--workers", "2",
+        "start", "--backend", "ray", "--address", address, "--cache", name, "--workers", "2",
         "--", sys.executable, str(job), str(out), "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -195,20 +186,21 @@ def test_workers_run_on_the_partitions_nodes_and_read_locally(
 
 
 def test_a_cache_node_killed_mid_epoch_loses_no_record(
-    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+    ray_cluster: Nodes, cf: Any, tmp_path: Path
 ) -> None:
     """Runs last: it kills a node. Partitions on b, c, d with a replica each; the two
     workers pause mid-epoch; the cache node without a worker is killed; the keeper
     rebalances (replicas promoted, new replicas loaded); the run completes with every
     record read exactly once."""
     source = write_parquet(tmp_path / "src")
+    address = ray_cluster.address
     name = f"ha{secrets.token_hex(2)}"
     made = cf(
         "cache", "create", name, "--from", source, "--partitions", "6", "--replicas", "1",
-        "--backend", "ray", "--address", ADDRESS, "--label", "zone=in(b,c,d)",
+        "--backend", "ray", "--address", address, "--label", "zone=in(b,c,d)",
     )  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
-    zones = {v: k for k, v in ray_cluster.nodes.items()}
+    zones = ray_cluster.zones
     before = describe(cf, name)
     assert {zones[p[4]] for p in before["partitions"]} == {"b", "c", "d"}
     assert all(p[5] is not None and p[5] != p[4] for p in before["partitions"])
@@ -218,10 +210,10 @@ def test_a_cache_node_killed_mid_epoch_loses_no_record(
     job = out / "job.py"
     job.write_text(JOB)
     cli = [sys.executable, "-m", "clusterflow.cli.main"]
-    env = ray_cluster.env(CLUSTERFLOW_HOME=str(cf.home))
-    argv = [*cli, "start", "--backend", "ray", "--address", ADDRESS, "--cache", name]
+    env = ray_cluster.ray.env(CLUSTERFLOW_HOME=str(cf.home))
+    argv = [*cli, "start", "--backend", "ray", "--address", address, "--cache", name]
     argv += ["--workers", "2", "--", sys.executable, str(job), str(out), "10"]
-    proc = ray_cluster.popen(argv, env=env, cwd=REPO)
+    proc = ray_cluster.ray.popen(argv, env=env, cwd=REPO)
     try:
 
         def both_paused() -> list[Path] | None:
@@ -231,12 +223,12 @@ def test_a_cache_node_killed_mid_epoch_loses_no_record(
         paused = wait_until(both_paused, 240, "both workers paused mid-epoch")
         busy = {zones[p.read_text()] for p in paused}
         (idle,) = {"b", "c", "d"} - busy  # the cache node that runs no worker
-        ray_cluster.kill_node(f"{ray_cluster.ns}-{idle}")
+        ray_cluster.ray.kill_node(ZONES[idle])
 
         def rebalanced() -> dict[str, Any] | None:
             now = describe(cf, name)
             held = {n for p in now["partitions"] for n in (p[4], p[5]) if n}
-            ok = now["status"] == "ready" and ray_cluster.nodes[idle] not in held
+            ok = now["status"] == "ready" and ray_cluster.ids[idle] not in held
             return now if ok else None
 
         after = wait_until(rebalanced, 120, "the keeper's rebalance")
