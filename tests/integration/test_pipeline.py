@@ -10,7 +10,8 @@ pays torch's import on two cores); the tests assert on what each wrote:
 * PipeDream's weight stashing, micro-batch by micro-batch: each backward differentiates
   the weights its forward ran on, while the live weights had moved on; and the whole run
   equals a one-process simulation of asynchronous 1F1B with stashing, within 1e-5;
-* PipeDream reaches 1F1B's accuracy on the digits, within 1 point.
+* PipeDream reaches 1F1B's accuracy on the digits, within 1 point;
+* layers built under ``cf.device("/job:worker/task:k")`` form task k's stage.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from clusterflow.checkpoint import CheckpointStorage
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_job as job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 WORLD = 4
 
@@ -144,6 +145,11 @@ def test_every_stage_writes_its_part_and_load_module_joins_them(
     assert manifest is not None and manifest.step == 8
     assert {"stage-0", "stage-1"} <= set(manifest.parts)
     assert manifest.meta["joined_parts"] == ["stage-0", "stage-1"]
+
+
+def test_device_blocks_cut_the_model_at_their_tasks(results: dict[str, list[Any]]) -> None:
+    for result in results["pipedream"]:
+        assert result["device_bounds"] == [(0, 2), (2, 5)]
 
 
 def test_pipedream_backward_uses_the_weights_its_forward_used(
