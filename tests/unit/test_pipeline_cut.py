@@ -11,7 +11,13 @@ from clusterflow.errors import ConfigError
 from clusterflow.strategies.pipeline import PipelineError
 from clusterflow.strategies.pipeline.api import PipelineConfig, check_microbatches
 from clusterflow.strategies.pipeline.layout import Layout
-from clusterflow.strategies.pipeline.split import balanced, by_owner, by_points, children_of
+from clusterflow.strategies.pipeline.split import (
+    balanced,
+    by_owner,
+    by_points,
+    children_of,
+    measure_times,
+)
 
 
 def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
@@ -133,3 +139,14 @@ def test_device_blocks_place_layers_on_stages_in_one_process() -> None:
     ):
         model = nn.Sequential(nn.Linear(2, 2))
     assert isinstance(model, nn.Sequential)
+
+
+def test_balance_by_measured_time_cuts_where_the_time_is() -> None:
+    """A wide layer takes far longer than the narrow ones: it gets a stage of its own."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(512, 512), nn.Linear(512, 8), nn.Linear(8, 8), nn.Linear(8, 8)]
+    times = measure_times(layers, torch.randn(64, 512))
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert balanced(times, 2) == [range(0, 1), range(1, 4)]
+    with pytest.raises(PipelineError, match="example_input"):
+        cf.PipelineStrategy("gpipe", balance="time")

@@ -45,6 +45,7 @@ ENV_STATE_DIR: Final = "CLUSTERFLOW_STATE_DIR"
 ENV_CHECKPOINT_DIR: Final = "CLUSTERFLOW_CHECKPOINT_DIR"
 ENV_RESTORE: Final = "CLUSTERFLOW_RESTORE"
 ENV_ATTEMPT: Final = "CLUSTERFLOW_ATTEMPT"
+ENV_INCARNATION: Final = "CLUSTERFLOW_INCARNATION"
 ENV_REPLICA: Final = "CLUSTERFLOW_REPLICA"
 ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
 ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
@@ -94,6 +95,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_CHECKPOINT_DIR: EnvVar("job", "where checkpoints go (a path or fsspec URL)"),
         ENV_RESTORE: EnvVar("job", "the step of the checkpoint every task restores"),
         ENV_ATTEMPT: EnvVar("job", "how often the whole cluster was restarted"),
+        ENV_INCARNATION: EnvVar("job", "this launch of the task; ps and dispatcher fence older"),
         ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
         ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
         ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),

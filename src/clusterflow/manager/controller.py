@@ -374,6 +374,7 @@ class Controller:
             "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
         )
         self.tasks.relaunching(task)
+        self.data.fences.raise_to(str(task.id), task.restarts)  # the old one is a zombie now
         self._launch(task, self._choose_checkpoint(restore_data=False))
         self._write_state()
 

@@ -82,6 +82,7 @@ class PipelineStrategy(Strategy):
         balance: with no split and no ``cf.device`` blocks: ``"parameters"`` or
             ``"time"`` (measured on ``example_input``).
         virtual_stages: chunks per task under the interleaved schedule.
+        two_bw: PipeDream-2BW, one update per batch (``pipedream`` only).
         example_input: one micro-batch of inputs, for ``balance="time"``.
         record_stashes: PipeDream keeps a record of every micro-batch's weight versions.
 
@@ -100,6 +101,7 @@ class PipelineStrategy(Strategy):
         split: Sequence[int | str] | None = None,
         balance: str = "parameters",
         virtual_stages: int = 2,
+        two_bw: bool = False,
         example_input: torch.Tensor | None = None,
         record_stashes: bool = False,
         communication_options: CommunicationOptions | None = None,
@@ -112,6 +114,7 @@ class PipelineStrategy(Strategy):
             split=tuple(split) if split is not None else None,
             balance=balance,  # type: ignore[arg-type]
             virtual_stages=virtual_stages,
+            two_bw=two_bw,
         )
         if self.config.balance == "time" and example_input is None and split is None:
             raise PipelineError("balance='time' measures the layers on example_input; give one")
@@ -327,6 +330,7 @@ class PipelineStrategy(Strategy):
                 chunk,
                 self._apply_one,
                 lambda shape: self._shapes[shape],
+                accumulate=self.config.microbatches if self.config.two_bw else 1,
                 record=self._record,
             )
         elif self.layout.chunks == 1:
