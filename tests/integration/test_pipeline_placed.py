@@ -20,7 +20,7 @@ import clusterflow as cf
 from clusterflow.rpc import Credentials
 from clusterflow.strategies.pipeline import PipelineError
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def _free_port() -> int:

@@ -27,8 +27,8 @@ from clusterflow.checkpoint.storage import CheckpointStorage, CheckpointWriter
 __all__ = [
     "MANIFEST_FILE",
     "CheckpointError",
-    "CheckpointWriteError",
     "CheckpointStorage",
+    "CheckpointWriteError",
     "CheckpointWriter",
     "Manifest",
     "PartInfo",

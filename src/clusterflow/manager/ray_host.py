@@ -45,7 +45,7 @@ PULL_LIMIT = 8 << 20
 """Most bytes of one file sent by one ``pull`` (the rest comes with the next)."""
 CALL_DEADLINE_S = 30.0
 """Deadline of a call from the CLI to the manager actor."""
-MIRRORED = ("events.jsonl", "output.log")
+MIRRORED = ("events.jsonl", "output.log", "trial-report.jsonl")
 
 
 def actor_name(cluster_id: str) -> str:

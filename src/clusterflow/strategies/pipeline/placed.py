@@ -54,7 +54,7 @@ _log = logging.getLogger(__name__)
 
 _REMOTE: Final = "_clusterflow_placed"
 _ids = itertools.count()
-_clients: dict[TaskId, RpcClient] = {}
+_clients: dict[tuple[str, str], RpcClient] = {}
 _clients_lock = threading.Lock()
 
 
@@ -204,16 +204,18 @@ def _placed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _client_for(task: TaskId) -> RpcClient:
+    """One client per task address and secret (a new cluster in this process gets its own)."""
+    config = TFConfig.from_env()
+    credentials = Credentials.from_env()
+    if config is None or credentials is None:
+        raise PipelineError(
+            f"cannot reach {task}: no TF_CONFIG or cluster credentials; run under "
+            "`clusterflow start`"
+        )
+    address = config.cluster.task_address(task.job, task.index)
+    key = (address, credentials.to_hex())
     with _clients_lock:
-        client = _clients.get(task)
+        client = _clients.get(key)
         if client is None:
-            config = TFConfig.from_env()
-            credentials = Credentials.from_env()
-            if config is None or credentials is None:
-                raise PipelineError(
-                    f"cannot reach {task}: no TF_CONFIG or cluster credentials; run under "
-                    "`clusterflow start`"
-                )
-            address = config.cluster.task_address(task.job, task.index)
-            client = _clients[task] = RpcClient(address, credentials)
+            client = _clients[key] = RpcClient(address, credentials)
         return client
