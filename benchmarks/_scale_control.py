@@ -52,12 +52,21 @@ class _Process:
     def signal(self, signum: int) -> None:
         self._code = -signum
 
+    def memory_kill(self) -> bool:
+        return False
+
 
 class SimulatedBackend:
     name = "simulated"
 
     def launch(self, launch: Any) -> _Process:
         return _Process(launch.task)
+
+    def adopt(self, process: Any, task: Any) -> None:
+        """Standbys never come: nothing to adopt."""
+
+    def job_env(self, task: Any) -> dict[str, str]:
+        return {}
 
 
 def _manager(conn: Connection, home: str) -> None:
