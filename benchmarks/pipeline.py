@@ -10,12 +10,15 @@ that never flushes).
 
 Figures (each ratio the median over rounds of the same round's windows):
 
-* ``onef1b_vs_gpipe``, ``pipedream_vs_1f1b``: samples/s.
+* ``onef1b_vs_gpipe``, ``pipedream_vs_1f1b``, ``pipedream_2bw_vs_1f1b``: samples/s
+  (PipeDream updates once per micro-batch; PipeDream-2BW once per batch, as 1F1B).
 * ``bubble_vs_theory``: 1F1B's measured idle fraction over ``(p-1)/(m+p-1)``. A stage's
-  idle fraction is ``1 - m * t_mb / t_step``: ``t_mb`` its forward and backward of one
-  micro-batch measured alone (best of several), ``t_step`` its pipelined step; the
-  mean over the stages. Everything that is not compute (sends, waits, the schedule's
-  own bookkeeping) counts as idle.
+  idle fraction is ``1 - busy / t_window``, ``busy`` the wall time its stage spent in
+  torch's ``forward_one_chunk`` and ``backward_one_chunk`` during the window (timed by
+  wrapping them in this benchmark's processes); the mean over the stages. What is not
+  a chunk's compute (waiting for a neighbour, the schedule's own bookkeeping, the
+  optimizer step) counts as idle. Timing the compute inside the run, not alone, keeps
+  the figure meaningful when other processes slow both compute and waits alike.
 * ``memory_1f1b_vs_gpipe``: the peak bytes of activations saved for backward alive at
   once on a stage (torch's saved-tensor hooks, parameters excluded), the larger of the
   two stages, 1F1B over GPipe.
@@ -49,7 +52,7 @@ WIDTH = 512
 LAYERS = 8
 BATCH = 256
 MICROBATCHES = 8
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-2bw")
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,25 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
     from clusterflow.strategies.pipeline.strategy import PipelineStrategy
+
+    busy = [0.0]
+
+    def timed(method: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - start
+
+        return wrapper
+
+    stage_base: Any = _PipelineStageBase
+    stage_base.forward_one_chunk = timed(stage_base.forward_one_chunk)
+    stage_base.backward_one_chunk = timed(stage_base.backward_one_chunk)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # the strategies adopt it
@@ -98,58 +118,41 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     steps: dict[str, Any] = {}
     strategies: dict[str, Any] = {}
     for schedule in SCHEDULES:
-        strategy = PipelineStrategy(schedule, microbatches=MICROBATCHES)
+        strategy = PipelineStrategy(
+            schedule.removesuffix("-2bw"),
+            microbatches=MICROBATCHES,
+            two_bw=schedule.endswith("-2bw"),
+        )
         with strategy.scope():
             model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
         steps[schedule] = strategy.train_step(model, loss_fn, optimizer)
         strategies[schedule] = strategy
 
-    step_times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+    busy_shares: dict[str, list[float]] = {s: [] for s in SCHEDULES}
 
     def side(schedule: str) -> Any:
         step = steps[schedule]
 
         def window(n: int) -> float:
             dist.barrier()
+            busy[0] = 0.0
             start = time.perf_counter()
             for _ in range(n):
                 step(x, y, 1.0)
             dist.barrier()
             elapsed = time.perf_counter() - start
-            step_times[schedule].append(elapsed / n)
+            busy_shares[schedule].append(busy[0] / elapsed)
             return BATCH * n / elapsed
 
         window(plan.warmup)
-        step_times[schedule].clear()
+        busy_shares[schedule].clear()
         return lambda: window(plan.steps)
 
     sides = {name: side(name) for name in SCHEDULES}
     figures = alternate(sides, plan.rounds, warmup=False)
 
-    # This stage's compute alone: forward and backward of one micro-batch, no pipeline.
-    strategy = strategies["1f1b"]
-    chunk = strategy._chunks[strategy.layout.stage]
-    rows = BATCH // MICROBATCHES
-    source = x[:rows]
-    with torch.no_grad():
-        for c in range(strategy.layout.stage):
-            source = strategy._chunks[c](source)
-    last = strategy.layout.stage == STAGES - 1
-
-    def alone() -> float:
-        given = source.detach().requires_grad_(strategy.layout.stage > 0)
-        start = time.perf_counter()
-        out = chunk(given)
-        if last:
-            loss_fn(out, y[:rows]).backward()
-        else:
-            out.backward(torch.ones_like(out))
-        return time.perf_counter() - start
-
-    t_mb = min(alone() for _ in range(20))
-    chunk.zero_grad(set_to_none=True)
-    idle = [1 - MICROBATCHES * t_mb / t for t in step_times["1f1b"]]
+    idle = [1 - share for share in busy_shares["1f1b"]]
 
     # Peak activation bytes saved for backward, on this stage, in one step.
     memory: dict[str, int] = {}
@@ -178,7 +181,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
         memory[schedule] = live[1]
 
     gathered: list[Any] = [None] * STAGES
-    dist.all_gather_object(gathered, {"idle": idle, "memory": memory, "t_mb": t_mb})
+    dist.all_gather_object(gathered, {"idle": idle, "memory": memory})
     if conn is not None:
         conn.send((figures, gathered))
     for s in strategies.values():
@@ -239,7 +242,7 @@ def main() -> None:
     )
     for rank, stage in enumerate(stages):
         print(
-            f"stage {rank}: one micro-batch alone {stage['t_mb'] * 1e3:.2f} ms; 1F1B idle "
+            f"stage {rank}: 1F1B idle "
             f"{Spread.of(stage['idle'])}; peak saved activations gpipe "
             f"{stage['memory']['gpipe'] / 2**20:.2f} MiB, "
             f"1f1b {stage['memory']['1f1b'] / 2**20:.2f} MiB"
@@ -249,6 +252,7 @@ def main() -> None:
     spreads: dict[str, float | Spread] = {
         "onef1b_vs_gpipe": ratio(figures["1f1b"], figures["gpipe"]),
         "pipedream_vs_1f1b": ratio(figures["pipedream"], figures["1f1b"]),
+        "pipedream_2bw_vs_1f1b": ratio(figures["pipedream-2bw"], figures["1f1b"]),
         "bubble_vs_theory": bubble,
         "memory_1f1b_vs_gpipe": memory,
     }

@@ -212,6 +212,9 @@ def test_trials_are_ray_placed_clusters_as_many_as_ray_holds_stopped_by_ctrl_c(
         assert state["backend"] == "ray"
         assert state["manager"]["actor"] == f"clusterflow-{cluster_id}"
         assert state["tasks"][0]["resources"]["CPU"] == 1.0  # placed by Ray, as asked
+        # The reports went to the manager on its node, and came back with the mirror.
+        on_node = ray_ns.root / "node-home" / "ray" / cluster_id / "trial-report.jsonl"
+        assert on_node.read_text().startswith(json.dumps({"step": 0})[:-1])
     held = ray_ns.probe()
     assert sum(s == "CREATED" for s in held["groups"].values()) == 3
 

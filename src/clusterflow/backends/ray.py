@@ -41,13 +41,21 @@ from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.memory_watch import MemoryWatch, tree_rss
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
-from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY, GLOO_IFNAME
+from clusterflow.cluster.contract import (
+    ENV_BIND_HOST,
+    ENV_NODE,
+    ENV_SECRET_FILE,
+    ENV_STANDBY,
+    GLOO_IFNAME,
+)
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
-NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES", GLOO_IFNAME})
+NODE_LOCAL = frozenset(
+    {ENV_SECRET_FILE, ENV_BIND_HOST, ENV_NODE, "CUDA_VISIBLE_DEVICES", GLOO_IFNAME}
+)
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0
 """How long one output read waits on the node for something to send."""
@@ -82,6 +90,7 @@ class SupervisorHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         full = {**os.environ, **env, ENV_SECRET_FILE: secret_file, ENV_BIND_HOST: self.node_ip}
+        full[ENV_NODE] = self.node_id  # how cache:// tells this node's partitions (cache/)
         iface = interface_of(self.node_ip)
         if iface and GLOO_IFNAME not in env:
             full[GLOO_IFNAME] = iface  # gloo's peers on other nodes reach it there

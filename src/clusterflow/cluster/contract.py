@@ -99,7 +99,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
         ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
         ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),
-        ENV_TRIAL_REPORT: EnvVar("job", "the file a tuning trial's figures go to"),
+        ENV_TRIAL_REPORT: EnvVar("job", "the file, in the manager's folder, of a trial's figures"),
         ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
         ENV_CACHE: EnvVar("job", "the cache of `start --cache`: cache:// reads it"),
         ENV_NODE: EnvVar("job", "the node a task runs on, as cache maps name it (Ray)"),
@@ -152,6 +152,9 @@ class ManagerMethod:
     """The newest cluster spec and its version."""
     REPORT: Final = "task.report"
     """A job's live figures: step, loss, samples/s."""
+    TRIAL_REPORT: Final = "trial.report"
+    """A tuning trial's figures at a step: the manager appends them to its folder's
+    report file, which the tuner reads (on Ray, from the manager's mirror)."""
 
 
 MANAGER_METHODS: Final = frozenset(

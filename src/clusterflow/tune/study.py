@@ -283,7 +283,7 @@ class StudyRunner:
         env = {
             **dict(self.base.env),
             ENV_TRIAL_PARAMS: json.dumps(values),
-            ENV_TRIAL_REPORT: str(cluster.path / REPORT_FILE),
+            ENV_TRIAL_REPORT: REPORT_FILE,  # in the manager's folder (manager/trial_reports)
             ENV_TRIAL_REPORTER: "chief:0" if self.base.chief else "worker:0",
         }
         share = gpus_per_trial(self.base)
