@@ -2,12 +2,12 @@
 runs on that task, driven by the chief over clusterflow's RPC (TensorFlow's in-graph
 mode)::
 
-    # train.py, every task: the chief drives, the workers serve
+    # train.py under `clusterflow start --chief --workers 1`: the chief drives
     if cf.TFConfig.from_env().task.job == "worker":
         cf.strategies.serve_worker()          # serves placed.* (and worker.*) until stopped
     else:
-        with cf.device("/job:worker/task:1"):
-            body = nn.Sequential(nn.Linear(64, 256), nn.ReLU())   # runs on worker:1
+        with cf.device("/job:worker/task:0"):
+            body = nn.Sequential(nn.Linear(64, 256), nn.ReLU())   # runs on worker:0
         head = nn.Linear(256, 10)                                 # runs here
         model = nn.Sequential(body, head)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # as usual
@@ -19,11 +19,14 @@ the gradients of the input and of the module's parameters, which land in the chi
 optimizer updates them, its checkpoints hold them); the task gets their values again
 before the first forward after they changed (torch's version counters tell).
 
-A placed module takes one tensor and returns one tensor.
+A placed module takes one tensor and returns one tensor. When the chief's interpreter
+exits, the tasks it placed modules on are told to stop serving (``stop_placed_tasks``),
+so the cluster ends with the chief.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -40,6 +43,7 @@ from torch.nn.modules import module as module_hooks
 
 from clusterflow.cluster import TaskId, TFConfig
 from clusterflow.rpc import Credentials, RpcClient
+from clusterflow.strategies.coordinator.protocol import METHOD_STOP
 from clusterflow.strategies.pipeline.api import PipelineError
 from clusterflow.strategies.pipeline.placed_protocol import (
     METHOD_BACKWARD,
@@ -48,14 +52,15 @@ from clusterflow.strategies.pipeline.placed_protocol import (
     METHOD_RELEASE,
 )
 
-__all__ = ["PlacedModule", "placing", "remote_task"]
+__all__ = ["PlacedModule", "placing", "remote_task", "stop_placed_tasks"]
 
 _log = logging.getLogger(__name__)
 
 _REMOTE: Final = "_clusterflow_placed"
 _ids = itertools.count()
-_clients: dict[tuple[str, str], RpcClient] = {}
+_clients: dict[tuple[str, str], tuple[RpcClient, Credentials]] = {}
 _clients_lock = threading.Lock()
+_STOP_DEADLINE_S: Final = 5.0
 
 
 def remote_task(task: TaskId) -> bool:
@@ -196,11 +201,29 @@ def _placed_class(cls: type[nn.Module]) -> type[nn.Module]:
 def _placed_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if kwargs or len(args) != 1:
         raise PipelineError(
-            f"a placed {type(self).__name__} takes one tensor argument; got {len(args)} "
-            f"and {len(kwargs)} keywords"
+            f"a placed {type(self).__bases__[0].__name__} takes one tensor argument; got "
+            f"{len(args)} and {len(kwargs)} keywords"
         )
     handle: PlacedModule = self.__dict__[_REMOTE]
     return handle.forward(args[0])
+
+
+def stop_placed_tasks() -> None:
+    """Tells every task running this process's placed modules to stop serving.
+
+    Their ``serve_worker()`` returns and they exit 0, so ``clusterflow start`` ends when
+    the chief does. Runs by itself when the chief's interpreter exits; idempotent.
+    """
+    with _clients_lock:
+        clients = dict(_clients)
+        _clients.clear()
+    for (address, _), (client, credentials) in clients.items():
+        client.close()
+        try:
+            with RpcClient(address, credentials, deadline=_STOP_DEADLINE_S) as stopper:
+                stopper.call(METHOD_STOP)
+        except Exception as exc:  # it may be gone already: nothing left to stop
+            _log.debug("could not stop the task at %s: %s", address, exc)
 
 
 def _client_for(task: TaskId) -> RpcClient:
@@ -215,7 +238,9 @@ def _client_for(task: TaskId) -> RpcClient:
     address = config.cluster.task_address(task.job, task.index)
     key = (address, credentials.to_hex())
     with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = RpcClient(address, credentials)
-        return client
+        found = _clients.get(key)
+        if found is None:
+            if not _clients:
+                atexit.register(stop_placed_tasks)
+            found = _clients[key] = (RpcClient(address, credentials), credentials)
+        return found[0]
