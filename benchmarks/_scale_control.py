@@ -4,8 +4,8 @@ The manager is clusterflow's own ``Controller`` (its RPC server, task table, ren
 and data dispatcher, with the handlers a real cluster has), built for 1,000 workers on a
 backend that launches nothing: the 1,000 tasks are **simulated registrants**, one
 ZeroMQ DEALER socket each (its own TCP connection, curve-encrypted as between real
-machines, though both ends are on loopback here), in one client process that speaks clusterflow's wire format
-(``rpc/codec.py``) without torch. They:
+machines, though both ends are on loopback here), in one client process that speaks
+clusterflow's wire format (``rpc/codec.py``) without torch. They:
 
 * register (``manager.register``): all 1,000 are held at the barrier until the last
   arrives, then every one gets its spec and environment: ``register_1000_s``;
