@@ -10,7 +10,8 @@ the CLI on a machine of the cluster.
 
 One Ray cluster serves the whole module (starting one costs ~20-30 s on two cores):
 nodes ``a`` (head), ``b`` (one GPU resource, ``gpu-type=A100``) and ``c``, labelled
-``zone=a|b|c``; the node-death tests start more on the spare hosts. Its finalizer kills
+``zone=a|b|c``; the node-death tests start more on the spare hosts, and the detach test
+kills host c (the machine its CLI ran on), so tests after it have no zone c. Its finalizer kills
 every process on every host (all of them started here) and removes the hosts, even when
 a test failed. It does not use ``ray stop``: that kills every Ray process of the machine
 by name, other clusters' too.
@@ -26,6 +27,7 @@ import contextlib
 import ipaddress
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +53,7 @@ EXAMPLES = REPO / "examples"
 ADDRESS = "10.77.0.1:6379"
 """The head's address: the harness gives host 0 the first address of its subnet."""
 ZONES = {"a": 0, "b": 1, "c": 2}
+CLI = [sys.executable, "-m", "clusterflow.cli.main"]
 SPARE_HOSTS = (3, 4, 5, 6)
 """Hosts on which the node-death tests start nodes of their own (two each)."""
 
@@ -401,9 +404,12 @@ def test_memory_is_measured_kept_and_a_job_that_outgrows_it_restarts_with_more(
     assert asked < task["memory_peak"] <= task["memory_requested"]
 
 
-def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
+def test_detach_then_attach_from_another_machine_then_stop_leaves_nothing(
     ray_cluster: RayCluster, cf: Any, tmp_path: Path
 ) -> None:
+    """Started with --detach from the zone-c machine, which then dies: the manager runs on
+    in the cluster, and another machine (the head's host, with the cluster's config.json
+    copied over, as docs/ray.md says) attaches and sees the run to its end."""
     flag = tmp_path / "go"
     job = (
         "import os, time, pathlib\n"
@@ -412,22 +418,22 @@ def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
         "while not p.exists(): time.sleep(0.05)\n"
         "print('done', os.environ['RANK'], flush=True)\n"
     )
-    out = cf(
-        "start",
-        "--backend",
-        "ray",
-        "--address",
-        ADDRESS,
-        "--workers",
-        "2",
-        "--detach",
-        "--",
-        sys.executable,
-        "-c",
-        job,
-    )
-    assert out.returncode == 0, out.stderr
-    cluster_id = out.stdout.strip()
+    there = tmp_path / "home-c"  # the zone-c machine's CLUSTERFLOW_HOME
+    started = ray_cluster.ray.hosts[ZONES["c"]].run(
+        [
+            *CLI, "start", "--backend", "ray", "--address", ADDRESS, "--workers", "2",
+            "--label", "worker:zone=in(a,b)", "--detach", "--", sys.executable, "-c", job,
+        ],
+        env=ray_cluster.env(CLUSTERFLOW_HOME=str(there)),
+        cwd=REPO,
+        timeout=180,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    cluster_id = started.stdout.strip()
+    ray_cluster.kill_node(str(ZONES["c"]))  # the machine the CLI ran on is gone
+    here = cf.home / "clusters" / cluster_id
+    here.mkdir(parents=True)
+    shutil.copy(there / "clusters" / cluster_id / "config.json", here / "config.json")
     attach = cf.popen("attach", cluster_id)
     reader = LineReader(attach.stdout)
     try:
@@ -441,7 +447,9 @@ def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
     assert "[worker:1] done 1" in reader.lines or wait_until(
         lambda: "[worker:1] done 1" in reader.lines, 10, "the last line"
     )
-    assert _state(cf, cluster_id)["status"] == "succeeded"
+    state = _state(cf, cluster_id)
+    assert state["status"] == "succeeded"
+    assert state["manager"]["node_id"] == ray_cluster.nodes["a"]
 
     flag.unlink()
     # This one with curve (as between machines), through a cluster file: the manager,

@@ -364,11 +364,24 @@ def parse_job_settings(items: Sequence[str], what: str) -> dict[str, dict[str, A
         if not sep or not job or not pairs:
             raise ConfigError(f"{flag} {item!r}: expected JOB:NAME=VALUE[,NAME=VALUE...]")
         settings = out.setdefault(job.strip(), {})
-        for pair in pairs.split(","):
+        for pair in _split_pairs(pairs):
             name, eq, value = (part.strip() for part in pair.partition("="))
             if not eq or not name or not value:
                 raise ConfigError(f"{flag} {item!r}: {pair!r} is not NAME=VALUE")
             settings[name] = _resource_value(name, value, item) if what == "resources" else value
+    return out
+
+
+def _split_pairs(pairs: str) -> list[str]:
+    """``a=1,b=in(x,y)`` as ``["a=1", "b=in(x,y)"]``: a comma inside parentheses (a label
+    selector's ``in(...)``) does not end a pair."""
+    out, depth, start = [], 0, 0
+    for i, char in enumerate(pairs):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            out.append(pairs[start:i])
+            start = i + 1
+    out.append(pairs[start:])
     return out
 
 

@@ -291,6 +291,8 @@ class ManagerHandle:
             reply = ray.get(self.actor.pull.remote(offsets), timeout=CALL_DEADLINE_S)
         except ray.exceptions.RayError:
             return None
+        # Another machine's mirror starts from config.json alone (docs/ray.md).
+        self.cluster.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for name, data in reply["files"].items():
             folder, _, base = name.rpartition("/")
             if folder not in ("", "logs") or not base or base.startswith("."):
