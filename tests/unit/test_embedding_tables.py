@@ -268,6 +268,10 @@ def test_checkpoint_state_round_trips_and_shards_join_into_one_table() -> None:
     for store in stores:
         ids, rows = store.read_rows("t")
         torch.testing.assert_close(whole[ids], rows)
+    # A ps started outside a cluster knows no index: the worker's create names its shard.
+    local = RowStore(0)
+    local.create(PSConfig(), specs, shard=1)
+    assert local.read_rows("t")[0].tolist() == [1, 3, 5, 7, 9]
     restored = RowStore(1)
     restored.load_state(*parts[1])
     assert restored.version == 1 and ("d", 0, 1) in restored.applied
