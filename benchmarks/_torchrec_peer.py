@@ -35,6 +35,11 @@ def _batches(rank: int, rows: list[int], batch: int, count: int) -> list[Any]:
 
 
 def _rank(rank: int, port: int, rows: list[int], batch: int, pipe: Any) -> None:
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)  # the planner's advice, once per rank and table
+    warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
     from torch import nn

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import socket
 import subprocess
 import time
 from multiprocessing.connection import Connection
@@ -101,15 +102,16 @@ def _model(rows: list[int]) -> Any:
     return DLRM()
 
 
-def _ps_task(conn: Connection, secret: bytes) -> None:
+def _ps_task(conn: Connection, spec: dict[str, list[str]], index: int, secret: bytes) -> None:
+    """ps task ``index`` of ``spec``: it knows its peers, so a sync step fans out."""
     import torch
 
     torch.set_num_threads(1)
     from clusterflow.ps.service import PSService
     from clusterflow.rpc import Credentials
-    from clusterflow.server import create_local_server
+    from clusterflow.server import Server
 
-    server = create_local_server(credentials=Credentials(secret))
+    server = Server(spec, "ps", index, credentials=Credentials(secret))
     PSService(server)
     conn.send(server.target)
     settle()
@@ -182,11 +184,14 @@ class _Side:
         ctx = mp.get_context("spawn")
         secret = Credentials.generate().secret
         self.name = name
-        self.ps = [_start(_ps_task, secret) for _ in range(2)]
+        # Ports held (bound, never listening) while the ps tasks bind them beside: no
+        # window for another process (docs/architecture.md section 3).
+        self._held = [_reserve() for _ in range(2)]
         spec = {
-            "ps": [target.removeprefix("tcp://") for _, _, target in self.ps],
+            "ps": [f"127.0.0.1:{sock.getsockname()[1]}" for sock in self._held],
             "worker": ["127.0.0.1:1", "127.0.0.1:2"],
         }
+        self.ps = [_start(_ps_task, spec, i, secret) for i in range(2)]
         self.barrier = barrier = ctx.Barrier(WORKERS)
         self.pipes: list[Connection] = []
         self.procs = []
@@ -229,6 +234,15 @@ class _Side:
                 pipe.send("done")
             proc.join(5)
             proc.kill()
+        for sock in self._held:
+            sock.close()
+
+
+def _reserve() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def _start(target: Any, *args: Any) -> tuple[Any, Connection, Any]:
