@@ -17,14 +17,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    owned = not dist.is_initialized()  # Ray Train's TorchTrainer has joined it already
+    if owned:
+        dist.init_process_group("gloo")
     model = DistributedDataParallel(nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = model(torch.randn(32, 64)).square().mean()
     loss.backward()
     optimizer.step()
     print(f"ready rank={os.environ.get('RANK', dist.get_rank())}", flush=True)
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

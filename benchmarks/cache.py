@@ -199,7 +199,9 @@ def _ray_data(path: Path, anew: str) -> Iterator[Callable[[], float] | str]:
     proc: subprocess.Popen[str] | None = None
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        env = {**os.environ, "RAY_TMPDIR": root, "RAY_USAGE_STATS_ENABLED": "0"}
+        # HOME too: a local ray.init writes ~/.ray/auth_token, and every Ray cluster
+        # started on this machine afterwards would then require it.
+        env = {**os.environ, "RAY_TMPDIR": root, "HOME": root, "RAY_USAGE_STATS_ENABLED": "0"}
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-c", RAY_PEER, str(path), anew],
             stdin=subprocess.PIPE,

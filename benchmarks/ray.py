@@ -10,11 +10,12 @@ from its output (``benchmarks.launch.trial``). Goal <= 1.5.
 under Ray Train's ``TorchTrainer`` (2 workers, the peer Ray users would pick). Goal <=
 1.0. Needs ``ray[train]``; without it this figure is skipped with the reason printed.
 
-The Ray cluster runs inside a network namespace made here (``ip netns``; needs root),
-with only loopback up: Ray advertises the machine's primary address otherwise, and this
-benchmark sends nothing beyond the machine. Its three nodes share this machine's cores,
-so the figure is Ray's scheduling and the manager's round trips, not more hardware.
-Rounds alternate the sides, in an order reversed each round (``_common.alternate``).
+The Ray cluster runs one node per emulated host (``clusterflow.testing.ray_nodes``:
+network namespaces on a bridge, needs root), so its nodes have addresses of their own
+and this benchmark sends nothing beyond the machine. The nodes share this machine's
+cores, so the figure is Ray's scheduling and the manager's round trips, not more
+hardware. Rounds alternate the sides, in an order reversed each round
+(``_common.alternate``).
 
     python -m benchmarks.ray [--quick] [--rounds N] [--verbose]
 """
@@ -23,71 +24,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import secrets
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result
 from benchmarks.launch import ROOT, trial
+from clusterflow.testing import available
+from clusterflow.testing.ray_nodes import RayNodes
 
 PROBE = str(ROOT / "benchmarks" / "_ray_probe.py")
-PORT = 6379
-ADDRESS = f"127.0.0.1:{PORT}"
-BIN = Path(sys.executable).parent
+ADDRESS = "10.77.0.1:6379"
+"""The head's address: host 0 of the emulated hosts."""
 
 
 @contextlib.contextmanager
-def ray_cluster() -> Iterator[str]:
-    """A three-node Ray cluster in a network namespace of its own; yields the namespace.
+def ray_cluster() -> Iterator[RayNodes]:
+    """A three-node Ray cluster, one node per emulated host (two CPUs each).
 
-    On exit every process in the namespace (all started here) is killed and the
-    namespace deleted: not ``ray stop``, which kills every Ray process of the machine.
+    On exit every process on the hosts (all started here) is killed and the hosts are
+    removed: not ``ray stop``, which kills every Ray process of the machine.
     """
-    ns = f"ray-bench-{secrets.token_hex(3)}"
-    root = Path(tempfile.mkdtemp(prefix="ray-b-"))
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        common = ["--num-cpus=2", "--object-store-memory=100000000", f"--temp-dir={root}"]
-        common.append("--disable-usage-stats")
-        nodes = [
-            [
-                "--head",
-                f"--port={PORT}",
-                "--node-ip-address=127.0.0.1",
-                "--include-dashboard=false",
-            ],
-            [f"--address={ADDRESS}"],
-            [f"--address={ADDRESS}"],
-        ]
-        for i, node in enumerate(nodes):
-            cmd = ["ip", "netns", "exec", ns, str(BIN / "ray"), "start", *node, *common]
-            cmd.append(f"--labels=node={i}")
-            subprocess.run(cmd, check=True, capture_output=True, env=_env())
-        yield ns
-    finally:
-        pids = subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
-        )
-        for pid in pids.stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERFLOW_", "RAY_"))}
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.update(extra)
-    return env
+    # Every node tells gloo its interface, as clusterflow does for its own tasks
+    # (backends/ray.py): the host name resolves to loopback on the emulated hosts, and
+    # Ray Train's workers would otherwise advertise 127.0.0.1 to each other.
+    with RayNodes(3, prefix="raybench", node_env={"GLOO_SOCKET_IFNAME": "eth0"}) as nodes:
+        assert nodes.address == ADDRESS
+        nodes.start_head("--num-cpus=2", "--labels=node=0")
+        for i in (1, 2):
+            nodes.start_node(i, "--num-cpus=2", f"--labels=node={i}")
+        yield nodes
 
 
 RAY_TRAIN_SCRIPT = f"""
@@ -119,36 +86,22 @@ def ray_train_missing() -> str | None:
 
 def main() -> None:
     args = parser("ray", __doc__).parse_args()
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        raise SystemExit("benchmarks.ray needs root and iproute2 (it makes a network namespace)")
+    if not available():
+        raise SystemExit("benchmarks.ray needs root and iproute2 (it makes emulated hosts)")
     rounds = args.rounds or (3 if args.quick else 7)
     load = MachineLoad()
-    with ray_cluster() as ns, tempfile.TemporaryDirectory(prefix="clusterflow-bench-") as home:
-        env = _env(CLUSTERFLOW_HOME=home, OMP_NUM_THREADS="1")
-        run = ["ip", "netns", "exec", ns, str(BIN / "clusterflow"), "start", "--workers", "2"]
+    with ray_cluster() as nodes, tempfile.TemporaryDirectory(prefix="clusterflow-bench-") as home:
+        env = nodes.env(CLUSTERFLOW_HOME=home, OMP_NUM_THREADS="1")
+        cli = nodes.head.argv([str(nodes.bin / "clusterflow"), "start", "--workers", "2"])
+        ray = [*cli, "--backend", "ray", "--address", ADDRESS]
         sides = {
-            "ray": functools.partial(
-                trial,
-                [
-                    *run[:6],
-                    "--backend",
-                    "ray",
-                    "--address",
-                    ADDRESS,
-                    *run[6:],
-                    "--",
-                    sys.executable,
-                    PROBE,
-                ],
-                env,
-            ),
-            "local": functools.partial(trial, [*run, "--", sys.executable, PROBE], env),
+            "ray": functools.partial(trial, [*ray, "--", sys.executable, PROBE], env),
+            "local": functools.partial(trial, [*cli, "--", sys.executable, PROBE], env),
         }
         missing = ray_train_missing()
         if missing is None:
-            sides["raytrain"] = functools.partial(
-                trial, ["ip", "netns", "exec", ns, sys.executable, "-c", RAY_TRAIN_SCRIPT], env
-            )
+            driver = nodes.head.argv([sys.executable, "-c", RAY_TRAIN_SCRIPT])
+            sides["raytrain"] = functools.partial(trial, driver, env)
         else:
             print(f"launch_vs_raytrain skipped: {missing}", flush=True)
         started = time.monotonic()

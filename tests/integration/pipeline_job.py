@@ -80,8 +80,39 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
     return result
 
 
+def device_blocks() -> list[tuple[int, int]]:
+    """Layers built under cf.device blocks go to those tasks' stages (2 of 4 tasks)."""
+    strategy = cf.PipelineStrategy("1f1b", microbatches=2, stages=2)
+    with strategy.scope():
+        with cf.device("/job:worker/task:0"):
+            front = [nn.Linear(FEATURES, 16), nn.Tanh()]
+        with cf.device("/job:worker/task:1"):
+            back = [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES)]
+        model = nn.Sequential(*front, *back)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cf.fit(
+        model,
+        nn.CrossEntropyLoss(),
+        optimizer,
+        data(),
+        strategy=strategy,
+        epochs=1,
+        global_batch_size=16,
+    )
+    return [(b.start, b.stop) for b in strategy.bounds]
+
+
 def pipedream(out: Path, rank: int) -> dict[str, Any]:
-    strategy = cf.PipelineStrategy("pipedream", microbatches=4, stages=2, record_stashes=True)
+    result = _pipedream(two_bw=False)
+    result["2bw"] = _pipedream(two_bw=True)
+    result["device_bounds"] = device_blocks()
+    return result
+
+
+def _pipedream(two_bw: bool) -> dict[str, Any]:
+    strategy = cf.PipelineStrategy(
+        "pipedream", microbatches=4, stages=2, record_stashes=True, two_bw=two_bw
+    )
     with strategy.scope():
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -100,6 +131,7 @@ def pipedream(out: Path, rank: int) -> dict[str, Any]:
     return {
         "params": flat(model),
         "stage": strategy.stage,
+        "versions": engine.versions_made,  # type: ignore[union-attr]
         "bounds": [(b.start, b.stop) for b in strategy.bounds],
         "records": [
             (

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -371,3 +372,27 @@ def test_the_stop_button_stops_the_cluster_and_the_page_shows_it(site: Site, pag
     assert page.is_disabled("#stop")
     page.goto(site.base + "/")
     assert "stopped" in page.text_content(f"#clusters tr[data-id='{site.cluster_id}']")
+
+
+def test_a_bad_port_or_a_taken_one_is_a_one_line_error(tmp_path: Path) -> None:
+    def ui(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, "ui", *args],
+            capture_output=True,
+            text=True,
+            env=_env(tmp_path),
+            timeout=30,
+            check=False,
+        )
+
+    bad = ui("--port", "70000")
+    assert bad.returncode == 2 and bad.stderr == "error: --port must be 0 to 65535, got 70000\n"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        busy = ui("--port", port)
+    assert busy.returncode == 2 and busy.stdout == ""
+    assert busy.stderr.startswith(f"error: cannot bind the dashboard to 127.0.0.1:{port}: ")
+    assert len(busy.stderr.splitlines()) == 1
+    assert ui("--interval", "0").returncode == 2

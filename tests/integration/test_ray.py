@@ -1,134 +1,101 @@
-"""The Ray backend on a real three-node Ray cluster (no mocks).
+"""The Ray backend on a real multi-node Ray cluster (no mocks), one node per emulated host.
 
 Ray advertises the machine's primary address whatever ``--node-ip-address`` says, and
-tests may send traffic only to loopback or to namespaces they made. So the Ray cluster
-and every clusterflow command under test run inside a network namespace of this module's
-own, with only loopback up: there every Ray node is 127.0.0.1, and nothing leaves it.
+tests may send traffic only to loopback or to namespaces they made. So each Ray node
+runs on a host of the emulated-hosts harness (``clusterflow.testing``: a network
+namespace on a bridge of its own), where the only address is the host's ``10.77.0.x``:
+the nodes' addresses differ as on real machines, and nothing leaves the bridge. The
+clusterflow commands under test run on the head's host (``10.77.0.1``), as a user runs
+the CLI on a machine of the cluster.
 
-One Ray cluster serves the whole module (starting one costs ~20 s on two cores): nodes
-``a`` (head), ``b`` (one GPU resource, ``gpu-type=A100``) and ``c``, labelled
-``zone=a|b|c``. Its finalizer kills every process in the namespace (all of them started
-here) and deletes the namespace, even when a test failed. It does not use ``ray stop``:
-that kills every Ray process of the machine by name, other clusters' too.
+One Ray cluster serves the whole module (starting one costs ~20-30 s on two cores):
+nodes ``a`` (head), ``b`` (one GPU resource, ``gpu-type=A100``) and ``c``, labelled
+``zone=a|b|c``; the node-death tests start more on the spare hosts, and the detach test
+kills host c (the machine its CLI ran on), so tests after it have no zone c. Its finalizer kills
+every process on every host (all of them started here) and removes the hosts, even when
+a test failed. It does not use ``ray stop``: that kills every Ray process of the machine
+by name, other clusters' too.
 
 Ray's C++ core warns on stderr, in a namespace without a default route, that it could not
-find the machine's address through 8.8.8.8 (it falls back to 127.0.0.1); the one-line
-error checks therefore read clusterflow's own ``error:`` lines.
+find the machine's address through 8.8.8.8; the one-line error checks therefore read
+clusterflow's own ``error:`` lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
-import os
 import re
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from conftest import LineReader, wait_until
 
 from clusterflow.manager.stopper import cluster_processes
+from clusterflow.testing import available
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
+if not available():
+    pytest.skip("needs root and iproute2 for the emulated hosts", allow_module_level=True)
+
+from clusterflow.testing.ray_nodes import RayNodes  # noqa: E402 (after the skip)
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-BIN = Path(sys.executable).parent
-PORT = 6379
-ADDRESS = f"127.0.0.1:{PORT}"
-
-if shutil.which("ip") is None or os.geteuid() != 0:
-    pytest.skip("needs root and iproute2 to make a network namespace", allow_module_level=True)
+ADDRESS = "10.77.0.1:6379"
+"""The head's address: the harness gives host 0 the first address of its subnet."""
+ZONES = {"a": 0, "b": 1, "c": 2}
+CLI = [sys.executable, "-m", "clusterflow.cli.main"]
+SPARE_HOSTS = (3, 4, 5, 6)
+"""Hosts on which the node-death tests start nodes of their own (two each)."""
 
 
 class RayCluster:
-    """A three-node Ray cluster inside network namespace ``ns``."""
+    """The module's Ray cluster: ``RayNodes`` with the nodes' ids by zone or host."""
 
-    def __init__(self, ns: str, root: Path) -> None:
-        self.ns = ns
-        self.root = root
+    def __init__(self, nodes: RayNodes) -> None:
+        self.ray = nodes
         self.nodes: dict[str, str] = {}
         """zone -> node id."""
+        self._spare = list(SPARE_HOSTS)
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("CLUSTERFLOW_", "RAY_")) and k != "TF_CONFIG"
-        }
-        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-        env.update(extra)
-        return env
+        return self.ray.env(**extra)
 
     def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        check = kwargs.pop("check", False)
-        return subprocess.run(
-            ["ip", "netns", "exec", self.ns, *argv],
-            text=True,
-            capture_output=True,
-            check=check,
-            **kwargs,
-        )
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("capture_output", True)
+        return self.ray.run(argv, **kwargs)
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, *argv],
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            **kwargs,
-        )
+        return self.ray.popen(argv, **kwargs)
 
     def add_node(self, *flags: str) -> str:
-        """Starts one more node with ``flags``; returns a tag that finds its raylet."""
-        tag = secrets.token_hex(4)
-        argv = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels=tag={tag}"]
-        argv += ["--object-store-memory=100000000", f"--temp-dir={self.root / 'ray'}"]
-        out = self.run(argv + list(flags), env=self.env(), timeout=120)
-        assert out.returncode == 0, out.stderr
-        return tag
+        """Starts one more node on a spare host; returns its tag (the host's index)."""
+        host = self._spare.pop(0)
+        self.ray.start_node(host, f"--labels=tag={host}", *flags)
+        return str(host)
 
     def kill_node(self, tag: str) -> None:
-        """The node dies as a machine does: its raylet and everything below it, at once."""
-        pids = self.run(["ip", "netns", "pids", self.ns]).stdout.split()
-        raylets = []
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(int(pid))
-                if proc.name() == "raylet" and tag in " ".join(proc.cmdline()):
-                    raylets.append(proc)
-        assert len(raylets) == 1, f"no single raylet tagged {tag}: {raylets}"
-        tree = [raylets[0], *raylets[0].children(recursive=True)]
-        for proc in tree:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(tree, timeout=10)
+        """The host dies as a machine does: its node and everything on it, at once."""
+        self.ray.kill_node(int(tag))
 
     def probe(self) -> dict[str, Any]:
-        """What the Ray cluster holds: live actors, placement groups, nodes."""
-        script = (
-            "import json, ray\n"
-            f"ray.init(address={ADDRESS!r}, logging_level='ERROR', log_to_driver=False)\n"
-            "from ray._private.state import actors\n"
-            "live = [v.get('Name') or k for k, v in actors().items() if v['State'] != 'DEAD']\n"
-            "groups = {k: v['state'] for k, v in ray.util.placement_group_table().items()}\n"
-            "nodes = {n['Labels'].get('zone') or n['Labels'].get('tag'): n['NodeID']\n"
-            "         for n in ray.nodes() if n['Alive']}\n"
-            "print(json.dumps({'actors': live, 'groups': groups, 'nodes': nodes}))\n"
-        )
-        out = self.run([sys.executable, "-c", script], env=self.env(), timeout=60)
-        assert out.returncode == 0, out.stderr
-        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+        """Live actors, placement groups, and live nodes by zone or tag (-> node id)."""
+        held = self.ray.probe()
+        nodes = {}
+        for node in held["nodes"]:
+            labels = node["labels"]
+            nodes[labels.get("zone") or labels.get("tag")] = node["id"]
+        return {**held, "nodes": nodes, "ips": {n["id"]: n["ip"] for n in held["nodes"]}}
 
 
 def _three_nodes(cluster: RayCluster) -> Any:
@@ -141,45 +108,20 @@ def _three_nodes(cluster: RayCluster) -> Any:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    ns = f"ray-{secrets.token_hex(4)}"
-    root = Path(tempfile.mkdtemp(prefix="ray-t-"))  # short: Ray's socket paths are bounded
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    cluster = RayCluster(ns, root)
-    try:
-        cluster.run(["ip", "link", "set", "lo", "up"], check=True)
-        node_env = cluster.env(CLUSTERFLOW_HOME=str(root / "nodes-home"))
-        common = [
-            "--num-cpus=2",
-            "--object-store-memory=100000000",
-            f"--temp-dir={root / 'ray'}",
-            "--disable-usage-stats",
-        ]
-        head = [str(BIN / "ray"), "start", "--head", f"--port={PORT}"]
-        head += ["--node-ip-address=127.0.0.1", "--include-dashboard=false", "--labels=zone=a"]
-        # A dead node is declared dead after ~2 s of failed health checks, not ~30 s.
-        head_env = {
-            **node_env,
-            "RAY_health_check_period_ms": "500",
-            "RAY_health_check_failure_threshold": "4",
-        }
-        out = cluster.run(head + common, env=head_env, timeout=120)
-        assert out.returncode == 0, out.stderr
-        for labels, extra in (("zone=b,gpu-type=A100", ["--num-gpus=1"]), ("zone=c", [])):
-            worker = [str(BIN / "ray"), "start", f"--address={ADDRESS}", f"--labels={labels}"]
-            out = cluster.run(worker + extra + common, env=node_env, timeout=120)
-            assert out.returncode == 0, out.stderr
+    with RayNodes(3 + len(SPARE_HOSTS), prefix="ray") as nodes:
+        assert nodes.address == ADDRESS
+        cluster = RayCluster(nodes)
+        nodes.start_head("--num-cpus=2", "--labels=zone=a")
+        nodes.start_node(1, "--num-cpus=2", "--num-gpus=1", "--labels=zone=b,gpu-type=A100")
+        nodes.start_node(2, "--num-cpus=2", "--labels=zone=c")
         cluster.nodes = wait_until(_three_nodes(cluster), 60, "three Ray nodes")
         yield cluster
-    finally:
-        # Every process in the namespace was started here: the Ray nodes and their workers.
-        pids = subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
-        )
-        for pid in pids.stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        shutil.rmtree(root, ignore_errors=True)
+
+
+def _no_loopback(value: Any) -> None:
+    """No address anywhere in ``value`` (a spec, a TF_CONFIG) is a loopback address."""
+    for host in re.findall(r"(\d+\.\d+\.\d+\.\d+):\d+", json.dumps(value)):
+        assert not ipaddress.ip_address(host).is_loopback, value
 
 
 @pytest.fixture
@@ -254,10 +196,13 @@ def test_digits_ddp_gives_the_local_backends_result(ray_cluster: RayCluster, cf:
     states = [_state(cf, p.name) for p in (cf.home / "clusters").iterdir()]
     ray_state = next(s for s in states if s.get("backend") == "ray")
     assert ray_state["status"] == "succeeded"
-    # Every address in the spec is a node's own address (here all nodes are 127.0.0.1).
+    # Every address in the spec is its node's own address on the bridge, never loopback.
+    ips = ray_cluster.probe()["ips"]
     for task in ray_state["tasks"]:
         assert task["node_id"] in set(ray_cluster.nodes.values())
+        assert task["node_ip"] == ips[task["node_id"]]
         assert task["address"].startswith(task["node_ip"] + ":")
+    _no_loopback(ray_state["spec"])
 
 
 def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
@@ -311,7 +256,10 @@ def test_parameter_server_job_gives_the_local_backends_result(cf: Any) -> None:
 def test_tasks_land_on_the_nodes_their_labels_and_resources_select(
     ray_cluster: RayCluster, cf: Any
 ) -> None:
-    show = "import os; print('GPUS', os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    show = (
+        "import json, os; print('GPUS', os.environ.get('CUDA_VISIBLE_DEVICES'));"
+        "print('SEEN', json.dumps({k: os.environ[k] for k in ('TF_CONFIG', 'MASTER_ADDR')}))"
+    )
     out = cf(
         "start",
         "--backend",
@@ -348,6 +296,22 @@ def test_tasks_land_on_the_nodes_their_labels_and_resources_select(
     assert where["ps:0"]["memory_requested"] == 2**30
     # Ray's GPU assignment reaches the job as CUDA_VISIBLE_DEVICES.
     assert out.stdout.count("GPUS 0") == 2, out.stdout
+    # One node per host: distinct addresses, each task's its node's, as on real machines.
+    ips = ray_cluster.probe()["ips"]
+    assert len({ips[nodes[zone]] for zone in "abc"}) == 3
+    assert where["ps:0"]["address"].startswith(ips[nodes["c"]] + ":")
+    assert where["worker:1"]["address"].startswith(ips[nodes["b"]] + ":")
+    _no_loopback(state["spec"])
+    seen = [
+        json.loads(line.split(" ", 2)[2]) for line in out.stdout.splitlines() if " SEEN " in line
+    ]
+    assert len(seen) == 2, out.stdout
+    for env in seen:
+        # TF_CONFIG holds the spec (the nodes' addresses); MASTER_ADDR is the manager's
+        # node (the head), where the torch store runs.
+        assert json.loads(env["TF_CONFIG"])["cluster"] == state["spec"]
+        assert env["MASTER_ADDR"] == ips[nodes["a"]] == ADDRESS.split(":", maxsplit=1)[0]
+        _no_loopback(env)
 
 
 def test_an_unplaceable_request_fails_at_once_with_one_line(cf: Any) -> None:
@@ -440,9 +404,12 @@ def test_memory_is_measured_kept_and_a_job_that_outgrows_it_restarts_with_more(
     assert asked < task["memory_peak"] <= task["memory_requested"]
 
 
-def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
+def test_detach_then_attach_from_another_machine_then_stop_leaves_nothing(
     ray_cluster: RayCluster, cf: Any, tmp_path: Path
 ) -> None:
+    """Started with --detach from the zone-c machine, which then dies: the manager runs on
+    in the cluster, and another machine (the head's host, with the cluster's config.json
+    copied over, as docs/ray.md says) attaches and sees the run to its end."""
     flag = tmp_path / "go"
     job = (
         "import os, time, pathlib\n"
@@ -451,22 +418,22 @@ def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
         "while not p.exists(): time.sleep(0.05)\n"
         "print('done', os.environ['RANK'], flush=True)\n"
     )
-    out = cf(
-        "start",
-        "--backend",
-        "ray",
-        "--address",
-        ADDRESS,
-        "--workers",
-        "2",
-        "--detach",
-        "--",
-        sys.executable,
-        "-c",
-        job,
-    )
-    assert out.returncode == 0, out.stderr
-    cluster_id = out.stdout.strip()
+    there = tmp_path / "home-c"  # the zone-c machine's CLUSTERFLOW_HOME
+    started = ray_cluster.ray.hosts[ZONES["c"]].run(
+        [
+            *CLI, "start", "--backend", "ray", "--address", ADDRESS, "--workers", "2",
+            "--label", "worker:zone=in(a,b)", "--detach", "--", sys.executable, "-c", job,
+        ],
+        env=ray_cluster.env(CLUSTERFLOW_HOME=str(there)),
+        cwd=REPO,
+        timeout=180,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    cluster_id = started.stdout.strip()
+    ray_cluster.kill_node(str(ZONES["c"]))  # the machine the CLI ran on is gone
+    here = cf.home / "clusters" / cluster_id
+    here.mkdir(parents=True)
+    shutil.copy(there / "clusters" / cluster_id / "config.json", here / "config.json")
     attach = cf.popen("attach", cluster_id)
     reader = LineReader(attach.stdout)
     try:
@@ -480,7 +447,9 @@ def test_detach_then_attach_from_a_new_process_then_stop_leaves_nothing(
     assert "[worker:1] done 1" in reader.lines or wait_until(
         lambda: "[worker:1] done 1" in reader.lines, 10, "the last line"
     )
-    assert _state(cf, cluster_id)["status"] == "succeeded"
+    state = _state(cf, cluster_id)
+    assert state["status"] == "succeeded"
+    assert state["manager"]["node_id"] == ray_cluster.nodes["a"]
 
     flag.unlink()
     # This one with curve (as between machines), through a cluster file: the manager,
@@ -609,7 +578,7 @@ def test_a_node_that_dies_under_a_respawnable_task_is_survived_by_the_standby_el
         alive = set(ray_cluster.probe()["nodes"].values())
         assert moved_to["node_id"] != where["worker:1"]["node_id"] and moved_to["node_id"] in alive
         assert moved_to["address"].startswith(moved_to["node_ip"] + ":")
-        assert moved_to["address"] != where["worker:1"]["address"]
+        assert moved_to["node_ip"] != where["worker:1"]["node_ip"]  # one node per host
         assert state["spec"]["worker"][1] == moved_to["address"]  # the new spec has it
         assert state["spec_version"] == 2
         flag.touch()

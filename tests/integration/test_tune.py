@@ -32,10 +32,12 @@ def _job(mode: str, steps: int, marks: Path) -> list[str]:
     return [PY, JOB, mode, "{x}", str(steps), str(marks)]
 
 
-def _tune(cf: Clusterflow, study: str, *args: str, command: list[str]) -> Any:
+def _tune(
+    cf: Clusterflow, study: str, *args: str, command: list[str], env: dict[str, str] | None = None
+) -> Any:
     return cf.run(
         "tune", "--study", study, "--param", "x=uniform:0:1", "--metric", "score",
-        *args, "--", *command, timeout=120,
+        *args, "--", *command, timeout=120, env=env,
     )  # fmt: skip
 
 
@@ -55,9 +57,11 @@ def _gone(cf: Clusterflow, cluster_id: str) -> bool:
 
 @pytest.mark.timeout(120)
 def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path: Path) -> None:
+    # Two GPUs for the tuner to hand out (no GPU is touched: the job only reads the
+    # variable): each running trial gets one of its own.
     done = _tune(
         cf, "par", "--trials", "4", "--parallel", "2", "--pruner", "none", "--seed", "1",
-        command=_job("score", 3, tmp_path / "marks"),
+        command=_job("score", 3, tmp_path / "marks"), env={"CUDA_VISIBLE_DEVICES": "5,7"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     study = _study(cf, "par")
@@ -72,6 +76,8 @@ def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path
         assert t.value == pytest.approx(-((t.params["x"] - 0.3) ** 2))
         assert t.intermediate_values == {r["step"]: r["metrics"]["score"] for r in reports}
         seen.append(max(r["metrics"]["alive"] for r in reports))
+        assert {r["metrics"]["gpu"] for r in reports} <= {5.0, 7.0}
+        assert not any(r["metrics"]["shared"] for r in reports)  # never another's GPU
     assert max(seen) == 2, seen  # two trials saw each other alive ...
     assert all(n <= 2 for n in seen), seen  # ... and never more than --parallel
     listing = cf.run("ps", "--all")
@@ -109,16 +115,17 @@ def test_tpe_beats_the_median_random_trial(cf: Clusterflow, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pruner", ["median", "asha"])
 def test_pruned_trials_stop_early_and_their_clusters_are_gone(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, pruner: str
 ) -> None:
-    steps = 8
+    steps, count = 8, {"median": "6", "asha": "4"}[pruner]
     done = _tune(
-        cf, "prune", "--trials", "6", "--sampler", "random", "--seed", "3",
-        "--pruner", "median", command=_job("score", steps, tmp_path / "marks"),
+        cf, pruner, "--trials", count, "--sampler", "random", "--seed", "3",
+        "--pruner", pruner, command=_job("score", steps, tmp_path / "marks"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
-    trials = _study(cf, "prune").get_trials()
+    trials = _study(cf, pruner).get_trials()
     pruned = [t for t in trials if t.state.name == "PRUNED"]
     assert pruned, [(t.state.name, t.params) for t in trials]
     for t in pruned:
@@ -127,6 +134,18 @@ def test_pruned_trials_stop_early_and_their_clusters_are_gone(
         assert _gone(cf, cluster_id)
         assert cf.state(cluster_id)["status"] == "stopped"
     assert f"trial {pruned[0].number} pruned: pruned" in done.stdout
+    if pruner == "asha":
+        # Successive halving: a trial is stopped at a rung (step min_resource * 4**k)
+        # unless its value there is among the best quarter of the trials that reached it.
+        for t in pruned:
+            last = max(t.intermediate_values)
+            rung_values = [
+                o.intermediate_values[last]
+                for o in trials
+                if o.number < t.number and last in o.intermediate_values
+            ]
+            assert rung_values, t.number  # pruned against trials seen at the same rung
+            assert t.intermediate_values[last] < max(rung_values)
 
 
 @pytest.mark.timeout(120)

@@ -61,5 +61,5 @@ def test_every_environment_name_of_the_module_is_in_the_table() -> None:
 
 def test_the_manager_serves_every_method_of_the_table() -> None:
     text = (SRC / "manager" / "controller.py").read_text()
-    served = set(re.findall(r"ManagerMethod\.([A-Z]+)", text))
+    served = set(re.findall(r"ManagerMethod\.([A-Z_]+)", text))
     assert {getattr(contract.ManagerMethod, name) for name in served} == contract.MANAGER_METHODS

@@ -91,6 +91,20 @@ def test_silent_worker_loses_leases_at_the_deadline() -> None:
     assert held.lease_id not in b.outstanding()
 
 
+def test_expiry_scans_in_call_order_and_keeps_every_worker_heard_from_in_time() -> None:
+    """The scan stops at the first worker heard from in time (oldest first): a worker
+    heard from late after an early one, and an idle silent one, change nothing."""
+    b = book(n=200, split=1, timeout=5.0)
+    for i in range(50):
+        take(b, f"w{i}", now=float(i) / 10)
+    b.ack([], 1.0, worker="idle")  # silent later, with nothing to take back
+    take(b, "w0", now=6.0)  # the oldest speaks again (and its grant expires w1..w9)
+    assert b.expire(6.0) == 0
+    assert b.expire(9.95) == 40  # w10..w49 (last heard 1.0-4.9) are silent past 5 s
+    assert b.expire(10.9) == 0  # w0, heard at 6.0, still in time
+    assert b.expire(11.1) == 2  # now w0 too: both its leases
+
+
 def test_acked_split_is_never_lent_again_and_acks_are_idempotent() -> None:
     b = book(n=4, split=2)
     lease = take(b)

@@ -104,3 +104,23 @@ def test_every_variable_given_to_a_task_is_in_the_contract_table() -> None:
     given |= set(job_env(config, PLACE, _spec(config), task, now))
     given |= {k for overrides in replica_env(config, task) for k in overrides}
     assert given <= set(TASK_ENVIRONMENT), sorted(given - set(TASK_ENVIRONMENT))
+
+
+@pytest.mark.parametrize(
+    ("chief", "ps", "workers", "evaluator"),
+    [(False, 0, 1, False), (True, 2, 3, True), (False, 1, 4, True), (True, 0, 1, False)],
+)
+def test_rank_of_is_the_position_in_ranks(
+    chief: bool, ps: int, workers: int, evaluator: bool
+) -> None:
+    """The O(1) rank each registration asks for is the one the ordered list gives."""
+    from clusterflow.manager.job_env import rank_of, ranks
+
+    config = RunConfig(
+        command=("python", "t.py"), chief=chief, ps=ps, workers=workers, evaluator=evaluator
+    )
+    order = ranks(config)
+    for task in config.tasks():
+        expected = (order.index(task), len(order)) if task in order else None
+        assert rank_of(config, task) == expected, task
+    assert rank_of(config, TaskId("worker", workers)) is None

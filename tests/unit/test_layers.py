@@ -75,7 +75,6 @@ FORBIDDEN: dict[str, set[str]] = {
         "collective",
         "strategies",
         "train",
-        "backends",
         "manager",
         "tune",
         "ui",

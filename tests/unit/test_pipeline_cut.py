@@ -11,7 +11,13 @@ from clusterflow.errors import ConfigError
 from clusterflow.strategies.pipeline import PipelineError
 from clusterflow.strategies.pipeline.api import PipelineConfig, check_microbatches
 from clusterflow.strategies.pipeline.layout import Layout
-from clusterflow.strategies.pipeline.split import balanced, by_owner, by_points, children_of
+from clusterflow.strategies.pipeline.split import (
+    balanced,
+    by_owner,
+    by_points,
+    children_of,
+    measure_times,
+)
 
 
 def _one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
@@ -133,3 +139,28 @@ def test_device_blocks_place_layers_on_stages_in_one_process() -> None:
     ):
         model = nn.Sequential(nn.Linear(2, 2))
     assert isinstance(model, nn.Sequential)
+
+
+def test_balance_by_measured_time_cuts_where_the_time_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Layers that take long get stages of their own (a fake clock, advanced by each
+    layer's forward, stands for the measurement)."""
+    now = [0.0]
+    monkeypatch.setattr("clusterflow.strategies.pipeline.split.time.perf_counter", lambda: now[0])
+
+    class Slow(nn.Linear):
+        def __init__(self, cost: float) -> None:
+            super().__init__(4, 4)
+            self.cost = cost
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            now[0] += self.cost
+            return super().forward(x)
+
+    layers = [Slow(8.0), Slow(3.0), Slow(3.0), Slow(3.0), Slow(8.0)]
+    times = measure_times(layers, torch.randn(2, 4))
+    assert times == [8.0, 3.0, 3.0, 3.0, 8.0]
+    assert balanced(times, 3) == [range(0, 1), range(1, 4), range(4, 5)]
+    with pytest.raises(PipelineError, match="example_input"):
+        cf.PipelineStrategy("gpipe", balance="time")

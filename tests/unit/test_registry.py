@@ -77,7 +77,7 @@ def test_an_ambiguous_prefix_names_every_match() -> None:
         registry.find("a1")
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "../x", ".hidden"])
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", ".hidden", "x" * 300, "\u20ac" * 100])
 def test_invalid_ids_are_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="invalid cluster id"):
         registry.find(bad)

@@ -107,3 +107,42 @@ def test_bad_subcommand_input_is_one_line_and_exit_2(
     code, out, err = _cli(capsys, "tune", *argv)
     assert code == 2, out + err
     assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
+
+
+GIVEN = {
+    "chief": ["--chief"],
+    "ps": ["--ps", "1"],
+    "workers": ["--workers", "2"],
+    "evaluator": ["--evaluator"],
+    "replicas_per_host": ["--replicas-per-host", "2"],
+    "max_restarts": ["--max-restarts", "1"],
+    "checkpoint_dir": ["--checkpoint-dir", "/ckpt"],
+    "stall_timeout": ["--stall-timeout", "5"],
+    "ps_cmd": ["--ps-cmd", "python ps.py"],
+    "untracked": ["--untracked", "evaluator"],
+    "backend": ["--backend", "ray"],
+    "address": ["--address", "127.0.0.1:6379"],
+    "resources_": ["--resources", "worker:CPU=2"],
+    "labels_": ["--label", "worker:zone=a"],
+    "job_dir": ["--job-dir", "."],
+    "memory": ["--memory", "4G"],
+    "cache": ["--cache", "digits"],
+    "grace": ["--grace", "3"],
+}
+"""Every cluster option of ``start`` (but --detach, --resume and -c), given to ``tune``."""
+
+
+def test_every_start_option_reaches_each_trials_cluster() -> None:
+    from clusterflow.cli.main import start
+    from clusterflow.cli.tune import _NOT_FOR_TRIALS, _start_layer
+
+    options = {str(p.name) for p in start.params} - _NOT_FOR_TRIALS - {"config_file"}
+    assert options == set(GIVEN)  # a new start option: give it here, and map it in tune
+    _, params = _parsed(*(word for words in GIVEN.values() for word in words), "--", "x")
+    layer = _start_layer(params)
+    assert len(layer) == len(GIVEN), sorted(layer)  # each became a setting of the cluster
+    assert (layer["backend"], layer["resources"], layer["cache"]) == (
+        "ray",
+        {"worker": {"CPU": 2.0}},
+        "digits",
+    )

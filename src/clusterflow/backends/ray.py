@@ -41,13 +41,21 @@ from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.memory_watch import MemoryWatch, tree_rss
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
-from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_SECRET_FILE, ENV_STANDBY
+from clusterflow.cluster.contract import (
+    ENV_BIND_HOST,
+    ENV_NODE,
+    ENV_SECRET_FILE,
+    ENV_STANDBY,
+    GLOO_IFNAME,
+)
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
-NODE_LOCAL = frozenset({ENV_SECRET_FILE, ENV_BIND_HOST, "CUDA_VISIBLE_DEVICES"})
+NODE_LOCAL = frozenset(
+    {ENV_SECRET_FILE, ENV_BIND_HOST, ENV_NODE, "CUDA_VISIBLE_DEVICES", GLOO_IFNAME}
+)
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0
 """How long one output read waits on the node for something to send."""
@@ -82,6 +90,10 @@ class SupervisorHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         full = {**os.environ, **env, ENV_SECRET_FILE: secret_file, ENV_BIND_HOST: self.node_ip}
+        full[ENV_NODE] = self.node_id  # how cache:// tells this node's partitions (cache/)
+        iface = interface_of(self.node_ip)
+        if iface and GLOO_IFNAME not in env:
+            full[GLOO_IFNAME] = iface  # gloo's peers on other nodes reach it there
         self._popen = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR_MODULE],
             env=full,
@@ -307,6 +319,22 @@ def _ray_oom(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayActorError) and (
         "low on memory" in text or "Memory on the node" in text
     )
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface holding ``address``; None if none
+    does (or it is a loopback address: gloo finds that one by itself)."""
+    import ipaddress
+
+    import psutil
+
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(address).is_loopback:
+            return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterflow.cache import plan
-from clusterflow.cache.store import free_for_caches, inspect, open_source, shm_root
+from clusterflow.cache.store import free_for_caches, inspect, open_source
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.data.cache_map import (
     CacheMap,
@@ -33,6 +33,7 @@ from clusterflow.data.cache_map import (
     caches_root,
     check_name,
     read_map,
+    shm_root,
 )
 from clusterflow.data.cache_source import this_node
 from clusterflow.errors import ConfigError
@@ -187,7 +188,11 @@ def describe(name: str) -> CacheMap:
         UnknownCacheError: no such cache.
     """
     cache = read_map(name)
-    if cache.backend != "local" or not cache.status.startswith("ready"):
+    if cache.backend == "ray":
+        from clusterflow.cache import ray_nodes
+
+        return ray_nodes.describe(cache)
+    if not cache.status.startswith("ready"):
         return cache
     lost = [n for n, s in cache.servers.items() if not _alive(s.pid, cache_dir(name))]
     if lost or set(cache.nodes) - set(cache.servers):
@@ -204,6 +209,10 @@ def drop(name: str) -> CacheMap:
     """
     cache = read_map(name)
     folder = cache_dir(name)
+    if cache.backend == "ray":
+        from clusterflow.cache import ray_nodes
+
+        ray_nodes.drop(cache)
     secret = folder / "secret"
     for server in cache.servers.values():
         if cache.backend == "local" and _alive(server.pid, folder) and secret.exists():

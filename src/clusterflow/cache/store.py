@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from typing import Any
 
 from clusterflow.cache.plan import CacheMemoryError, human
 from clusterflow.data.api import SourceError
+from clusterflow.data.cache_map import shm_root
 from clusterflow.data.sources import ArrowSource
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SHM_ROOT = "/dev/shm"
 SAMPLE_RECORDS = 4096
 """Records read to estimate a source's bytes per record in memory."""
 HEADROOM = 0.9
@@ -86,15 +85,6 @@ def inspect(source: ArrowSource, url: str) -> SourceInfo:
 
 def _fields(schema: Any) -> str:
     return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
-
-
-def shm_root() -> str:
-    """Where partitions live: ``/dev/shm`` (shared memory) where it exists."""
-    return (
-        SHM_ROOT
-        if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK)
-        else (tempfile.gettempdir())
-    )
 
 
 def free_for_caches() -> int:

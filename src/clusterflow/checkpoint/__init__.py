@@ -14,6 +14,7 @@ from __future__ import annotations
 from clusterflow.checkpoint.manifest import (
     MANIFEST_FILE,
     CheckpointError,
+    CheckpointWriteError,
     Manifest,
     PartInfo,
     PartKind,
@@ -27,6 +28,7 @@ __all__ = [
     "MANIFEST_FILE",
     "CheckpointError",
     "CheckpointStorage",
+    "CheckpointWriteError",
     "CheckpointWriter",
     "Manifest",
     "PartInfo",

@@ -54,6 +54,22 @@ class CheckpointError(ClusterflowError):
     """A checkpoint cannot be written or read; the message names the part, file or value."""
 
 
+class CheckpointWriteError(CheckpointError, OSError):
+    """The filesystem refused a checkpoint's bytes (a full disk, a lost mount).
+
+    An ``OSError`` too, with the errno of the failure, so code that handled the
+    filesystem's error still does; its one-line message names the checkpoint's folder.
+    Nothing was committed: the previous checkpoint stays the newest intact one.
+    """
+
+    def __init__(self, errno: int | None, message: str) -> None:
+        OSError.__init__(self, errno, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def validate_part_name(name: object) -> str:
     """Returns ``name`` if it can name a part (it becomes part of file names), else raises.
 

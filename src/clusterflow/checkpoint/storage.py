@@ -19,6 +19,7 @@ the manifest, so a torn write, a lost file or a flipped byte is never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from clusterflow.checkpoint.manifest import (
     EXTENSIONS,
     MANIFEST_FILE,
     CheckpointError,
+    CheckpointWriteError,
     Manifest,
     PartInfo,
     PartKind,
@@ -372,9 +374,14 @@ class CheckpointWriter:
     def _finish_part(self, info: PartInfo, started: float) -> PartInfo:
         sidecar = json.dumps(info.to_dict()).encode()
         # Not fsynced: the manifest copies this info, and only the manifest must last.
-        self._files.write_atomic(
-            self._files.join(self._dir, info.name + SIDECAR_SUFFIX), sidecar, durable=False
-        )
+        try:
+            self._files.write_atomic(
+                self._files.join(self._dir, info.name + SIDECAR_SUFFIX), sidecar, durable=False
+            )
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._files.remove(self._files.join(self._dir, info.file))
+            raise self._write_error(f"the sidecar of part {info.name!r}", exc) from exc
         log.debug(
             "wrote part %s of step %d: %d bytes in %.3fs",
             info.name,
@@ -405,7 +412,7 @@ class CheckpointWriter:
         started = time.perf_counter()
         file = self._start_part(name, "tensors")
         buffers = encode(name, tensors, meta)
-        digest, size = self._files.write_stream(self._files.join(self._dir, file), buffers)
+        digest, size = self._write_data(name, file, buffers)
         return self._finish_part(PartInfo(name, file, digest, size, "tensors"), started)
 
     def write_json(self, name: str, obj: Any) -> PartInfo:
@@ -422,10 +429,31 @@ class CheckpointWriter:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"part {name!r} is not JSON-serializable: {exc}") from None
         file = self._start_part(name, "json")
-        digest, size = self._files.write_stream(
-            self._files.join(self._dir, file), [memoryview(data)]
-        )
+        digest, size = self._write_data(name, file, [memoryview(data)])
         return self._finish_part(PartInfo(name, file, digest, size, "json"), started)
+
+    def _write_data(self, name: str, file: str, buffers: list[memoryview]) -> tuple[str, int]:
+        """Writes a part's data file; on a filesystem error removes what it wrote.
+
+        A full disk must not stay full of a part that can never be committed: the next
+        attempt, or another job on the disk, gets the space back.
+
+        Raises:
+            CheckpointWriteError: naming the part and the checkpoint's folder.
+        """
+        path = self._files.join(self._dir, file)
+        try:
+            return self._files.write_stream(path, buffers)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._files.remove(path)
+            raise self._write_error(f"part {name!r}", exc) from exc
+
+    def _write_error(self, what: str, exc: OSError) -> CheckpointWriteError:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        return CheckpointWriteError(
+            exc.errno, f"cannot write {what} of checkpoint {self.directory}: {reason}"
+        )
 
     def collect(self, names: Iterable[str]) -> list[PartInfo]:
         """The info of parts that other processes wrote into this checkpoint.
@@ -497,11 +525,18 @@ class CheckpointWriter:
             raise CheckpointError(f"cannot commit {self.directory}: {problem}")
         # Parts' folder entries first (their bytes were synced by each writer), then the
         # manifest: a crash leaves either no manifest or one whose parts are all on disk.
-        self._files.sync_dir(self._storage._root)
-        self._files.sync_dir(self._dir)
-        self._files.write_atomic(
-            self._files.join(self._dir, MANIFEST_FILE), manifest.to_json().encode(), durable=True
-        )
+        try:
+            self._files.sync_dir(self._storage._root)
+            self._files.sync_dir(self._dir)
+            # All or nothing: a temporary file renamed over the name once it is synced, so
+            # a full disk leaves no manifest (write_atomic removes the torn temporary).
+            self._files.write_atomic(
+                self._files.join(self._dir, MANIFEST_FILE),
+                manifest.to_json().encode(),
+                durable=True,
+            )
+        except OSError as exc:
+            raise self._write_error("the manifest", exc) from exc
         log.info(
             "committed checkpoint %s (%d parts, %d bytes)",
             self.directory,

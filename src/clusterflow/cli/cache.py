@@ -1,7 +1,7 @@
 """``clusterflow cache``: create, list, describe and drop in-memory caches.
 
 Parsing and printing only; the work is ``clusterflow.cache`` (``local.py`` on this
-machine). Bad input (an unknown cache, 0
+machine, ``ray_nodes.py`` on a Ray cluster). Bad input (an unknown cache, 0
 partitions, a missing source, files of differing schemas, a cache that does not fit)
 is one ``error:`` line and exit code 2, raised as a ``ClusterflowError`` and printed by
 ``cli.main.main``; a cache that exists is never touched by a failed command.
@@ -39,12 +39,24 @@ def cache_group() -> None:
     "--memory-per-node",
     help="The most memory a node gives this cache (e.g. 2G) [default: its free memory, less 10%].",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where the cache servers run: this machine, or one actor per Ray node.",
+)
+@click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or auto].")
+@click.option("--label", "label", help="Ray: only nodes with these labels, KEY=VALUE,...")
 def create(
     name: str,
     source: str,
     partitions: int,
     replicas: int,
     memory_per_node: str | None,
+    backend: str,
+    address: str | None,
+    label: str | None,
 ) -> None:
     """Load files into a new cache NAME, held in memory until `cache drop`.
 
@@ -56,7 +68,22 @@ def create(
     from clusterflow.cache.plan import human, parse_size
 
     limit = parse_size(memory_per_node) if memory_per_node else None
-    cache = local.create(name, source, partitions, replicas=replicas, memory_per_node=limit)
+    if backend == "ray":
+        from clusterflow.cache import ray_nodes
+
+        cache = ray_nodes.create(
+            name,
+            source,
+            partitions,
+            replicas=replicas,
+            memory_per_node=limit,
+            address=address,
+            labels=_labels(label),
+        )
+    elif address or label:
+        raise ConfigError("--address and --label are for --backend ray")
+    else:
+        cache = local.create(name, source, partitions, replicas=replicas, memory_per_node=limit)
     total = sum(p.bytes for p in cache.partitions)
     click.echo(
         f"cache {cache.name}: {cache.num_records} records in {len(cache.partitions)} "
@@ -129,6 +156,8 @@ def describe(name: str, as_json: bool) -> None:
             )
         )
     _print_table(rows)
+    for event in cache.events:
+        click.echo(f"event: {event}")
 
 
 @cache_group.command(context_settings=CONTEXT)
@@ -141,12 +170,24 @@ def drop(name: str) -> None:
     click.echo(f"dropped cache {cache.name}")
 
 
+def _labels(text: str | None) -> dict[str, str]:
+    """``KEY=VALUE,...`` as a Ray label selector (a value may be ``in(a,b)`` or ``!v``)."""
+    import re
+
+    out: dict[str, str] = {}
+    rest = (text or "").strip()
+    item = re.compile(r"\s*([^,=\s]+)\s*=\s*(in\([^)]*\)|[^,]*?)\s*(?:,|$)")
+    while rest:
+        match = item.match(rest)
+        if not match or not match.group(2):
+            raise ConfigError(f"--label wants KEY=VALUE,..., got {rest!r}")
+        out[match.group(1)] = match.group(2)
+        rest = rest[match.end() :].strip()
+    return out
+
+
 def _as_dict(cache: CacheMap) -> dict[str, Any]:
-    return {
-        **cache.to_json(),
-        "bytes_per_node": cache.bytes_per_node(),
-        "servers": {n: s.to_json() for n, s in cache.servers.items()},
-    }
+    return {**cache.to_wire(), "bytes_per_node": cache.bytes_per_node()}
 
 
 def _print_table(rows: Sequence[Sequence[str]]) -> None:

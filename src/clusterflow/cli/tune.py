@@ -96,6 +96,7 @@ def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
         "address": values.get("address"),
         "job_dir": values.get("job_dir"),
         "memory": values.get("memory"),
+        "cache": values.get("cache"),
         "ps_command": values.get("ps_cmd") or None,
         "untracked": values.get("untracked"),
         "resources": parse_job_settings(resources, "resources") if resources else None,
@@ -105,6 +106,16 @@ def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
     layer = _load_cluster_file(values["config_file"]) if values.get("config_file") else {}
     layer.pop("command", None)
     return {**layer, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def _at_cache(cluster: dict[str, Any]) -> dict[str, Any]:
+    """``--cache NAME``: every trial's cluster placed at the cache, as ``start`` places one."""
+    from clusterflow.cli.cache import cache_placement
+    from clusterflow.manager.config import RunConfig
+
+    placed = cache_placement(RunConfig.merge(cluster, {"command": ("true",)}))
+    labels = {job: dict(selector) for job, selector in placed.labels.items()}
+    return {**cluster, "env": dict(placed.env), "labels": labels}
 
 
 def _run_study(values: dict[str, Any]) -> int:
@@ -118,8 +129,8 @@ def _run_study(values: dict[str, Any]) -> int:
     cluster = dict(stored.get("cluster") or {})
     cluster.pop("command", None)
     cluster.update(_start_layer(values))
-    if cluster.get("backend") == "ray":
-        raise ConfigError("tune runs trials on the local backend only so far (--backend ray)")
+    if cluster.get("cache"):
+        cluster = _at_cache(cluster)
 
     def pick(name: str, default: Any) -> Any:
         given = values.get(name)
@@ -144,7 +155,9 @@ def _run_study(values: dict[str, Any]) -> int:
         raise ConfigError("give --metric NAME: the figure the job reports")
     runner = StudyRunner(settings, echo=click.echo)
     if runner.parallel < settings.parallel:
-        click.echo(f"running {runner.parallel} trials at once: what this machine's cores hold")
+        click.echo(
+            f"running {runner.parallel} trials at once, not {settings.parallel}: {runner.why}"
+        )
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         runner.stop_requested.set()

@@ -45,6 +45,7 @@ ENV_STATE_DIR: Final = "CLUSTERFLOW_STATE_DIR"
 ENV_CHECKPOINT_DIR: Final = "CLUSTERFLOW_CHECKPOINT_DIR"
 ENV_RESTORE: Final = "CLUSTERFLOW_RESTORE"
 ENV_ATTEMPT: Final = "CLUSTERFLOW_ATTEMPT"
+ENV_INCARNATION: Final = "CLUSTERFLOW_INCARNATION"
 ENV_REPLICA: Final = "CLUSTERFLOW_REPLICA"
 ENV_DISPATCHER: Final = "CLUSTERFLOW_DISPATCHER"
 ENV_TRIAL_PARAMS: Final = "CLUSTERFLOW_TRIAL_PARAMS"
@@ -52,6 +53,10 @@ ENV_TRIAL_REPORT: Final = "CLUSTERFLOW_TRIAL_REPORT"
 ENV_TRIAL_REPORTER: Final = "CLUSTERFLOW_TRIAL_REPORTER"
 ENV_CACHE: Final = "CLUSTERFLOW_CACHE"
 ENV_NODE: Final = "CLUSTERFLOW_NODE"
+GLOO_IFNAME: Final = "GLOO_SOCKET_IFNAME"
+"""torch's gloo binds and advertises the address of the host name unless told an
+interface; where the host name resolves to loopback, peers on other nodes cannot reach
+it. The Ray backend names the interface of the node's address (``backends/ray.py``)."""
 
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
@@ -90,10 +95,11 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_CHECKPOINT_DIR: EnvVar("job", "where checkpoints go (a path or fsspec URL)"),
         ENV_RESTORE: EnvVar("job", "the step of the checkpoint every task restores"),
         ENV_ATTEMPT: EnvVar("job", "how often the whole cluster was restarted"),
+        ENV_INCARNATION: EnvVar("job", "this launch of the task; ps and dispatcher fence older"),
         ENV_REPLICA: EnvVar("replica", "this process's replica index in its task"),
         ENV_DISPATCHER: EnvVar("user", "a data service dispatcher other than the manager"),
         ENV_TRIAL_PARAMS: EnvVar("job", "a tuning trial's parameters, as JSON"),
-        ENV_TRIAL_REPORT: EnvVar("job", "the file a tuning trial's figures go to"),
+        ENV_TRIAL_REPORT: EnvVar("job", "the file, in the manager's folder, of a trial's figures"),
         ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
         ENV_CACHE: EnvVar("job", "the cache of `start --cache`: cache:// reads it"),
         ENV_NODE: EnvVar("job", "the node a task runs on, as cache maps name it (Ray)"),
@@ -113,6 +119,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         "TORCHELASTIC_RESTART_COUNT": EnvVar("job", "times this task was relaunched"),
         "TORCHELASTIC_MAX_RESTARTS": EnvVar("job", "the run's bound on restarts"),
         "PYTHONUNBUFFERED": EnvVar("supervisor", "1: output reaches the log line by line"),
+        GLOO_IFNAME: EnvVar("job", "Ray: the interface of the node's address, for gloo"),
     }
 )
 """Every variable a task may receive or read, with who receives it and what it means."""
@@ -145,6 +152,9 @@ class ManagerMethod:
     """The newest cluster spec and its version."""
     REPORT: Final = "task.report"
     """A job's live figures: step, loss, samples/s."""
+    TRIAL_REPORT: Final = "trial.report"
+    """A tuning trial's figures at a step: the manager appends them to its folder's
+    report file, which the tuner reads (on Ray, from the manager's mirror)."""
 
 
 MANAGER_METHODS: Final = frozenset(

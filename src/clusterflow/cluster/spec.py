@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from clusterflow.cluster.errors import ClusterSpecError
 
@@ -45,8 +45,14 @@ _TASK_ID_RE: Final = re.compile(
     r"(?:/job:(?P<djob>[^/:]*)(?:/replica:[0-9]+)?/task:(?P<dindex>[^/:]*))"
     r"|(?:(?P<job>[^/:]*):(?P<index>[^/:]*))"
 )
-_DIGITS_RE: Final = re.compile(r"[0-9]+")
-_CANONICAL_INT_RE: Final = re.compile(r"0|[1-9][0-9]*")
+# Bounded lengths: int() of a longer digit string is refused by Python itself (or costs
+# quadratic time below its limit), and no port or task index needs more digits.
+_DIGITS_RE: Final = re.compile(r"[0-9]{1,10}")
+_CANONICAL_INT_RE: Final = re.compile(r"0|[1-9][0-9]{0,9}")
+MAX_TASK_INDEX: Final = 2**31 - 1
+"""TensorFlow's ClusterDef keys task indices as int32; a larger one is a mistake."""
+MAX_TASKS: Final = 10_000
+"""More tasks than any cluster spec describes; a hostile file is refused before it costs."""
 _HOST_RE: Final = re.compile(r"[A-Za-z0-9._-]+")
 _MAX_PORT: Final = 65535
 
@@ -67,9 +73,10 @@ def _check_job_name(job: object) -> str:
 
 def _check_index(index: object, job: str) -> int:
     # bool is an int subclass; True as a task index is always a mistake.
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_TASK_INDEX:
         raise ClusterSpecError(
-            f"invalid task index {index!r} in job {job!r}: an index is an integer >= 0"
+            f"invalid task index {index!r:.40} in job {job!r}: "
+            f"an index is an integer in 0..{MAX_TASK_INDEX}"
         )
     return index
 
@@ -167,7 +174,8 @@ def parse_address(address: str) -> tuple[str, int]:
             )
     if not _DIGITS_RE.fullmatch(port_text) or not 1 <= int(port_text) <= _MAX_PORT:
         raise ClusterSpecError(
-            f"invalid address {address!r}: port {port_text!r} is not an integer in 1..{_MAX_PORT}"
+            f"invalid address {address!r:.80}: port {port_text!r:.20} is not an integer "
+            f"in 1..{_MAX_PORT}"
         )
     return host, int(port_text)
 
@@ -234,6 +242,12 @@ def _normalise_job(job: str, tasks: object) -> dict[int, str]:
     return result
 
 
+def _check_task_count(cluster: Mapping[Any, Any]) -> None:
+    count = sum(len(tasks) for tasks in cluster.values() if isinstance(tasks, Sized))
+    if count > MAX_TASKS:
+        raise ClusterSpecError(f"a cluster spec of {count} tasks; at most {MAX_TASKS} are allowed")
+
+
 def _check_unique_addresses(jobs: Mapping[str, Mapping[int, str]]) -> None:
     seen: dict[tuple[str, int], TaskId] = {}
     for job, tasks in jobs.items():
@@ -270,6 +284,7 @@ class ClusterSpec:
             jobs = {job: dict(tasks) for job, tasks in cluster._jobs.items()}
         elif isinstance(cluster, Mapping):
             jobs = {}
+            _check_task_count(cluster)
             for job, tasks in cluster.items():
                 jobs[_check_job_name(job)] = _normalise_job(job, tasks)
             _check_unique_addresses(jobs)

@@ -1,11 +1,11 @@
-"""The job side of a tuning trial: its parameters in, its figures out (docs/tuning.md).
+"""A tuning trial's variables and its report file (docs/tuning.md).
 
 A trial's cluster gets three variables from ``clusterflow tune``: the parameters as JSON,
-the file its figures go to (``trial-report.jsonl`` in the cluster's folder) and the one
-task that reports (the chief, else ``worker:0``), so the figures of N replicas are not
-counted N times. A file, not the manager link: the tuner reads it while the cluster
-runs and after it ended, with no server of its own, and a report never fails a job.
-Outside a trial :func:`report` does nothing, so training code may call it always.
+the name of its report file (``trial-report.jsonl``, in the manager's folder) and the one
+task that reports (the chief, else ``worker:0``). The job sends its figures to its
+manager (``server/trial_report.py``), which appends them to that file
+(``manager/trial_reports.py``); the tuner reads it (:func:`read_reports`) while the
+cluster runs and after it ended, with no server of its own.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 from clusterflow.cluster.contract import (
-    ENV_TASK,
     ENV_TRIAL_PARAMS,
     ENV_TRIAL_REPORT,
     ENV_TRIAL_REPORTER,
@@ -35,7 +33,6 @@ __all__ = [
     "in_trial",
     "params",
     "read_reports",
-    "report",
 ]
 
 
@@ -50,30 +47,6 @@ def params() -> dict[str, Any]:
     return dict(json.loads(raw)) if raw else {}
 
 
-def report(step: int | None = None, **metrics: float) -> None:
-    """Reports figures of this trial at ``step`` (an intermediate value, or the last one).
-
-    Only the reporting task writes; elsewhere, and outside a trial, this does nothing.
-    ``step`` defaults to one past the last step reported by this process.
-    """
-    path = os.environ.get(ENV_TRIAL_REPORT)
-    if not path:
-        return
-    reporter = os.environ.get(ENV_TRIAL_REPORTER)
-    if reporter and os.environ.get(ENV_TASK, reporter) != reporter:
-        return
-    step = _last_step[0] + 1 if step is None else int(step)
-    _last_step[0] = step
-    figures = {k: float(v) for k, v in metrics.items()}
-    line = json.dumps({"step": step, "time": time.time(), "metrics": figures})
-    # One write of one line in append mode: readers see whole lines only.
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-_last_step = [-1]  # this process's last step reported
-
-
 def read_reports(path: Path) -> list[tuple[int, dict[str, float]]]:
     """Every whole line of a report file, in order: ``(step, figures)``; NaN dropped."""
     try:
@@ -86,7 +59,9 @@ def read_reports(path: Path) -> list[tuple[int, dict[str, float]]]:
             break  # a line still being written
         try:
             entry = json.loads(line)
-            figures = {str(k): float(v) for k, v in dict(entry["metrics"]).items()}
+            # A figure that was not finite is null in the file: dropped, as NaN is.
+            metrics = dict(entry["metrics"]).items()
+            figures = {str(k): float(v) for k, v in metrics if v is not None}
             out.append((int(entry["step"]), {k: v for k, v in figures.items() if math.isfinite(v)}))
         except (ValueError, KeyError, TypeError):
             continue

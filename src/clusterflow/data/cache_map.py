@@ -29,6 +29,11 @@ from clusterflow.cluster.contract import ENV_HOME
 from clusterflow.data.api import DataError
 from clusterflow.errors import ConfigError
 
+SHM_ROOT = "/dev/shm"
+NODE_MAPS = "clusterflow-caches"
+"""On a Ray node, ``<shm root>/clusterflow-caches/<name>/`` holds the map (``map.json``,
+servers included) and the secret of each cache with a server on the node: where a job
+placed there by ``start --cache`` finds them (its ``$CLUSTERFLOW_HOME`` is the node's)."""
 SCHEME = "cache://"
 """How a dataset names a cache: ``cache://NAME``."""
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -118,6 +123,8 @@ class CacheMap:
     """Node -> its server, as the servers reported themselves."""
     address: str | None = None
     """Ray backend: the Ray cluster's address."""
+    events: tuple[str, ...] = ()
+    """What happened to the cache since it was made (a lost node, a rebalance)."""
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -152,6 +159,17 @@ class CacheMap:
 
     def with_servers(self, servers: Mapping[str, NodeServer]) -> CacheMap:
         return replace(self, servers=dict(servers))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The plan and its servers in one value (Ray actors, a node's ``map.json``)."""
+        servers = {n: s.to_json() for n, s in self.servers.items()}
+        return {**self.to_json(), "servers": servers, "events": list(self.events)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> CacheMap:
+        servers = {str(n): NodeServer.from_json(s) for n, s in (data.get("servers") or {}).items()}
+        events = tuple(str(e) for e in data.get("events") or ())
+        return replace(cls.from_json(data, servers), events=events)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``cache.json`` holds it (servers live in their own files)."""
@@ -236,6 +254,45 @@ def caches_root(environ: Mapping[str, str] | None = None) -> Path:
 
 def cache_dir(name: str, environ: Mapping[str, str] | None = None) -> Path:
     return caches_root(environ) / check_name(name)
+
+
+def shm_root() -> str:
+    """Where partitions live: ``/dev/shm`` (shared memory) where it exists."""
+    import tempfile
+
+    if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK):
+        return SHM_ROOT
+    return tempfile.gettempdir()
+
+
+def node_dir(name: str) -> Path:
+    """This node's folder of cache ``name`` (Ray backend): ``map.json`` and ``secret``."""
+    return Path(shm_root()) / NODE_MAPS / check_name(name)
+
+
+def find_map(name: str, environ: Mapping[str, str] | None = None) -> tuple[CacheMap, Path]:
+    """The map of cache ``name`` as a reader on this node sees it, and its secret's file.
+
+    A local-backend cache is read from ``$CLUSTERFLOW_HOME``; a Ray cache from the
+    folder its server on this node keeps (``node_dir``).
+
+    Raises:
+        UnknownCacheError: no such cache here.
+        ConfigError: a Ray cache with no server on this node.
+    """
+    node_map = node_dir(name) / "map.json"
+    if node_map.exists():
+        try:
+            return CacheMap.from_wire(json.loads(node_map.read_text())), node_map.parent / "secret"
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the map of cache {name!r}: {exc}") from exc
+    cache = read_map(name, environ)
+    if cache.backend != "local":
+        raise ConfigError(
+            f"cache {name!r} ({cache.backend}) has no server on this node: read it from a "
+            "node that holds partitions (start --cache places workers there)"
+        )
+    return cache, cache_dir(name, environ) / "secret"
 
 
 def read_map(name: str, environ: Mapping[str, str] | None = None) -> CacheMap:

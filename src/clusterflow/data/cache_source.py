@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,8 @@ from clusterflow.data.cache_map import (
     NodeServer,
     cache_dir,
     check_name,
+    find_map,
     parse_url,
-    read_map,
 )
 from clusterflow.data.sources import arrow_columns
 from clusterflow.errors import ConfigError
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 READ_METHOD = "cache.read"
 """A remote read: ``{partition, start, stop}`` (offsets inside the partition) -> ``{ipc}``."""
-REMOTE_DEADLINE_S = 30.0
+REMOTE_DEADLINE_S = 10.0
 """One remote read's deadline: a dead server is an error within it, and the next holder
 is asked."""
 REMAP_WAIT_S = 60.0
@@ -98,7 +99,8 @@ class CacheSource:
     ) -> None:
         self.name = _cache_name(name)
         self.node = node or this_node()
-        self._refresh = refresh or (lambda: read_map(self.name))
+        self._secret_file: Path | None = None
+        self._refresh = refresh or self._find
         self.map = cache_map or self._refresh()
         if not self.map.status.startswith(("ready", "degraded")):
             raise SourceError(f"cache {self.name!r} is not ready: {self.map.status}")
@@ -107,6 +109,7 @@ class CacheSource:
         self._lock = threading.Lock()
         self._mapped: dict[int, _Mapped] = {}
         self._clients: dict[str, RpcClient] = {}
+        self._dead: set[str] = set()
         self.records_local = 0
         """Records read from this node's shared memory."""
         self.records_remote = 0
@@ -163,6 +166,10 @@ class CacheSource:
                 client.close()
             self._clients.clear()
             self._mapped.clear()  # the mappings close when their last array goes
+
+    def _find(self) -> CacheMap:
+        cache, self._secret_file = find_map(self.name)
+        return cache
 
     # Local ------------------------------------------------------------------------------
 
@@ -221,11 +228,14 @@ class CacheSource:
 
         deadline = time.monotonic() + REMAP_WAIT_S
         errors: list[str] = []
+        self._reread()  # a remote read is rare: take a rebalance into account first
         while True:
             part = self.map.partitions[index]
+            if self.node in part.holders() and self._local(index) is not None:
+                return self._read_part(index, lo, hi)  # moved here by a rebalance
             for node in part.holders():
                 server = self.map.servers.get(node)
-                if server is None or node == self.node:
+                if server is None or node == self.node or server.address in self._dead:
                     continue
                 try:
                     reply = self._client(server).call(
@@ -235,6 +245,7 @@ class CacheSource:
                     )
                 except RpcError as exc:
                     errors.append(f"{node}: {exc}")
+                    self._dead.add(server.address)  # not asked again: its node is gone
                     self._drop_client(server.address)
                     continue
                 data = reply.body["ipc"]
@@ -248,18 +259,22 @@ class CacheSource:
                     f"{REMAP_WAIT_S:g}s ({'; '.join(errors[-3:]) or 'no holder has a server'})"
                 )
             time.sleep(0.2)  # a rebalance takes seconds; re-read the map at this pace
-            try:
-                self.map = self._refresh()
-            except Exception as exc:  # the map's source is briefly unreadable: try again
-                errors.append(f"map: {exc}")
+            errors += self._reread()
+
+    def _reread(self) -> list[str]:
+        """Takes the newest map (a rebalance may have moved partitions); its errors."""
+        try:
+            self.map = self._refresh()
+        except Exception as exc:  # the map's file is briefly unreadable: the old one serves
+            return [f"map: {exc}"]
+        return []
 
     def _client(self, server: NodeServer) -> RpcClient:
         with self._lock:
             client = self._clients.get(server.address)
             if client is None:
-                credentials = self._credentials or Credentials.from_file(
-                    cache_dir(self.name) / "secret"
-                )
+                secret = self._secret_file or cache_dir(self.name) / "secret"
+                credentials = self._credentials or Credentials.from_file(secret)
                 client = RpcClient(server.address, credentials, deadline=REMOTE_DEADLINE_S)
                 self._clients[server.address] = client
             return client

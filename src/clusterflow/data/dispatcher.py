@@ -35,6 +35,7 @@ from clusterflow.data.api import (
 from clusterflow.data.leases import Grant, GrantStatus, LeaseBook
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Request
+from clusterflow.rpc.fencing import FenceBook
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class DispatcherService:
         self._clock = clock
         self._lock = threading.Lock()
         self._books: dict[str, LeaseBook] = {}
+        self.fences = FenceBook()
+        """rpc/fencing.py: the manager raises a task's bar when it relaunches the task."""
 
     def register_on(self, server: Registrar) -> DispatcherService:
         """Serves ``data.*`` on ``server`` (an ``RpcServer`` or a ``Server``)."""
@@ -100,7 +103,7 @@ class DispatcherService:
             "load_state_dict": self._on_load_state_dict,
         }
         for method, handler in handlers.items():
-            server.register(f"{SERVICE}.{method}", handler)
+            server.register(f"{SERVICE}.{method}", self.fences.guard(handler))
         return self
 
     # In-process API (the manager, the chief, tests) -------------------------------------

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from clusterflow.data.api import DatasetSpec
-from clusterflow.rpc import RpcClient
+from clusterflow.rpc import RemoteError, RpcClient
+from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp
 
 __all__ = ["INCARNATION", "DispatcherClient"]
 
@@ -26,10 +27,23 @@ class DispatcherClient:
 
     def __init__(self, rpc: RpcClient) -> None:
         self.rpc = rpc
+        self._fence = Fence.from_env()
+
+    def _call(self, method: str, body: Any = None) -> Any:
+        """One ``data.*`` call, fenced (rpc/fencing.py): a replaced worker stops here.
+
+        Raises:
+            TaskFenced: this task was relaunched; the dispatcher refuses this process.
+        """
+        try:
+            return self.rpc.call(method, stamp(body, self._fence)).body
+        except RemoteError as exc:
+            raise_if_fenced(exc)
+            raise
 
     def register(self, spec: DatasetSpec, locations: list[list[Any]]) -> dict[str, Any]:
         body = {"spec": spec.to_wire(), "locations": locations}
-        reply: dict[str, Any] = self.rpc.call("data.register", body).body
+        reply: dict[str, Any] = self._call("data.register", body)
         return reply
 
     def lease(
@@ -44,7 +58,7 @@ class DispatcherClient:
         }
         if acks:
             body["acks"] = acks
-        reply: dict[str, Any] = self.rpc.call("data.lease", body).body
+        reply: dict[str, Any] = self._call("data.lease", body)
         return reply
 
     def ack(self, name: str, lease_ids: Iterable[int], worker: str | None = None) -> dict[str, int]:
@@ -55,17 +69,17 @@ class DispatcherClient:
                 ``UnknownLeaseError``; the message names each id), or so is the dataset.
         """
         body = {"name": name, "leases": [int(x) for x in lease_ids], "worker": worker}
-        reply: dict[str, int] = self.rpc.call("data.ack", body).body
+        reply: dict[str, int] = self._call("data.ack", body)
         return reply
 
     def release(self, name: str, worker: str, lease_ids: Iterable[int] | None = None) -> int:
         body: dict[str, Any] = {"name": name, "worker": worker}
         if lease_ids is not None:
             body["leases"] = [int(x) for x in lease_ids]
-        return int(self.rpc.call("data.release", body).body["released"])
+        return int(self._call("data.release", body)["released"])
 
     def status(self, name: str) -> dict[str, Any]:
-        reply: dict[str, Any] = self.rpc.call("data.status", {"name": name}).body
+        reply: dict[str, Any] = self._call("data.status", {"name": name})
         return reply
 
     def state_dict(self) -> dict[str, Any]:

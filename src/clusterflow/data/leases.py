@@ -259,11 +259,17 @@ class LeaseBook:
 
     def expire(self, now: float) -> int:
         """Takes back the leases of workers silent for longer than the lease timeout."""
-        silent = [
-            w
-            for w, ids in self._by_worker.items()
-            if ids and now - self._last_seen.get(w, now) > self.lease_timeout_s
-        ]
+        # Oldest first (``_touch`` moves a worker to the end), so the scan stops at the
+        # first worker heard from in time: a grant costs O(1), not O(workers); measured,
+        # the full scan was 1.3 ms of every lease with 1,000 workers (docs/scaling.md).
+        silent: list[str] = []
+        idle: list[str] = []
+        for w, seen in self._last_seen.items():
+            if now - seen <= self.lease_timeout_s:
+                break
+            (silent if self._by_worker.get(w) else idle).append(w)
+        for w in idle:  # nothing to take back; its next call enters it again
+            del self._last_seen[w]
         returned = 0
         for worker in silent:
             log.warning(
@@ -396,4 +402,6 @@ class LeaseBook:
             self.locality["local"] += where == host
 
     def _touch(self, worker: str, now: float) -> None:
+        """Records a call; keeps ``_last_seen`` in call order (``now`` never goes back)."""
+        self._last_seen.pop(worker, None)
         self._last_seen[worker] = now

@@ -10,6 +10,7 @@ from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
+from clusterflow.manager.limits import check_task_count
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
@@ -126,6 +127,7 @@ class RunConfig:
         n = self.replicas_per_host
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"--replicas-per-host must be a positive integer, got {n!r}")
+        check_task_count(self.ps, self.workers, n)
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
             raise ConfigError(
@@ -362,11 +364,24 @@ def parse_job_settings(items: Sequence[str], what: str) -> dict[str, dict[str, A
         if not sep or not job or not pairs:
             raise ConfigError(f"{flag} {item!r}: expected JOB:NAME=VALUE[,NAME=VALUE...]")
         settings = out.setdefault(job.strip(), {})
-        for pair in pairs.split(","):
+        for pair in _split_pairs(pairs):
             name, eq, value = (part.strip() for part in pair.partition("="))
             if not eq or not name or not value:
                 raise ConfigError(f"{flag} {item!r}: {pair!r} is not NAME=VALUE")
             settings[name] = _resource_value(name, value, item) if what == "resources" else value
+    return out
+
+
+def _split_pairs(pairs: str) -> list[str]:
+    """``a=1,b=in(x,y)`` as ``["a=1", "b=in(x,y)"]``: a comma inside parentheses (a label
+    selector's ``in(...)``) does not end a pair."""
+    out, depth, start = [], 0, 0
+    for i, char in enumerate(pairs):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            out.append(pairs[start:i])
+            start = i + 1
+    out.append(pairs[start:])
     return out
 
 

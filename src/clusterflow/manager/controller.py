@@ -56,6 +56,7 @@ from clusterflow.manager.state import ClusterState, ManagerProcess
 from clusterflow.manager.stopper import cluster_processes, kill_processes
 from clusterflow.manager.store_host import StoreHost
 from clusterflow.manager.tasks import TaskRecord, TaskTable
+from clusterflow.manager.trial_reports import TrialReports
 from clusterflow.rpc import Credentials, Request, RpcServer
 from clusterflow.rpc.message import map_body
 
@@ -150,6 +151,7 @@ class Controller:
             (ManagerMethod.STANDBY, self._on_standby, True),
             (ManagerMethod.SPEC, self._on_spec, False),
             (ManagerMethod.REPORT, self._on_report, False),
+            (ManagerMethod.TRIAL_REPORT, TrialReports(cluster.path).on_report, False),
         ):
             self._rpc.register(method, map_body(handler), blocking=blocking)
         # The data service lives here for clusters started by `clusterflow start`: every
@@ -372,6 +374,7 @@ class Controller:
             "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
         )
         self.tasks.relaunching(task)
+        self.data.fences.raise_to(str(task.id), task.restarts)  # the old one is a zombie now
         self._launch(task, self._choose_checkpoint(restore_data=False))
         self._write_state()
 

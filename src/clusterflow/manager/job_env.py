@@ -18,6 +18,7 @@ from clusterflow.cluster.contract import (
     ENV_CHECKPOINT_DIR,
     ENV_CLUSTER_ID,
     ENV_HEARTBEAT_S,
+    ENV_INCARNATION,
     ENV_JOB,
     ENV_MANAGER,
     ENV_REGISTER_TIMEOUT,
@@ -87,6 +88,22 @@ def ranks(config: RunConfig) -> list[TaskId]:
     return [t for t in config.tasks() if t.job in REPLICA_JOBS]
 
 
+def rank_of(config: RunConfig, task: TaskId) -> tuple[int, int] | None:
+    """``task``'s position in ``ranks(config)`` and that list's length, in O(1).
+
+    Each of a cluster's tasks asks for this when it registers: building the list each
+    time made registering 1,000 tasks cost a million ``TaskId``s (docs/scaling.md).
+    """
+    if task.job not in REPLICA_JOBS:
+        return None
+    chief = 1 if config.chief else 0
+    world = chief + config.workers
+    position = 0 if task.job == "chief" else chief + task.index
+    if (task.job == "chief" and not chief) or not 0 <= position < world:
+        return None
+    return position, world
+
+
 def job_env(
     config: RunConfig,
     place: ClusterPlace,
@@ -104,14 +121,15 @@ def job_env(
         ENV_STATE_DIR: place.state_dir,
         ENV_CHECKPOINT_DIR: place.checkpoint_url,
         ENV_ATTEMPT: str(now.attempt),
+        ENV_INCARNATION: str(now.restarts),  # rpc/fencing.py: older launches are refused
         # A TensorFlow gRPC server may then bind beside the reserved socket.
         "TF_GRPC_REUSE_PORT": "1",
     }
     if now.restore is not None:
         env[ENV_RESTORE] = now.restore
-    order = ranks(config)
-    if task in order:
-        rank, world = order.index(task), len(order)
+    placed = rank_of(config, task)
+    if placed is not None:
+        rank, world = placed
         env.update(
             {
                 "RANK": str(rank),
@@ -145,8 +163,10 @@ def replica_env(config: RunConfig, task: TaskId) -> list[dict[str, str]]:
     n = config.replicas_of(task)
     if n == 1:
         return []
-    order = ranks(config)
-    position, hosts = order.index(task), len(order)
+    placed = rank_of(config, task)
+    if placed is None:
+        raise ValueError(f"{task} is not a replica task of this cluster")
+    position, hosts = placed
     world = hosts * n
     out = []
     for replica in range(n):

@@ -45,7 +45,7 @@ PULL_LIMIT = 8 << 20
 """Most bytes of one file sent by one ``pull`` (the rest comes with the next)."""
 CALL_DEADLINE_S = 30.0
 """Deadline of a call from the CLI to the manager actor."""
-MIRRORED = ("events.jsonl", "output.log")
+MIRRORED = ("events.jsonl", "output.log", "trial-report.jsonl")
 
 
 def actor_name(cluster_id: str) -> str:
@@ -291,6 +291,8 @@ class ManagerHandle:
             reply = ray.get(self.actor.pull.remote(offsets), timeout=CALL_DEADLINE_S)
         except ray.exceptions.RayError:
             return None
+        # Another machine's mirror starts from config.json alone (docs/ray.md).
+        self.cluster.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for name, data in reply["files"].items():
             folder, _, base = name.rpartition("/")
             if folder not in ("", "logs") or not base or base.startswith("."):

@@ -167,8 +167,10 @@ def find(cluster_id: str) -> ClusterDir:
     Raises:
         ConfigError: no such cluster, or the prefix matches several.
     """
-    if not cluster_id or "/" in cluster_id or cluster_id.startswith("."):
-        raise ConfigError(f"invalid cluster id {cluster_id!r}")
+    # Over 255 bytes no file name can hold it: the lookup below would raise OSError.
+    too_long = len(os.fsencode(cluster_id)) > 255
+    if not cluster_id or "/" in cluster_id or cluster_id.startswith(".") or too_long:
+        raise ConfigError(f"invalid cluster id {cluster_id[:80]!r}")
     root = home() / "clusters"
     exact = root / cluster_id
     if exact.is_dir():

@@ -54,6 +54,7 @@ class Rendezvous:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tasks = list(tasks)
+        self._members = frozenset(self._tasks)
         self._timeout_s = timeout_s
         self._clock = clock
         self._cond = threading.Condition()
@@ -110,14 +111,15 @@ class Rendezvous:
         Raises:
             RegistrationError: ``task`` is not part of the cluster, or the cluster stops.
         """
-        if task not in self._tasks:
+        if task not in self._members:
             raise RegistrationError(f"task {task} is not part of this cluster")
         with self._cond:
             if self._closed:
                 raise RegistrationError("the cluster is stopping")
             if self._spec is None:
                 self._addresses[task] = address
-                if any(t not in self._addresses for t in self._tasks):
+                # only members get here: counting them is the O(1) "all arrived?"
+                if len(self._addresses) < len(self._members):
                     return Arrival.WAITING
                 jobs: dict[str, list[str]] = {}
                 for t in self._tasks:

@@ -17,7 +17,8 @@ import torch
 from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.protocol import PSHandler, PullReply, PullRequest, PushReply, PushRequest
 from clusterflow.ps.store import VariableStore
-from clusterflow.rpc import Credentials, RpcClient
+from clusterflow.rpc import Credentials, RemoteError, RpcClient
+from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp
 
 T = TypeVar("T")
 Tensors = dict[str, torch.Tensor]
@@ -87,6 +88,8 @@ class RemotePS:
             if len(self._clients) > 1
             else None
         )
+        self._fence = Fence.from_env()
+        """Who this process is, on every request: a replaced worker is refused."""
 
     @property
     def num_ps(self) -> int:
@@ -96,7 +99,13 @@ class RemotePS:
         self, index: int, method: str, body: Any = None, tensors: Tensors | None = None
     ) -> tuple[Any, Tensors]:
         clients = self._control if method in CONTROL_METHODS else self._clients
-        reply = clients[index].call(f"ps.{method}", body, tensors)
+        if method != "load_state":  # its body is the ps's state, key for key
+            body = stamp(body, self._fence)
+        try:
+            reply = clients[index].call(f"ps.{method}", body, tensors)
+        except RemoteError as exc:
+            raise_if_fenced(exc)  # TaskFenced: this worker was replaced; it stops here
+            raise
         return reply.body, dict(reply.tensors)
 
     def pull(self, index: int, request: PullRequest) -> PullReply:

@@ -12,6 +12,7 @@ from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.protocol import METHODS, ApplyRequest, PSHandler
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, Request, Response, RpcClient
+from clusterflow.rpc.fencing import FenceBook
 from clusterflow.rpc.message import Handler
 from clusterflow.server import Server
 
@@ -36,8 +37,9 @@ class PSService:
         self._credentials: Credentials | None = server.credentials
         fan_out = self._fan_out if len(self._peer_addresses) > 1 else None
         self.handler = PSHandler(self.store, fan_out)
+        self.fences = FenceBook()  # rpc/fencing.py: a replaced worker's requests are refused
         for name in METHODS:
-            server.register(f"ps.{name}", self._serve(name), blocking=True)
+            server.register(f"ps.{name}", self.fences.guard(self._serve(name)), blocking=True)
 
     def _serve(self, method: str) -> Handler:
         def serve(request: Request) -> Response:

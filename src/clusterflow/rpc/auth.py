@@ -157,8 +157,19 @@ class Credentials:
         return zmq.curve_public(secret_key), secret_key
 
     def apply_server(self, sock: zmq.Socket[bytes], host: str) -> AuthMode:
-        """Makes ``sock`` (before bind) demand these credentials from every peer."""
+        """Makes ``sock`` (before bind) demand these credentials from every peer.
+
+        Raises:
+            ConfigError: ``plain`` forced on a bind beyond loopback. Its password crosses
+                the network in clear text, so any host on the path could replay it and
+                join the cluster; beyond loopback only ``curve`` is allowed.
+        """
         mode = self.resolve_mode(host)
+        if mode == "plain" and not is_loopback(host):
+            raise ConfigError(
+                f"plain auth on {host!r} is refused: beyond loopback its password travels "
+                "in clear text; use curve (the default there)"
+            )
         _authenticator(sock.context).admit(self, mode)
         sock.zap_domain = self.domain.encode()
         if mode == "plain":

@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from clusterflow.cluster.contract import ManagerMethod
 from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import Credentials
 
@@ -48,13 +49,13 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     "data.release": ("name", "worker", "leases"),
     "data.status": ("name",),
     "data.state_dict": (),
-    "manager.heartbeat": ("task",),
-    "manager.declare": ("task", "respawnable"),
-    "manager.exited": ("task", "code", "summary"),
-    "manager.register": ("task", "pid", "address"),
-    "manager.status": (),
-    "manager.spec": (),
-    "task.report": ("task", "step", "loss"),
+    ManagerMethod.HEARTBEAT: ("task",),
+    ManagerMethod.DECLARE: ("task", "respawnable"),
+    ManagerMethod.EXITED: ("task", "code", "summary"),
+    ManagerMethod.REGISTER: ("task", "pid", "address"),
+    ManagerMethod.STATUS: (),
+    ManagerMethod.SPEC: (),
+    ManagerMethod.REPORT: ("task", "step", "loss"),
 }
 """Methods the fuzzer calls with hostile bodies, and the body keys each one reads."""
 

@@ -115,8 +115,9 @@ def device(name: str) -> Iterator[None]:
 
     ``device("/job:ps/task:1")``: the variables go to that ps task (parameter servers).
     ``device("/job:worker/task:1")`` (or ``chief``): the modules built inside run on that
-    task: a ``PipelineStrategy`` makes them that task's stage; outside any strategy,
-    ``clusterflow.strategies.pipeline.placed`` runs them there over RPC (in-graph).
+    task: a ``PipelineStrategy`` makes them that task's stage; outside its scope, on
+    the chief of a cluster, they run on that task over RPC (in-graph; see
+    ``strategies/pipeline/placed.py``).
 
     Raises:
         ConfigError: a device string that names no ps, chief or worker task.
@@ -125,12 +126,36 @@ def device(name: str) -> Iterator[None]:
     task = spec.task_id
     if task is None or task.job not in ("ps", "chief", "worker"):
         raise ConfigError(f"device {name!r} names no task: give /job:ps|chief|worker/task:N")
-    stack: list[Any] = _devices() if task.job == "ps" else _placements()
-    stack.append(task.index if task.job == "ps" else task)
+    if task.job == "ps":
+        ps_stack = _devices()
+        ps_stack.append(task.index)
+        try:
+            yield
+        finally:
+            ps_stack.pop()
+        return
+    stack = _placements()
+    stack.append(task)
+    try:
+        if getattr(_local, "pipeline_scopes", 0):
+            yield  # a PipelineStrategy's scope makes the block's layers that task's stage
+        else:
+            from clusterflow.strategies.pipeline.placed import placing
+
+            with placing(task):  # in-graph: the block's modules run on that task
+                yield
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def pipeline_scope() -> Iterator[None]:
+    """Inside, ``device`` blocks of chief or worker tasks name pipeline stages."""
+    _local.pipeline_scopes = getattr(_local, "pipeline_scopes", 0) + 1
     try:
         yield
     finally:
-        stack.pop()
+        _local.pipeline_scopes -= 1
 
 
 def Variable(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from clusterflow.cluster import trial
+from clusterflow.server import trial_report
 
 __all__ = ["History"]
 
@@ -34,7 +34,7 @@ class History:
             values.append(float(logs.get(name, float("nan"))))
         self.epoch.append(epoch)
         # Inside a tuning trial every epoch's figures feed the study (and its pruner).
-        trial.report(step=epoch, **logs)
+        trial_report.report(step=epoch, **logs)
 
     def last(self) -> dict[str, float]:
         """The last epoch's figures (empty before any epoch)."""

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clusterflow._lazy import lazy_exports
-from clusterflow.cluster.trial import in_trial, params, report
+from clusterflow.cluster.trial import in_trial, params
+from clusterflow.server.trial_report import report
 from clusterflow.tune.space import Param, parse_params
 
 if TYPE_CHECKING:

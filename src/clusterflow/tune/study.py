@@ -1,9 +1,11 @@
 """A study's loop: Optuna asks, each trial runs as a clusterflow cluster, Optuna is told.
 
-One thread drives up to ``parallel`` trial clusters at once. Each is started exactly as
-``clusterflow start --detach`` starts one (a folder in the registry, a secret, its
-``RunConfig``, ``python -m clusterflow.manager``), so ``clusterflow ps`` lists it, under
-an id that begins with the study's name. The loop reads each trial's report file
+One thread drives up to ``parallel`` trial clusters at once (no more than the machine,
+or the Ray cluster, holds: ``tune.placement``). Each is started exactly as
+``clusterflow start --detach`` starts one on its backend (a folder in the registry, a
+secret, its ``RunConfig``, then a local manager process or a manager actor on Ray:
+``tune.launch``), so ``clusterflow ps`` lists it, under an id that begins with the
+study's name. The loop reads each trial's report file
 (``clusterflow.cluster.trial``), feeds the values to Optuna's pruner and stops a
 pruned cluster at once. A stop request (Ctrl-C) stops every running trial and puts its
 parameters back in the study's queue, so running again continues with no trial lost.
@@ -17,8 +19,6 @@ import os
 import re
 import secrets
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.cluster.trial import (
     ENV_TRIAL_PARAMS,
     ENV_TRIAL_REPORT,
@@ -37,8 +36,9 @@ from clusterflow.cluster.trial import (
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
-from clusterflow.manager.registry import ClusterDir
-from clusterflow.manager.stopper import stop_cluster
+from clusterflow.tune import launch
+from clusterflow.tune.launch import TrialCluster
+from clusterflow.tune.placement import ENV_VISIBLE, gpus_per_trial, trials_at_once
 from clusterflow.tune.space import Param, check_command, distribution, fill_command, grid
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ class TuneSettings:
 @dataclass(slots=True)
 class _Running:
     trial: Any
-    cluster: ClusterDir
-    proc: subprocess.Popen[bytes]
+    launched: TrialCluster
+    gpus: list[str] = field(default_factory=list)
     read: int = 0
     steps: set[int] = field(default_factory=set)
     last: dict[str, float] = field(default_factory=dict)
@@ -162,12 +162,6 @@ def _cluster_id(study: str, number: int) -> str:
     return f"{study}-t{number}-{secrets.token_hex(2)}"
 
 
-def placeable(config: RunConfig, parallel: int) -> int:
-    """At most as many trials as this machine's cores can hold (a task per core)."""
-    per_trial = max(1, sum(config.replicas_of(t) for t in config.tasks() if config.is_tracked(t)))
-    return max(1, min(parallel, (os.cpu_count() or 1) // per_trial))
-
-
 class StudyRunner:
     """Runs one study to ``trials`` finished trials (see the module's docstring)."""
 
@@ -180,7 +174,9 @@ class StudyRunner:
         self._optuna = _optuna()
         self.storage = settings.storage or default_storage()
         self.base = RunConfig.merge(dict(settings.cluster), {"command": tuple(settings.command)})
-        self.parallel = placeable(self.base, settings.parallel)
+        fit = trials_at_once(self.base, settings.parallel)
+        self.parallel, self.why = fit.trials, fit.why
+        self.free_gpus = self._gpu_pool()
         self.study = self._open_study()
         self.distributions = {p.name: distribution(p) for p in settings.params}
 
@@ -232,7 +228,7 @@ class StudyRunner:
                 continue
             cluster_id = t.user_attrs.get("cluster_id")
             if cluster_id and (registry.home() / "clusters" / cluster_id).is_dir():
-                stop_cluster(registry.find(cluster_id), self.s.stop_grace_s)
+                launch.stop(registry.find(cluster_id), self.s.stop_grace_s)
             self.study.enqueue_trial(t.params, skip_if_exists=False)
             self._optuna.Trial(self.study, t._trial_id).set_user_attr(INTERRUPTED, True)
             self.study.tell(t.number, state=state.FAIL)
@@ -270,6 +266,15 @@ class StudyRunner:
             for r in running:
                 self._interrupt(r)
 
+    def _gpu_pool(self) -> list[str]:
+        """The GPUs local trials are given, a disjoint share each (none on Ray, where Ray
+        assigns them, nor without GPUs: see ``tune.placement``)."""
+        if self.base.backend == "ray" or not gpus_per_trial(self.base):
+            return []
+        from clusterflow.tune.placement import visible_gpus
+
+        return visible_gpus()
+
     def _start_trial(self) -> _Running:
         trial = self.study.ask(self.distributions)
         trial.set_user_attr("tuner", f"{_HOST}:{os.getpid()}")
@@ -278,9 +283,13 @@ class StudyRunner:
         env = {
             **dict(self.base.env),
             ENV_TRIAL_PARAMS: json.dumps(values),
-            ENV_TRIAL_REPORT: str(cluster.path / REPORT_FILE),
+            ENV_TRIAL_REPORT: REPORT_FILE,  # in the manager's folder (manager/trial_reports)
             ENV_TRIAL_REPORTER: "chief:0" if self.base.chief else "worker:0",
         }
+        share = gpus_per_trial(self.base)
+        gpus: list[str] = []
+        if self.free_gpus and share:
+            gpus, self.free_gpus = self.free_gpus[:share], self.free_gpus[share:]
         config = RunConfig.merge(
             self.base.to_dict(), {"command": fill_command(self.s.command, values), "env": env}
         )
@@ -288,22 +297,17 @@ class StudyRunner:
 
         Credentials.generate().to_file(cluster.secret_file)
         registry.write_json_atomic(cluster.config_file, config.to_dict())
-        with (cluster.path / "manager.log").open("ab") as manager_log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "clusterflow.manager", str(cluster.path)],
-                env={**os.environ, ENV_CLUSTER_ID: cluster.id},
-                stdin=subprocess.DEVNULL,
-                stdout=manager_log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
         trial.set_user_attr("cluster_id", cluster.id)
-        self.echo(f"trial {trial.number} started: cluster {cluster.id} {values}")
-        return _Running(trial, cluster, proc)
+        # The trial's manager sees its GPUs as a machine's manager sees the machine's: it
+        # splits them between its tasks, which never see another trial's.
+        launched = launch.launch(cluster, config, {ENV_VISIBLE: ",".join(gpus)} if gpus else {})
+        shown = f" on GPUs {','.join(gpus)}" if gpus else ""
+        self.echo(f"trial {trial.number} started: cluster {cluster.id}{shown} {values}")
+        return _Running(trial, launched, gpus)
 
     def _read(self, r: _Running) -> bool:
         """Feeds new reports to Optuna; True if the pruner says stop."""
-        reports = read_reports(r.cluster.path / REPORT_FILE)
+        reports = read_reports(r.launched.cluster.path / REPORT_FILE)
         new, r.read = reports[r.read :], len(reports)
         fed = False
         for step, figures in new:
@@ -318,24 +322,15 @@ class StudyRunner:
         """One look at a running trial; True once it is finished and told."""
         state_enum = self._optuna.trial.TrialState
         if self._read(r):
-            stop_cluster(r.cluster, self.s.stop_grace_s)
-            r.proc.wait()
+            r.launched.stop(self.s.stop_grace_s)
             self._tell(r, state_enum.PRUNED, "pruned")
             return True
-        state = r.cluster.read_state()
-        status = registry.effective_status(state)
-        if status not in registry.TERMINAL:
-            if r.proc.poll() is None:
-                return False
-            state = r.cluster.read_state()  # it may have written its end as it exited
-            status = registry.effective_status(state)
-            if status not in registry.TERMINAL:
-                self._tell(r, state_enum.FAIL, f"the manager exited with code {r.proc.returncode}")
-                return True
-        r.proc.wait()
+        state = r.launched.ended()
+        if state is None:
+            return False
         self._read(r)
-        if status != "succeeded":
-            self._tell(r, state_enum.FAIL, state.summary or status)
+        if state.status != "succeeded":
+            self._tell(r, state_enum.FAIL, state.summary or state.status)
             return True
         if self.s.metric not in r.last:
             said = ", ".join(sorted(r.last)) or "nothing"
@@ -351,8 +346,10 @@ class StudyRunner:
         return True
 
     def _tell(self, r: _Running, state: Any, summary: str, value: float | None = None) -> None:
-        cluster_state = r.cluster.read_state()
-        own = r.cluster.path / "checkpoints"
+        self.free_gpus += r.gpus  # its cluster is gone: its GPUs go to the next trial
+        r.gpus = []
+        cluster_state = r.launched.cluster.read_state()
+        own = r.launched.cluster.path / "checkpoints"
         checkpoint = cluster_state.checkpoint_dir or (str(own) if own.is_dir() else None)
         r.trial.set_user_attr("summary", summary)
         if checkpoint:
@@ -366,9 +363,7 @@ class StudyRunner:
 
     def _interrupt(self, r: _Running) -> None:
         """Stops a running trial's cluster and queues its parameters for the next run."""
-        stop_cluster(r.cluster, self.s.stop_grace_s)
-        if r.proc.poll() is None:
-            r.proc.wait(timeout=30)
+        r.launched.stop(self.s.stop_grace_s)
         r.trial.set_user_attr(INTERRUPTED, True)
         self.study.enqueue_trial(dict(r.trial.params), skip_if_exists=False)
         self._tell(r, self._optuna.trial.TrialState.FAIL, "interrupted: will run again on resume")

@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from clusterflow.errors import ClusterflowError
-from clusterflow.manager import ray_host, registry
+from clusterflow.manager import registry
 from clusterflow.ui import views
 
 __all__ = ["ClusterCollector", "make_registry"]
@@ -71,8 +71,7 @@ class ClusterCollector(Collector):
         )
         for cluster in registry.all_clusters():
             try:
-                ray_host.refresh(cluster)
-                state = cluster.read_state()
+                state = views.read_state(cluster)
             except ClusterflowError:
                 continue
             row = views.cluster_row(cluster, state, now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "cluster_rows",
     "find",
     "log_tails",
+    "read_state",
     "tensorboard_dir",
 ]
 
@@ -66,9 +68,21 @@ def find(cluster_id: str) -> ClusterDir:
     return cluster
 
 
-def _read(cluster: ClusterDir) -> ClusterState:
-    """The state as ``ps`` reads it: a Ray cluster's mirror refreshed first."""
-    ray_host.refresh(cluster)
+_LOCKS_LOCK = threading.Lock()
+_REFRESH_LOCKS: dict[str, threading.Lock] = {}
+
+
+def read_state(cluster: ClusterDir) -> ClusterState:
+    """The state as ``ps`` reads it: a Ray cluster's mirror refreshed first.
+
+    One refresh of a cluster at a time in this process: a refresh appends the manager's
+    new output to the mirror from the sizes it found, so two at once (a page's stream, the
+    list's, a scrape) would append the same bytes twice.
+    """
+    with _LOCKS_LOCK:
+        lock = _REFRESH_LOCKS.setdefault(cluster.id, threading.Lock())
+    with lock:
+        ray_host.refresh(cluster)
     return cluster.read_state()
 
 
@@ -107,7 +121,7 @@ def cluster_rows() -> list[dict[str, Any]]:
     rows = []
     for cluster in registry.all_clusters():
         try:
-            rows.append(cluster_row(cluster, _read(cluster), now))
+            rows.append(cluster_row(cluster, read_state(cluster), now))
         except ClusterflowError as exc:
             rows.append({"id": cluster.id, "status": "unreadable", "summary": str(exc)})
     return rows
@@ -214,7 +228,7 @@ def log_tails(cluster: ClusterDir, tasks: Iterable[str]) -> dict[str, str]:
 
 def cluster_detail(cluster: ClusterDir, *, with_checkpoints: bool = True) -> dict[str, Any]:
     """Everything the cluster's page shows except log tails and the data service."""
-    state = _read(cluster)
+    state = read_state(cluster)
     local = (state.backend or "local") == "local"
     detail = cluster_row(cluster, state, time.time())
     detail.update(

@@ -63,6 +63,7 @@ from clusterflow.strategies.coordinator.protocol import (
     digest_of,
 )
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
+from clusterflow.strategies.pipeline.placed_service import PlacedService
 from clusterflow.strategies.resolver import ClusterResolver
 
 log = logging.getLogger(__name__)
@@ -432,6 +433,7 @@ def serve_worker(environ: Mapping[str, str] | None = None) -> None:
         config.cluster, config.task.job, config.task.index, credentials=credentials, start=False
     )
     service = WorkerService(server)
+    PlacedService(server)  # modules the chief placed here with cf.device (in-graph)
     previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
 

@@ -69,6 +69,10 @@ class PipelineConfig:
     measured time of each layer's forward and backward (needs ``example_input``)."""
     virtual_stages: int = 2
     """Model chunks per task under the interleaved schedule."""
+    two_bw: bool = False
+    """PipeDream-2BW: under ``pipedream``, one update per batch (the mean of its
+    micro-batches' gradients, each taken on its forward's weights) instead of one per
+    micro-batch; at most two weight versions alive. Fewer copies and optimizer steps."""
 
     def __post_init__(self) -> None:
         try:
@@ -85,6 +89,13 @@ class PipelineConfig:
         if self.balance not in ("parameters", "time"):
             raise PipelineError(
                 f"unknown balance {self.balance!r}; expected 'parameters' or 'time'"
+            )
+        if not isinstance(self.two_bw, bool):
+            raise PipelineError(f"two_bw must be True or False, got {self.two_bw!r}")
+        if self.two_bw and self.schedule is not Schedule.PIPEDREAM:
+            raise PipelineError(
+                f"two_bw is PipeDream-2BW; the {self.schedule.value!r} schedule already "
+                "updates once per batch"
             )
         if self.split is not None:
             points = tuple(self.split)

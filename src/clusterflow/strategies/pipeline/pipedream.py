@@ -85,6 +85,10 @@ class PipeDreamEngine:
             pipelines and steps the optimizer); called once per micro-batch.
         shapes: every stage's output shape and dtype for a micro-batch's input shape
             (a receiving stage sizes its buffer by its sender's).
+        accumulate: micro-batches per update: 1 is PipeDream (an update per
+            micro-batch); a batch's count is PipeDream-2BW (their mean gradient is one
+            update, so at most two weight versions are alive: the newest, and the one
+            the micro-batches still in flight ran on).
         record: keep a :class:`StashRecord` per micro-batch (``records``).
     """
 
@@ -95,6 +99,7 @@ class PipeDreamEngine:
         apply: Callable[[], None],
         shapes: Callable[[tuple[int, ...]], list[tuple[torch.Size, torch.dtype]]],
         *,
+        accumulate: int = 1,
         record: bool = False,
     ) -> None:
         self._layout = layout
@@ -117,6 +122,13 @@ class PipeDreamEngine:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         self.records: list[StashRecord] | None = [] if record else None
         self.peak_stashes = 0
+        self._accumulate = accumulate
+        self._sums: list[torch.Tensor | None] = [None] * len(self._params)
+        self._summed = 0
+        self._stash: tuple[torch.Tensor, ...] | None = None
+        self._stash_version = -1
+        self.versions_made = 0
+        """Weight snapshots taken (one per version a forward ran on, at most)."""
 
     @property
     def in_flight(self) -> int:
@@ -173,9 +185,17 @@ class PipeDreamEngine:
             x.requires_grad_(x.is_floating_point())
         # The stash: the weights this micro-batch's backward must differentiate. A
         # stage whose backward comes before its next update uses the live weights.
-        stash = tuple(p.detach().clone() if self.warmup else p.detach() for p in self._params)
-        for tensor in stash:
-            tensor.requires_grad_(True)
+        # Every forward on one version shares one snapshot; the last stage, whose
+        # backward follows its forward before any update, runs on the live weights.
+        if self._stash is None or self._stash_version != self.version:
+            self._stash = tuple(
+                p.detach().clone() if self.warmup else p.detach() for p in self._params
+            )
+            for tensor in self._stash:
+                tensor.requires_grad_(True)
+            self._stash_version = self.version
+            self.versions_made += 1
+        stash = self._stash
         weights = {**dict(zip(self._names, stash, strict=True)), **self._buffers}
         out = functional_call(self._chunk, weights, (x,))
         checksum = _checksum(stash) if self.records is not None else 0.0
@@ -214,10 +234,18 @@ class PipeDreamEngine:
                     live_checksum=_checksum(self._params),
                 )
             )
-        for param, grad in zip(self._params, grads, strict=False):
-            param.grad = None if grad is None else grad.detach()
-        self._apply()
-        self.version += 1
+        for i, grad in enumerate(grads[: len(self._params)]):
+            if grad is not None:
+                total = self._sums[i]
+                self._sums[i] = grad.detach() if total is None else total.add_(grad)
+        self._summed += 1
+        if self._summed == self._accumulate:
+            for param, total in zip(self._params, self._sums, strict=True):
+                param.grad = None if total is None else total.div_(self._accumulate)
+            self._sums = [None] * len(self._params)
+            self._summed = 0
+            self._apply()
+            self.version += 1
 
     def _reap(self) -> None:
         self._sends = [(w, t) for w, t in self._sends if w is not None and not w.is_completed()]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from clusterflow.cluster import TaskId
 from clusterflow.strategies.pipeline.api import PipelineError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "by_points",
     "children_of",
     "measure_times",
+    "owners",
     "parameter_costs",
 ]
 
@@ -167,3 +169,21 @@ def measure_times(
         times.append(best)
         value = out.detach()
     return times
+
+
+def owners(
+    modules: Sequence[nn.Module],
+    placed: Mapping[int, TaskId],
+    stage_of: Callable[[TaskId], int],
+) -> list[int | None]:
+    """Each layer's stage from the ``cf.device`` blocks it was built in (None: none)."""
+    owners: list[int | None] = []
+    for index, module in enumerate(modules):
+        tasks = {placed[id(m)] for m in module.modules() if id(m) in placed}
+        if len(tasks) > 1:
+            raise PipelineError(
+                f"layer {index} was built under several cf.device blocks "
+                f"({', '.join(sorted(str(t) for t in tasks))}); a layer runs on one task"
+            )
+        owners.append(stage_of(tasks.pop()) if tasks else None)
+    return owners

@@ -56,12 +56,13 @@ from clusterflow.strategies.pipeline.api import (
     Schedule,
     check_microbatches,
 )
+from clusterflow.strategies.pipeline.groups import subgroups
 from clusterflow.strategies.pipeline.layout import Layout
 from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
 from clusterflow.strategies.pipeline.state import join_names, load_optimizer_part, optimizer_part
-from clusterflow.strategies.pipeline.sync import SyncEngine
+from clusterflow.strategies.pipeline.sync import LocalEngine, SyncEngine
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
-from clusterflow.strategies.variables import current_placement
+from clusterflow.strategies.variables import current_placement, pipeline_scope
 
 __all__ = ["PipelineStrategy"]
 
@@ -82,6 +83,7 @@ class PipelineStrategy(Strategy):
         balance: with no split and no ``cf.device`` blocks: ``"parameters"`` or
             ``"time"`` (measured on ``example_input``).
         virtual_stages: chunks per task under the interleaved schedule.
+        two_bw: PipeDream-2BW, one update per batch (``pipedream`` only).
         example_input: one micro-batch of inputs, for ``balance="time"``.
         record_stashes: PipeDream keeps a record of every micro-batch's weight versions.
 
@@ -100,6 +102,7 @@ class PipelineStrategy(Strategy):
         split: Sequence[int | str] | None = None,
         balance: str = "parameters",
         virtual_stages: int = 2,
+        two_bw: bool = False,
         example_input: torch.Tensor | None = None,
         record_stashes: bool = False,
         communication_options: CommunicationOptions | None = None,
@@ -112,6 +115,7 @@ class PipelineStrategy(Strategy):
             split=tuple(split) if split is not None else None,
             balance=balance,  # type: ignore[arg-type]
             virtual_stages=virtual_stages,
+            two_bw=two_bw,
         )
         if self.config.balance == "time" and example_input is None and split is None:
             raise PipelineError("balance='time' measures the layers on example_input; give one")
@@ -132,7 +136,7 @@ class PipelineStrategy(Strategy):
         self._group = CollectiveGroup.form(
             membership, communication_options or CommunicationOptions(), self._device
         )
-        self._pipe_group, self._stage_group = _subgroups(self.layout)
+        self._pipe_group, self._stage_group = subgroups(self.layout)
         self._example = example_input
         self._record = record_stashes
         self._model: nn.Module | None = None
@@ -200,7 +204,7 @@ class PipelineStrategy(Strategy):
         handle = module_hooks.register_module_parameter_registration_hook(note)
         self._scope_open = True
         try:
-            with recorder.recording():
+            with recorder.recording(), pipeline_scope():
                 yield self
         finally:
             handle.remove()
@@ -220,7 +224,7 @@ class PipelineStrategy(Strategy):
         names = [name for name, _ in layers]
         modules = [module for _, module in layers]
         chunks = self.layout.chunks
-        owners = _owners(modules, placed or {}, self._stage_of)
+        owners = cutting.owners(modules, placed or {}, self._stage_of)
         if len(modules) < chunks:
             raise PipelineError(
                 f"the model has {len(modules)} layers, too few for {chunks} pipeline stages: "
@@ -327,10 +331,11 @@ class PipelineStrategy(Strategy):
                 chunk,
                 self._apply_one,
                 lambda shape: self._shapes[shape],
+                accumulate=self.config.microbatches if self.config.two_bw else 1,
                 record=self._record,
             )
         elif self.layout.chunks == 1:
-            self._engine = _LocalEngine(self._chunks[0], self.config.microbatches)  # type: ignore[assignment]
+            self._engine = LocalEngine(self._chunks[0], self.config.microbatches)  # type: ignore[assignment]
         else:
             self._engine = SyncEngine(
                 self.layout,
@@ -553,64 +558,3 @@ class PipelineStrategy(Strategy):
         assert self._model is not None
         mine = {self._names[i] for c in self.layout.my_chunks() for i in self._bounds[c]}
         return [k for k in self._model.state_dict() if k.split(".", 1)[0] in mine]
-
-
-class _LocalEngine:
-    """A pipeline of one stage: the micro-batches' gradients accumulated in turn."""
-
-    def __init__(self, chunk: nn.Module, microbatches: int) -> None:
-        self._chunk = chunk
-        self._microbatches = microbatches
-
-    def step(
-        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        outputs, losses = [], []
-        for x, y in zip(
-            inputs.chunk(self._microbatches), targets.chunk(self._microbatches), strict=True
-        ):
-            out = self._chunk(x)
-            loss = loss_fn(out, y) / self._microbatches
-            torch.autograd.backward(loss)
-            outputs.append(out.detach())
-            losses.append(loss.detach())
-        return torch.stack(losses).sum(), torch.cat(outputs)
-
-
-def _owners(
-    modules: Sequence[nn.Module],
-    placed: Mapping[int, TaskId],
-    stage_of: Callable[[TaskId], int],
-) -> list[int | None]:
-    """Each layer's stage from the ``cf.device`` blocks it was built in (None: none)."""
-    owners: list[int | None] = []
-    for index, module in enumerate(modules):
-        tasks = {placed[id(m)] for m in module.modules() if id(m) in placed}
-        if len(tasks) > 1:
-            raise PipelineError(
-                f"layer {index} was built under several cf.device blocks "
-                f"({', '.join(sorted(str(t) for t in tasks))}); a layer runs on one task"
-            )
-        owners.append(stage_of(tasks.pop()) if tasks else None)
-    return owners
-
-
-def _subgroups(
-    layout: Layout,
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's pipeline group and its stage's data-parallel group.
-
-    Every rank creates every group, in the same order (torch's rule for ``new_group``).
-    """
-    if layout.world == 1:
-        return None, None
-    pipe = stage = None
-    for p in range(layout.pipelines):
-        group = dist.new_group(layout.pipeline_ranks(p))
-        if p == layout.pipeline:
-            pipe = group
-    for s in range(layout.stages):
-        group = dist.new_group(layout.stage_ranks(s))
-        if s == layout.stage:
-            stage = group
-    return pipe, stage

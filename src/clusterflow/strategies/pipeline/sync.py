@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 from clusterflow.strategies.pipeline.api import PipelineError, Schedule
 from clusterflow.strategies.pipeline.layout import Layout
 
-__all__ = ["SyncEngine"]
+__all__ = ["LocalEngine", "SyncEngine"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -101,3 +101,25 @@ class SyncEngine:
             return loss, outputs.detach()
         schedule.step(*args)
         return None, None
+
+
+class LocalEngine:
+    """A pipeline of one stage: the micro-batches' gradients accumulated in turn."""
+
+    def __init__(self, chunk: nn.Module, microbatches: int) -> None:
+        self._chunk = chunk
+        self._microbatches = microbatches
+
+    def step(
+        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs, losses = [], []
+        for x, y in zip(
+            inputs.chunk(self._microbatches), targets.chunk(self._microbatches), strict=True
+        ):
+            out = self._chunk(x)
+            loss = loss_fn(out, y) / self._microbatches
+            torch.autograd.backward(loss)
+            outputs.append(out.detach())
+            losses.append(loss.detach())
+        return torch.stack(losses).sum(), torch.cat(outputs)

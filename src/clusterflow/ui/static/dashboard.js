@@ -92,6 +92,7 @@ const cf = (() => {
 
   // Charts: one per figure, one series per task -------------------------------------
   const charts = {};
+  let lastCheckpoints = [];
   class FigureChart {
     constructor(key, label) {
       this.key = key; this.label = label; this.tasks = []; this.data = [[]]; this.plot = null;
@@ -176,7 +177,11 @@ const cf = (() => {
         cell(bytes(k.bytes), "num"), cell(k.directory),
       ])), "no checkpoint committed yet");
     }
-    fill("events", c.events.slice().reverse().map((e) => {
+    // The timeline: the manager's events, and each committed checkpoint at its time.
+    if (c.checkpoints) lastCheckpoints = c.checkpoints;
+    const committed = lastCheckpoints.map((k) => ({ time: k.created, event: "checkpoint", step: k.step }));
+    const timeline = c.events.concat(committed).sort((a, b) => (a.time || 0) - (b.time || 0));
+    fill("events", timeline.reverse().map((e) => {
       const rest = Object.entries(e).filter(([k]) => k !== "time" && k !== "event")
         .map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(" ");
       return row([cell(clock(e.time)), cell(e.event || "?"), cell(rest, "cmd")]);

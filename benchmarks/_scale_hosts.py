@@ -1,0 +1,287 @@
+"""The data-plane half of ``benchmarks.scale``: per-worker steps/s on emulated hosts.
+
+Every worker and every ps shard is a process on its own emulated host
+(``clusterflow.testing``: a network namespace with a private address, its link shaped
+by tc). **Bytes and link rate are scaled down together** (``SCALE``): a 10 Gbit/s link
+carrying a model of 100 MB is emulated as a 10/SCALE Gbit/s link carrying 100/SCALE MB.
+Every transfer then takes the time it takes at full size, while the two cores of this
+machine move SCALE times fewer bytes: measured here, one Python TCP stream over a veth
+moves about 2 Gbit/s with a whole core, so at full size the CPU, not the link, would set
+every figure. What is not scaled: per-message costs (RPC, Python, the kernel), which are
+real and so count against every design here more than they would at full size.
+
+Compute is **emulated** (``_scale_agent.Emulated``): a step sleeps its compute time, as a
+GPU computes while the CPU waits. Communication is real: clusterflow's RPC and ps, gloo.
+
+Sides at each size N (N workers, each on its own host):
+* ``async{S}``: ``ParameterServerStrategy`` async, S ps shards (S hosts), pushes
+  overlapped with the next step (the default);
+* ``sync``: the same, sync mode, ``SYNC_SHARDS`` shards;
+* ``ring``: ``MultiWorkerMirroredStrategy`` over gloo's ring;
+* ``ddp``: hand-written ``DistributedDataParallel`` on the same group.
+At the largest size also: ``async_slow``/``ddp_slow`` (the last worker computes 20%
+longer: a straggler) and ``ring_heavy``/``ring_heavy_bf16`` (a model of 4x the bytes per
+compute, fp32 against bf16 compression).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import Spread, alternate
+
+REPO = Path(__file__).resolve().parents[1]
+SCALE = 200
+"""Link rate and bytes are divided by this (module docstring)."""
+LINK_BIT = 10_000_000_000
+"""The emulated line rate of every host: 10 Gbit/s (shaped at LINK_BIT / SCALE)."""
+COMPUTE_S = 0.3
+"""Emulated compute per step (a ResNet-50-sized step on one GPU)."""
+WIDTH = 128
+"""8 layers of WIDTH x WIDTH fp32: 0.5 MiB, i.e. 100 MiB at full size (ResNet-50's ~25M)."""
+HEAVY_WIDTH = 256
+"""4x the bytes per compute (400 MiB at full size, ~BERT-base): where bytes dominate."""
+BUCKET_BYTES = 25 * 2**20 // SCALE
+"""DDP's default 25 MiB bucket, scaled like every other byte."""
+SHARDS = (1, 2, 4, 8)
+SYNC_SHARDS = 4
+STRAGGLER = 1.2
+REPLY_TIMEOUT_S = 300.0
+
+
+class AgentFailed(SystemExit):
+    pass
+
+
+class Agent:
+    """One host's ``_scale_agent`` process: JSON commands in, JSON answers out."""
+
+    def __init__(self, host: Any, log_dir: Path) -> None:
+        self.host = host
+        self.address: str = host.address
+        env = dict(os.environ)
+        env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        self.log = open(log_dir / f"agent-{host.index}.log", "w")  # noqa: SIM115
+        self.proc = host.popen(
+            [sys.executable, "-m", "benchmarks._scale_agent", self.address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> Any:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], deadline - time.monotonic())
+            if not ready:
+                raise AgentFailed(f"benchmark failed: host {self.address} did not answer")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AgentFailed(
+                    f"benchmark failed: host {self.address}'s process died (see {self.log.name})"
+                )
+            if line.startswith("@@ "):
+                reply = json.loads(line[3:])
+                if "error" in reply:
+                    raise AgentFailed(f"benchmark failed on {self.address}: {reply['error']}")
+                return reply["ok"]
+
+    def call(self, op: str, **args: Any) -> Any:
+        self.send(op, **args)
+        return self.recv()
+
+    def close(self) -> None:
+        try:
+            self.send("exit")
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            self.proc.kill()
+        self.log.close()
+
+
+def fan(agents: list[Agent], op: str, per: Any = None, **args: Any) -> list[Any]:
+    """Sends ``op`` to every agent (``per(i)`` adds per-agent arguments), then reads all."""
+    for i, agent in enumerate(agents):
+        agent.send(op, **args, **(per(i) if per else {}))
+    return [agent.recv() for agent in agents]
+
+
+@dataclass
+class Figures:
+    """Per-worker steps/s of each side at each size (median over rounds and spread)."""
+
+    per_worker: dict[str, dict[int, Spread]] = field(default_factory=dict)
+    cluster: dict[str, list[float]] = field(default_factory=dict)
+    """Per round, steps/s of the whole cluster (the straggler and bf16 sides)."""
+    cpu_share: dict[str, float] = field(default_factory=dict)
+    """Share of the machine's cores the workers used in their windows, largest size."""
+
+
+class Sweep:
+    """The emulated cluster: ``max_workers`` worker hosts and ``max(SHARDS)`` ps hosts."""
+
+    def __init__(self, max_workers: int, steps: int, rounds: int, verbose: bool) -> None:
+        from clusterflow.rpc import Credentials
+        from clusterflow.testing import EmulatedHosts, LinkShape
+
+        self.steps, self.rounds, self.verbose = steps, rounds, verbose
+        self.secret = Credentials.generate().secret.hex()
+        self.ports = itertools.count(21000)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="cf-scale-"))
+        shape = LinkShape(rate_bit=LINK_BIT // SCALE)
+        self.hosts = EmulatedHosts(max_workers + max(SHARDS), shape, prefix="cfscale")
+        agents = [Agent(h, self.log_dir) for h in self.hosts.hosts]
+        for agent in agents:
+            agent.recv()  # the greeting: torch imported, ready
+        self.workers = agents[:max_workers]
+        self.ps = agents[max_workers:]
+
+    def close(self) -> None:
+        for agent in self.workers + self.ps:
+            agent.close()
+        self.hosts.close()
+
+    # one size ------------------------------------------------------------------------
+
+    def _ps_side(self, name: str, workers: list[Agent], shards: int, **opts: Any) -> list[str]:
+        """Starts ``shards`` ps servers and joins ``workers``; returns the server names."""
+        port = next(self.ports)
+        spec = {
+            "ps": [f"{a.address}:{port}" for a in self.ps[:shards]],
+            "worker": [f"{a.address}:{port}" for a in workers],
+        }
+        fan(
+            self.ps[:shards],
+            "ps_start",
+            lambda i: {"index": i},
+            name=name,
+            spec=spec,
+            secret=self.secret,
+        )
+        fan(
+            workers,
+            "ps_join",
+            lambda i: {"rank": i},
+            name=name,
+            spec=spec,
+            secret=self.secret,
+            **opts,
+        )
+        return [name] * shards
+
+    def size(self, n: int, largest: bool) -> dict[str, list[list[float]]]:
+        """Every side's windows at ``n`` workers: per round, each worker's steps/s."""
+        workers = self.workers[:n]
+        names: list[str] = []
+        for shards in SHARDS:
+            self._ps_side(f"async{shards}", workers, shards, mode="async", width=WIDTH)
+            names.append(f"async{shards}")
+        self._ps_side("sync", workers, SYNC_SHARDS, mode="sync", width=WIDTH)
+        names.append("sync")
+        port = next(self.ports)
+        fan(
+            workers,
+            "dist_init",
+            lambda i: {"rank": i},
+            master=workers[0].address,
+            port=port,
+            world=n,
+        )
+        fan(workers, "ring_join", name="ring", width=WIDTH, bf16=False, bucket_bytes=BUCKET_BYTES)
+        fan(workers, "ddp_join", name="ddp", width=WIDTH, bucket_bytes=BUCKET_BYTES)
+        names += ["ring", "ddp"]
+        sides = {name: name for name in names}
+        if largest:
+            for bf16 in (False, True):
+                name = "ring_heavy_bf16" if bf16 else "ring_heavy"
+                fan(
+                    workers,
+                    "ring_join",
+                    name=name,
+                    width=HEAVY_WIDTH,
+                    bf16=bf16,
+                    bucket_bytes=BUCKET_BYTES,
+                )
+                sides[name] = name
+            sides["async_slow"] = f"async{max(SHARDS)}"
+            sides["ddp_slow"] = "ddp"
+        windows: dict[str, list[list[float]]] = {name: [] for name in sides}
+
+        def window(side: str, record: bool = True) -> float:
+            slow = side.endswith("_slow")
+
+            def per(i: int) -> dict[str, float]:
+                factor = STRAGGLER if slow and i == n - 1 else 1.0
+                return {"compute_s": COMPUTE_S * factor}
+
+            spans = fan(workers, "window", per, name=sides[side], steps=self.steps)
+            rates = [self.steps / (end - start) for start, end, _ in spans]
+            if record:
+                windows[side].append(rates)
+            return sum(rates) / n
+
+        for target in sides.values():  # untimed: connections, first pull, first buckets
+            fan(workers, "warm", name=target, steps=1, compute_s=COMPUTE_S)
+        alternate(
+            {side: (lambda s=side: window(s)) for side in sides},
+            self.rounds,
+            verbose=self.verbose,
+            warmup=False,
+        )
+        for name in names:
+            if name.startswith(("async", "sync")):
+                fan(workers, "drop", name=name)
+                fan(
+                    self.ps[: SYNC_SHARDS if name == "sync" else int(name[5:])],
+                    "ps_stop",
+                    name=name,
+                )
+        fan(workers, "dist_destroy")
+        return windows
+
+
+def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
+    figures = Figures()
+    sweep = Sweep(max(sizes), steps, rounds, verbose)
+    try:
+        for n in sizes:
+            started = time.perf_counter()
+            windows = sweep.size(n, largest=n == max(sizes))
+            for side, per_round in windows.items():
+                if side.endswith("_slow") or side.startswith("ring_heavy"):
+                    figures.cluster[side] = [sum(r) for r in per_round]
+                else:
+                    mean = [sum(r) / len(r) for r in per_round]
+                    figures.per_worker.setdefault(side, {})[n] = Spread.of(mean)
+            print(
+                f"{n} workers ({time.perf_counter() - started:.0f} s): "
+                + ", ".join(
+                    f"{side} {figures.per_worker[side][n].median:.2f}"
+                    for side in figures.per_worker
+                    if n in figures.per_worker[side]
+                )
+                + " steps/s per worker",
+                flush=True,
+            )
+    finally:
+        sweep.close()
+    return figures
