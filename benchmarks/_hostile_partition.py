@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +66,8 @@ class Outcome:
     """What docs/failure-semantics.md promises for that wait."""
     first_exit: str
     """How the cut-off launch ended: its last line."""
+    fenced: bool
+    """It ended by ``TaskFenced`` (it learnt it was replaced), not by a deadline."""
 
 
 def _env(workdir: Path, hosts: EmulatedHosts, incarnation: int, host: int) -> dict[str, str]:
@@ -102,7 +105,7 @@ def _wait(predicate: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
 
 def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
     """Runs one scenario on three fresh emulated hosts; ``workdir`` must be empty."""
-    from clusterflow.rpc import DEFAULT_DEADLINE_S, Credentials
+    from clusterflow.rpc import Credentials
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
@@ -148,17 +151,21 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
             time.sleep(max(0.0, cut_s - (time.monotonic() - cut_at)))
             hosts.heal(1)
             cut_for = time.monotonic() - cut_at
+            if os.environ.get("HOSTILE_DEBUG"):
+                time.sleep(15)
+                first.send_signal(signal.SIGUSR1)
             code = first.wait(TIMEOUT_S)
             stall = time.monotonic() - cut_at
-            # Healed, its request in flight lands with TCP's next retransmission (its
-            # backoff doubles while the link is cut: at most about the cut's length
-            # again) and is refused at once; then its exit.
-            bound = 2 * cut_for + EXIT_MARGIN_S
+            # Healed, it is refused at its next request; a request it had in flight when
+            # the link broke is lost with the connection ZeroMQ re-dials, so it may only
+            # end at that request's deadline: the bound is its deadline, then its exit.
+            del cut_for
+            bound = deadline_s + EXIT_MARGIN_S
         else:
             code = first.wait(TIMEOUT_S)
             stall = time.monotonic() - cut_at
-            # The longer of its ps deadline and its data client's RPC deadline, then its exit.
-            bound = max(deadline_s, DEFAULT_DEADLINE_S) + EXIT_MARGIN_S
+            # Its ps deadline (its data client's is set to the same), then its exit.
+            bound = deadline_s + EXIT_MARGIN_S
             time.sleep(max(0.0, cut_s - stall))
             hosts.heal(1)
             _release(hosts, workdir, "worker:0", 1)
@@ -181,7 +188,7 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
     last = _tail(workdir / "first.err")
     if code == 0:
         raise RuntimeError(f"{scenario}: the cut-off launch ended normally: {last}")
-    return Outcome(scenario, lost, duplicated, round(stall, 2), bound, last)
+    return Outcome(scenario, lost, duplicated, round(stall, 2), bound, last, "TaskFenced" in last)
 
 
 def _tail(path: Path) -> str:
@@ -243,7 +250,12 @@ def _relaunch(workdir: Path, address: str, task: str, incarnation: int) -> None:
 
 
 def _work(workdir: Path, deadline_s: float) -> None:
+    import faulthandler
+    import signal
+
     import torch
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, to stderr
 
     from clusterflow.data import distributed_dataset
     from clusterflow.strategies.parameter_server import ParameterServerStrategy

@@ -10,7 +10,8 @@
 * ``partition_runs``, ``lost``, ``duplicated``, ``max_stall_s``, ``stall_bound_s``:
   partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``); records
   lost and applied twice over all of them (the counter model), and the longest time a
-  task sat without progress or failure against its documented bound.
+  task sat without progress or failure against its documented bound. ``zombies_fenced``:
+  zombie launches that ended by ``TaskFenced`` rather than by their own deadline.
 
 Usage::
 
@@ -119,11 +120,13 @@ def fuzz(total: int, workdir: Path, verbose: bool) -> dict[str, float]:
                         print(f"{address}: {sent} sent, {time.monotonic() - started:.0f}s")
             good.close()
         crashes += sum(1 for p in procs.values() if not p.is_running())
-        growth = max(
-            (p.memory_info().rss - rss0[name]) / 2**20
+        growths = {
+            name: (p.memory_info().rss - rss0[name]) / 2**20
             for name, p in procs.items()
             if p.is_running()
-        )
+        }
+        print(", ".join(f"{n} grew {g:.1f} MiB" for n, g in growths.items()), flush=True)
+        growth = max(growths.values())
         print(
             f"fuzz: {sent + garbage} inputs in {time.monotonic() - started:.0f}s, "
             f"{unanswered} unanswered, {internal} internal, {crashes} crashes, "
@@ -167,6 +170,7 @@ def partitions(workdir: Path) -> dict[str, float]:
         "max_stall_s": worst.stall_s,
         "stall_bound_s": worst.stall_bound_s,
         "stalls_within_bound": sum(o.stall_s <= o.stall_bound_s for o in outcomes),
+        "zombies_fenced": sum(o.fenced for o in outcomes if o.scenario.startswith("zombie")),
     }
 
 
