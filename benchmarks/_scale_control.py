@@ -3,9 +3,9 @@
 The manager is clusterflow's own ``Controller`` (its RPC server, task table, rendezvous
 and data dispatcher, with the handlers a real cluster has), built for 1,000 workers on a
 backend that launches nothing: the 1,000 tasks are **simulated registrants**, one
-ZeroMQ DEALER socket each (its own TCP connection and curve handshake, as a
-supervisor's), in one client process that speaks clusterflow's wire format
-(``rpc/codec.py``) without torch. They:
+ZeroMQ DEALER socket each (its own TCP connection, curve-encrypted as between real
+machines, though both ends are on loopback here), in one client process that speaks
+clusterflow's wire format (``rpc/codec.py``) without torch. They:
 
 * register (``manager.register``): all 1,000 are held at the barrier until the last
   arrives, then every one gets its spec and environment: ``register_1000_s``;
@@ -78,7 +78,8 @@ def _manager(conn: Connection, home: str) -> None:
     from clusterflow.rpc import Credentials, RpcServer
 
     cluster = registry.create()
-    credentials = Credentials.generate()
+    # curve, as a manager and its tasks on separate machines use (loopback would be plain)
+    credentials = Credentials.generate(mode="curve")
     credentials.to_file(cluster.secret_file)
     config = RunConfig(command=("true",), workers=TASKS, register_timeout_s=120.0)
     rpc = RpcServer(credentials, name="manager", workers=TASKS + 16)
@@ -96,7 +97,7 @@ def _client(conn: Connection, endpoint: str, secret: bytes) -> None:
     from clusterflow.rpc import Credentials, codec
 
     ctx = zmq.Context()
-    credentials = Credentials(secret)
+    credentials = Credentials(secret, mode="curve")
     host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     socks = []
     for _ in range(TASKS):

@@ -102,10 +102,31 @@ def device_blocks() -> list[tuple[int, int]]:
     return [(b.start, b.stop) for b in strategy.bounds]
 
 
+def custom_loop(out: Path) -> dict[str, Any]:
+    """A TrainingSession loop of one's own, with the step ``train_step`` gives."""
+    strategy = cf.PipelineStrategy("gpipe", microbatches=2, stages=2)
+    with strategy.scope():
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = strategy.train_step(model, nn.CrossEntropyLoss(), optimizer)
+    x, y = data()
+    rows = slice(8 * strategy.layout.pipeline, 8 * strategy.layout.pipeline + 8)
+    losses = []
+    hooks = [cf.StopAtStep(6), cf.Checkpoint(str(out / "ckpt-loop"), every_steps=3)]
+    with cf.TrainingSession(
+        strategy=strategy, model=model, optimizer=optimizer, hooks=hooks
+    ) as session:
+        while not session.should_stop():
+            loss, _ = session.run_step(step, x[rows], y[rows], 1.0)
+            losses.append(float(strategy.reduce("mean", loss)))
+    return {"step": session.step, "losses": losses}
+
+
 def pipedream(out: Path, rank: int) -> dict[str, Any]:
     result = _pipedream(two_bw=False)
     result["2bw"] = _pipedream(two_bw=True)
     result["device_bounds"] = device_blocks()
+    result["loop"] = custom_loop(out)
     return result
 
 

@@ -4,7 +4,7 @@ placed on the partitions' nodes, reads local where they lie, and a cache node ki
 mid-epoch with every record still read exactly once.
 
 One Ray cluster serves the module, one node per emulated host (``clusterflow.testing``,
-each its own network namespace and address): head ``a`` and nodes ``b``, ``c``, ``d``
+each its own network namespace and address): the head ``b`` and nodes ``c`` and ``d``
 (``zone=<name>``). The finalizers kill every process on the hosts, remove them and the
 caches' shared memory, even when a test failed.
 """
@@ -72,8 +72,8 @@ JOB = textwrap.dedent(
 )
 
 
-ZONES = {"b": 1, "c": 2, "d": 3}
-"""Cache nodes by zone -> their host (host 0 is the head, zone a)."""
+ZONES = {"b": 0, "c": 1, "d": 2}
+"""Cache nodes by zone -> their host (host 0 is the head)."""
 
 
 class Nodes:
@@ -89,15 +89,15 @@ class Nodes:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Nodes]:
-    with RayNodes(4, prefix="cache") as ray:
-        ray.start_head("--num-cpus=1", "--labels=zone=a")
-        for zone, host in ZONES.items():
-            ray.start_node(host, "--num-cpus=1", f"--labels=zone={zone}")
+    with RayNodes(3, prefix="cache") as ray:
+        ray.start_head("--num-cpus=1", "--labels=zone=b")
+        for zone in "cd":
+            ray.start_node(ZONES[zone], "--num-cpus=1", f"--labels=zone={zone}")
 
-        def four() -> bool:
-            return len(ray.probe()["nodes"]) >= 4
+        def three() -> bool:
+            return len(ray.probe()["nodes"]) >= 3
 
-        wait_until(four, 90, "four Ray nodes")
+        wait_until(three, 90, "three Ray nodes")
         yield Nodes(ray)
 
 
@@ -189,9 +189,9 @@ def test_a_cache_node_killed_mid_epoch_loses_no_record(
     ray_cluster: Nodes, cf: Any, tmp_path: Path
 ) -> None:
     """Runs last: it kills a node. Partitions on b, c, d with a replica each; the two
-    workers pause mid-epoch; the cache node without a worker is killed; the keeper
-    rebalances (replicas promoted, new replicas loaded); the run completes with every
-    record read exactly once."""
+    workers (kept off d by a label of their own) pause mid-epoch; d is killed; the
+    keeper rebalances (replicas promoted, new replicas loaded); the run completes with
+    every record read exactly once."""
     source = write_parquet(tmp_path / "src")
     address = ray_cluster.address
     name = f"ha{secrets.token_hex(2)}"
@@ -212,17 +212,20 @@ def test_a_cache_node_killed_mid_epoch_loses_no_record(
     cli = [sys.executable, "-m", "clusterflow.cli.main"]
     env = ray_cluster.ray.env(CLUSTERFLOW_HOME=str(cf.home))
     argv = [*cli, "start", "--backend", "ray", "--address", address, "--cache", name]
-    argv += ["--workers", "2", "--", sys.executable, str(job), str(out), "10"]
+    argv += ["--workers", "2", "--label", "worker:zone=!d"]
+    argv += ["--", sys.executable, str(job), str(out), "10"]
     proc = ray_cluster.ray.popen(argv, env=env, cwd=REPO)
     try:
 
         def both_paused() -> list[Path] | None:
+            if proc.poll() is not None:
+                raise AssertionError(f"start ended early: {proc.communicate()}")
             found = list(out.glob("paused-*"))
             return found if len(found) == 2 else None
 
         paused = wait_until(both_paused, 240, "both workers paused mid-epoch")
-        busy = {zones[p.read_text()] for p in paused}
-        (idle,) = {"b", "c", "d"} - busy  # the cache node that runs no worker
+        assert {zones[p.read_text()] for p in paused} == {"b", "c"}
+        idle = "d"  # the cache node that runs no worker
         ray_cluster.ray.kill_node(ZONES[idle])
 
         def rebalanced() -> dict[str, Any] | None:

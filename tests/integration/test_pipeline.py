@@ -152,6 +152,19 @@ def test_device_blocks_cut_the_model_at_their_tasks(results: dict[str, list[Any]
         assert result["device_bounds"] == [(0, 2), (2, 5)]
 
 
+def test_a_training_session_loop_trains_and_checkpoints_the_stages(
+    results: dict[str, list[Any]],
+) -> None:
+    for result in results["pipedream"]:
+        loop = result["loop"]
+        assert loop["step"] == 6 and len(loop["losses"]) == 6
+        assert loop["losses"][-1] < loop["losses"][0]
+        assert loop["losses"] == results["pipedream"][0]["loop"]["losses"]
+    manifest = CheckpointStorage(str(results["out"][0] / "ckpt-loop")).latest()
+    assert manifest is not None and manifest.step == 6
+    assert {"stage-0", "stage-1", "worker-3"} <= set(manifest.parts)
+
+
 def test_pipedream_backward_uses_the_weights_its_forward_used(
     results: dict[str, list[Any]],
 ) -> None:

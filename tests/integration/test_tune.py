@@ -179,29 +179,40 @@ def test_ctrl_c_stops_every_trial_and_resume_loses_none(cf: Clusterflow, tmp_pat
     marks = tmp_path / "marks"
     args = ["--trials", "3", "--parallel", "2", "--pruner", "none", "--seed", "2"]
     command = _job("hold", 2, marks)
-    proc = cf.popen(
-        "tune", "--study", "cc", "--param", "x=uniform:0:1", "--metric", "score", *args,
-        "--", *command,
-    )  # fmt: skip
+    run = ["tune", "--study", "cc", "--param", "x=uniform:0:1", "--metric", "score", *args]
 
-    def two_reporting() -> list[str]:
-        ids = [i for i in cf.ids() if _reports(cf, i)]
-        return ids if len(ids) == 2 else []
+    def reporting(n: int, among: set[str]) -> Any:
+        def found() -> list[str]:
+            ids = [i for i in cf.ids() if i not in among and _reports(cf, i)]
+            return ids if len(ids) == n else []
 
-    first = cf.wait_until(two_reporting, 60, "two trials running")
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert "--resume` continues" in err
-    for cluster_id in first:
-        assert _gone(cf, cluster_id)
-    trials = _study(cf, "cc").get_trials()
-    interrupted = [t for t in trials if t.user_attrs.get("interrupted")]
+        return found
+
+    def interrupt(proc: Any, running: list[str]) -> list[Any]:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "--resume` continues" in err
+        for cluster_id in running:
+            assert _gone(cf, cluster_id)
+        return [t for t in _study(cf, "cc").get_trials() if t.user_attrs.get("interrupted")]
+
+    proc = cf.popen(*run, "--", *command)
+    first = cf.wait_until(reporting(2, set()), 60, "two trials running")
+    interrupted = interrupt(proc, first)
     assert len(interrupted) == 2 and all(t.state.name == "FAIL" for t in interrupted)
 
+    # The same command again continues the study: it runs the interrupted trials first.
+    proc = cf.popen(*run, "--", *command)
+    second = cf.wait_until(reporting(2, set(first)), 60, "the two again")
+    again = [t for t in _study(cf, "cc").get_trials() if t.user_attrs.get("cluster_id") in second]
+    assert sorted(t.params["x"] for t in again) == sorted(t.params["x"] for t in interrupted)
+    interrupted = interrupt(proc, second)
+    assert len(interrupted) == 4
+
     (marks / "release").touch()
-    again = cf.run("tune", "--study", "cc", "--resume", timeout=120)
-    assert again.returncode == 0, again.stderr + again.stdout
+    done = cf.run("tune", "--study", "cc", "--resume", timeout=120)  # as stored with the study
+    assert done.returncode == 0, done.stderr + done.stdout
     trials = _study(cf, "cc").get_trials()
     complete = [t for t in trials if t.state.name == "COMPLETE"]
     assert len(complete) == 3

@@ -98,9 +98,8 @@ def _batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
 
 def _strategy(num_ps: int, **options: Any) -> ParameterServerStrategy:
     resolver = SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, task_type="chief", task_id=0)
-    return ParameterServerStrategy(
-        resolver, mode="sync", _connection=LocalShards(num_ps), **options
-    )
+    options.setdefault("mode", "sync")
+    return ParameterServerStrategy(resolver, _connection=LocalShards(num_ps), **options)
 
 
 def _optimizers(name: str, model: nn.Module, reference: bool) -> list[torch.optim.Optimizer]:
@@ -269,6 +268,10 @@ def test_checkpoint_state_round_trips_and_shards_join_into_one_table() -> None:
     for store in stores:
         ids, rows = store.read_rows("t")
         torch.testing.assert_close(whole[ids], rows)
+    # A ps started outside a cluster knows no index: the worker's create names its shard.
+    local = RowStore(0)
+    local.create(PSConfig(), specs, shard=1)
+    assert local.read_rows("t")[0].tolist() == [1, 3, 5, 7, 9]
     restored = RowStore(1)
     restored.load_state(*parts[1])
     assert restored.version == 1 and ("d", 0, 1) in restored.applied
@@ -330,3 +333,47 @@ def test_a_checkpoint_restores_rows_and_state_and_load_module_joins_the_shards(
     torch.testing.assert_close(plain.item.weight, read_table(third.item))
     for strat in (strategy, again, restored_rows):
         strat.close()
+
+
+def test_the_row_cache_serves_hot_rows_at_most_its_staleness_old() -> None:
+    strategy = _strategy(2, mode="async", row_cache_steps=2, row_cache_rows=64)
+    with strategy.scope():
+        model = Ranker(sparse=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    tables = strategy._sparse.tables
+    assert tables is not None
+    bag, offsets = torch.tensor([1, 2, 3]), torch.tensor([0])
+    seen = []
+
+    def step() -> None:
+        opt.zero_grad()
+        out = model.bag(bag, offsets)
+        seen.append(out.detach().clone())
+        out.sum().backward()
+        opt.step()
+
+    for _ in range(5):
+        strategy.run(step)
+    # Steps 0-2 read the rows cached at step 0 (stale by up to 2 steps); step 3 pulls
+    # again and sees the three updates applied meanwhile; step 4 reads that cache.
+    assert torch.equal(seen[0], seen[1]) and torch.equal(seen[0], seen[2])
+    assert not torch.equal(seen[2], seen[3]) and torch.equal(seen[3], seen[4])
+    assert tables.stats.cache_hits == 9 and tables.stats.rows_pulled == 6
+    # Each step moves each of the three rows by -0.5 / 3 (the mean's gradient, lr 0.5).
+    torch.testing.assert_close(seen[3], seen[0] - 0.5)
+    strategy.close()
+
+
+def test_stale_row_pushes_are_dropped_or_scaled_as_dense_ones() -> None:
+    grads = {"t": (torch.tensor([1]), -torch.ones(1, 2))}
+    for policy, expected in (("drop", 1.0), ("scale", 1.5)):
+        store = RowStore(0)
+        spec = TableSpec(name="t", rows=10, dim=2, num_shards=1, init="zeros")
+        config = PSConfig(max_staleness=1, stale_policy=policy)  # type: ignore[arg-type]
+        store.create(config, [spec])
+        store.set_optimizer({"t": RowOptimizerSpec(name="SGD", hyper={"lr": 1.0})})
+        for version in range(2):
+            assert store.push(worker="fast", version=version, grads=grads).applied
+        late = store.push(worker="slow", version=0, grads=grads)  # 2 steps behind
+        assert late.staleness == 2 and late.applied == (policy == "scale")
+        assert store.pull({"t": torch.tensor([1])})[1]["t"][0, 0] == 2.0 + expected - 1.0

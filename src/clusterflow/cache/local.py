@@ -175,9 +175,13 @@ def list_caches() -> list[CacheMap]:
         return []
     out = []
     for folder in sorted(root.iterdir()):
-        if (folder / "cache.json").exists():
+        if not (folder / "cache.json").exists():
+            continue
+        try:
+            out.append(describe(folder.name))
+        except ConfigError as exc:  # its Ray cluster unreachable, say: listed, and why
             with contextlib.suppress(ConfigError):
-                out.append(describe(folder.name))
+                out.append(replace(read_map(folder.name), status=f"unknown: {exc}"))
     return out
 
 

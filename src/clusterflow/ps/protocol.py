@@ -75,6 +75,13 @@ counter, so one near 2**63 is not a version a ps will ever reach, only a handler
 held for nothing."""
 
 
+def _all_of(method: str, key: str, items: Any, kind: type) -> Any:
+    """``items`` (a list or None) if every element is a ``kind``, or ``MalformedRequest``."""
+    if items is not None and not all(isinstance(item, kind) for item in items):
+        raise MalformedRequest(f"ps.{method} request: {key!r} must list {kind.__name__}s")
+    return items
+
+
 SplitKeyWire = tuple[str, int, int]
 """``clusterflow.data.SplitKey`` on the wire: ``(dataset, epoch, split)``."""
 
@@ -146,7 +153,9 @@ class CreateRequest:
         b = _body(cls.METHOD, body)
         return cls(
             config=PSConfig.from_dict(_field(cls.METHOD, b, "config", dict, _REQUIRED)),
-            variables=_field(cls.METHOD, b, "vars", list, _REQUIRED),
+            variables=_all_of(
+                cls.METHOD, "vars", _field(cls.METHOD, b, "vars", list, _REQUIRED), dict
+            ),
             values=tensors,
         )
 
@@ -198,7 +207,7 @@ class PullRequest:
     def from_wire(cls, body: Any, tensors: Tensors) -> PullRequest:
         b = _body(cls.METHOD, body)
         return cls(
-            names=_field(cls.METHOD, b, "names", list, None),
+            names=_all_of(cls.METHOD, "names", _field(cls.METHOD, b, "names", list, None), str),
             min_version=_field(cls.METHOD, b, "min_version", int, 0),
             timeout=_field(cls.METHOD, b, "timeout", float, DEFAULT_TIMEOUT_S),
             dtype=_wire_dtype(cls.METHOD, b.get("dtype")),

@@ -67,18 +67,25 @@ class RowsCreateRequest:
     METHOD: ClassVar[str] = "rows_create"
     config: PSConfig
     tables: list[TableSpec]
+    shard: int | None = None
+    """The ps task's index in the worker's cluster spec (its shard of every table)."""
 
     def to_wire(self) -> Wire:
-        return {"config": self.config.to_dict(), "tables": [t.to_dict() for t in self.tables]}, {}
+        body = {"config": self.config.to_dict(), "tables": [t.to_dict() for t in self.tables]}
+        return body | {"shard": self.shard}, {}
 
     @classmethod
     def from_wire(cls, body: Any, tensors: Tensors) -> RowsCreateRequest:
         b = _body(cls.METHOD, body)
         if not isinstance(b.get("config"), dict) or not isinstance(b.get("tables"), list):
             raise MalformedRequest("ps.rows_create needs 'config' and 'tables'")
+        shard = b.get("shard")
+        if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int)):
+            raise MalformedRequest(f"ps.rows_create: 'shard' must be an int, got {shard!r:.40}")
         return cls(
             config=PSConfig.from_dict(b["config"]),
             tables=[TableSpec.from_dict(dict(t)) for t in b["tables"]],
+            shard=shard,
         )
 
 
@@ -234,7 +241,7 @@ def rows_dispatch(store: RowStore, method: str, body: Any, tensors: Tensors) -> 
     """
     if method == "rows_create":
         request = RowsCreateRequest.from_wire(body, tensors)
-        return {"created": store.create(request.config, request.tables)}, {}
+        return {"created": store.create(request.config, request.tables, request.shard)}, {}
     if method == "rows_optimizer":
         store.set_optimizer(RowsOptimizerRequest.from_wire(body, tensors).optimizers)
         return None, {}

@@ -69,12 +69,19 @@ class RowStore:
 
     # Set-up -----------------------------------------------------------------------
 
-    def create(self, config: PSConfig, specs: list[TableSpec]) -> list[str]:
+    def create(
+        self, config: PSConfig, specs: list[TableSpec], shard: int | None = None
+    ) -> list[str]:
         """Draws this shard's rows of each table; tables that exist are kept.
 
+        ``shard``: the index the worker addresses this task by (its place in the
+        cluster spec's ps job); the first creator's sets it, as a ps started outside a
+        cluster (``create_local_server``) knows no index of its own.
+
         Raises:
-            PSError: another config than the first creator's, a table redeclared with
-                another shape, or backup workers (a table step takes every replica).
+            PSError: another config or shard than the first creator's, a table
+                redeclared with another shape, or backup workers (a table step takes
+                every replica).
         """
         if config.backup_workers:
             raise PSError("embedding tables take every replica per sync step: no backup_workers")
@@ -82,6 +89,11 @@ class RowStore:
         with self._cond:
             if self.config is None:
                 self.config = config
+                self.ps_index = self.ps_index if shard is None else shard
+            elif shard is not None and shard != self.ps_index:
+                raise PSError(
+                    f"ps:{self.ps_index} was created as shard {self.ps_index}, not {shard}"
+                )
             elif self.config != config:
                 raise PSError(
                     f"ps:{self.ps_index} tables run {self.config.to_dict()}; a worker asked "

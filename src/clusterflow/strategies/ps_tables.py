@@ -110,11 +110,13 @@ class TableSession:
             )
             self.specs[name] = spec
             self.weights[id(weight)] = name
-        request = RowsCreateRequest(config=self._config, tables=list(self.specs.values()))
-        body, tensors = request.to_wire()
-        self._ps.map(
-            lambda i: self._ps.call(i, request.METHOD, body, tensors), range(self._ps.num_ps)
-        )
+        tables = list(self.specs.values())
+
+        def create(index: int) -> None:
+            request = RowsCreateRequest(config=self._config, tables=tables, shard=index)
+            self._ps.call(index, request.METHOD, *request.to_wire())
+
+        self._ps.map(create, range(self._ps.num_ps))
         for module, name in modules:
             attach(module, name, self)
         self.sync_versions()

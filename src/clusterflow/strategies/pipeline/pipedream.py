@@ -17,7 +17,7 @@ came back); :meth:`drain` on every rank together (before a checkpoint, an evalua
 the end), which finishes every micro-batch in flight.
 
 Messages: activations go from stage ``s`` to ``s + 1``, gradients back, over the
-world group's point-to-point sends (each direction of a pair carries one kind, in
+pipeline group's point-to-point sends (each direction of a pair carries one kind, in
 order). Sends are asynchronous and kept until done, so a stage never waits on a
 neighbour that is busy with an earlier micro-batch.
 """
@@ -89,6 +89,8 @@ class PipeDreamEngine:
             micro-batch); a batch's count is PipeDream-2BW (their mean gradient is one
             update, so at most two weight versions are alive: the newest, and the one
             the micro-batches still in flight ran on).
+        group: the pipeline's process group (its own channels, apart from the world's);
+            peers are named by global rank.
         record: keep a :class:`StashRecord` per micro-batch (``records``).
     """
 
@@ -99,6 +101,7 @@ class PipeDreamEngine:
         apply: Callable[[], None],
         shapes: Callable[[tuple[int, ...]], list[tuple[torch.Size, torch.dtype]]],
         *,
+        group: dist.ProcessGroup | None = None,
         accumulate: int = 1,
         record: bool = False,
     ) -> None:
@@ -123,12 +126,18 @@ class PipeDreamEngine:
         self.records: list[StashRecord] | None = [] if record else None
         self.peak_stashes = 0
         self._accumulate = accumulate
+        self._group = group
         self._sums: list[torch.Tensor | None] = [None] * len(self._params)
         self._summed = 0
         self._stash: tuple[torch.Tensor, ...] | None = None
         self._stash_version = -1
         self.versions_made = 0
         """Weight snapshots taken (one per version a forward ran on, at most)."""
+        # Receives posted ahead, within one step, so that a neighbour's send finds its
+        # receive waiting instead of holding the sender (gloo sends to a peer that has
+        # not posted its receive cost milliseconds).
+        self._next_input: tuple[Any, torch.Tensor] | None = None
+        self._next_grad: tuple[Any, torch.Tensor] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -148,8 +157,12 @@ class PipeDreamEngine:
         rows = inputs.shape[0] // microbatches
         shapes = self._shapes((rows, *inputs.shape[1:]))
         outputs: list[torch.Tensor] = []
-        for x, y in zip(xs, ys, strict=True):
-            out = self._forward(x, shapes)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            if not self._last and len(self._inflight) + 1 > self.warmup:
+                # A backward follows this forward: its gradient may arrive meanwhile.
+                grad = torch.empty_like(self._inflight[0].outputs)
+                self._next_grad = (dist.irecv(grad, src=self._next, group=self._group), grad)
+            out = self._forward(x, shapes, more=i + 1 < microbatches)
             if self._last:
                 outputs.append(out.detach())
                 self._backward(loss_fn, y)
@@ -173,15 +186,28 @@ class PipeDreamEngine:
     # One forward, one backward -------------------------------------------------------
 
     def _forward(
-        self, x: torch.Tensor | None, shapes: list[tuple[torch.Size, torch.dtype]]
+        self,
+        x: torch.Tensor | None,
+        shapes: list[tuple[torch.Size, torch.dtype]],
+        *,
+        more: bool = False,
     ) -> torch.Tensor:
         index = self._forwarded
         self._forwarded += 1
         stage = self._layout.stage
         if x is None:
             shape, dtype = shapes[stage - 1]
-            x = torch.empty(shape, dtype=dtype)
-            dist.recv(x, src=self._prev)
+            if self._next_input is not None:
+                work, x = self._next_input
+                self._next_input = None
+                work.wait()
+            else:
+                x = torch.empty(shape, dtype=dtype)
+                dist.recv(x, src=self._prev, group=self._group)
+            if more:  # the step's next micro-batch, of the same shape
+                following = torch.empty(shape, dtype=dtype)
+                work = dist.irecv(following, src=self._prev, group=self._group)
+                self._next_input = (work, following)
             x.requires_grad_(x.is_floating_point())
         # The stash: the weights this micro-batch's backward must differentiate. A
         # stage whose backward comes before its next update uses the live weights.
@@ -203,7 +229,7 @@ class PipeDreamEngine:
         self.peak_stashes = max(self.peak_stashes, len(self._inflight))
         if self._next is not None:
             sent = out.detach().contiguous()
-            self._sends.append((dist.isend(sent, dst=self._next), sent))
+            self._sends.append((dist.isend(sent, dst=self._next, group=self._group), sent))
         return out  # type: ignore[no-any-return]
 
     def _backward(self, loss_fn: LossFn, target: Any) -> None:
@@ -213,15 +239,20 @@ class PipeDreamEngine:
             grad_out = None
         else:
             root = item.outputs
-            grad_out = torch.empty_like(item.outputs)
-            dist.recv(grad_out, src=self._next)
+            if self._next_grad is not None:
+                work, grad_out = self._next_grad
+                self._next_grad = None
+                work.wait()
+            else:
+                grad_out = torch.empty_like(item.outputs)
+                dist.recv(grad_out, src=self._next, group=self._group)
         wants_input = item.inputs.requires_grad and self._prev is not None
         inputs = [*item.weights, item.inputs] if wants_input else list(item.weights)
         grads = torch.autograd.grad(root, inputs, grad_outputs=grad_out, allow_unused=True)
         if wants_input:
             grad_in = grads[-1]
             sent = (torch.zeros_like(item.inputs) if grad_in is None else grad_in).contiguous()
-            self._sends.append((dist.isend(sent, dst=self._prev), sent))
+            self._sends.append((dist.isend(sent, dst=self._prev, group=self._group), sent))
         if self.records is not None:
             self.records.append(
                 StashRecord(
@@ -241,7 +272,9 @@ class PipeDreamEngine:
         self._summed += 1
         if self._summed == self._accumulate:
             for param, total in zip(self._params, self._sums, strict=True):
-                param.grad = None if total is None else total.div_(self._accumulate)
+                if total is not None and self._accumulate > 1:
+                    total.div_(self._accumulate)
+                param.grad = total
             self._sums = [None] * len(self._params)
             self._summed = 0
             self._apply()

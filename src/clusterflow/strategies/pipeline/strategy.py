@@ -331,6 +331,7 @@ class PipelineStrategy(Strategy):
                 chunk,
                 self._apply_one,
                 lambda shape: self._shapes[shape],
+                group=self._pipe_group,
                 accumulate=self.config.microbatches if self.config.two_bw else 1,
                 record=self._record,
             )

@@ -1,0 +1,312 @@
+"""Partition scenarios on emulated hosts: a worker cut off from its ps and its dispatcher.
+
+Three hosts (``EmulatedHosts``): host 0 serves ps task 0 and the data dispatcher (one
+``Server``, as a chief hosts the dispatcher in manual mode), hosts 1 and 2 run launches
+of the task ``worker:0``. The job is the chaos suite's counter model: one counter per
+record, SGD at lr 1 and a gradient of -1 at ``counts[id]``, so a record applied twice
+counts 2 and a lost one 0. This process plays the manager: it cuts links, declares the
+task dead, relaunches it (a higher ``CLUSTERFLOW_INCARNATION``), and heals.
+
+Scenarios (``SCENARIOS``):
+
+* ``cut_beyond_deadline``: worker 0's link is cut for longer than its ps deadline. The
+  worker's ps call raises ``DeadlineExceeded`` within the deadline and the process
+  exits; the "manager" hands its leases back and relaunches it on host 2 after the
+  link heals; the run completes.
+* ``zombie_heals_after_replacement``: the deadline is longer than the cut, so the cut
+  off worker is still alive, blocked in a push, when the "manager" declares it dead and
+  relaunches it on host 2. The link heals after the replacement trained: the old
+  process's push arrives, the ps refuses it (fencing), and the old process stops itself
+  with ``TaskFenced``.
+
+Either way every record's counter must end at exactly the number of epochs. Progress
+and outcomes travel through files in a shared folder (the hosts share this machine's
+filesystem, not its network).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusterflow.testing.netns import EmulatedHosts
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: the hosts' processes run ``python -m benchmarks._hostile_partition``."""
+RECORDS = 240
+EPOCHS = 1
+SPLIT = 10
+PS_PORT = 7400
+SCENARIOS = ("cut_beyond_deadline", "zombie_heals_after_replacement")
+TIMEOUT_S = 180.0
+EXIT_MARGIN_S = 10.0
+"""From a raised error to the process's end (closing clients, its interpreter's exit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one scenario ended with."""
+
+    scenario: str
+    lost: int
+    """Records whose counter ended below the number of epochs."""
+    duplicated: int
+    """Records whose counter ended above it."""
+    stall_s: float
+    """From the cut to the cut-off worker's exit or its fencing: the longest a task sat
+    without progress or failure."""
+    stall_bound_s: float
+    """What docs/failure-semantics.md promises for that wait."""
+    first_exit: str
+    """How the cut-off launch ended: its last line."""
+    fenced: bool
+    """It ended by ``TaskFenced`` (it learnt it was replaced), not by a deadline."""
+
+
+def _env(workdir: Path, hosts: EmulatedHosts, incarnation: int, host: int) -> dict[str, str]:
+    ps = f"{hosts[0].address}:{PS_PORT}"
+    spec = {"ps": [ps], "worker": [f"{hosts[host].address}:7500"]}
+    env = {
+        **os.environ,
+        "TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}}),
+        "CLUSTERFLOW_SECRET": (workdir / "secret").read_text().strip(),
+        "CLUSTERFLOW_DISPATCHER": ps,
+        "CLUSTERFLOW_TASK": "worker:0",
+        "CLUSTERFLOW_INCARNATION": str(incarnation),
+        "OMP_NUM_THREADS": "1",
+    }
+    for name in ("CLUSTERFLOW_MANAGER", "CLUSTERFLOW_SECRET_FILE", "CLUSTERFLOW_AUTH"):
+        env.pop(name, None)
+    return env
+
+
+def _progress(workdir: Path) -> list[str]:
+    path = workdir / "steps.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait(predicate: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout:g}s")
+        time.sleep(0.05)
+
+
+def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
+    """Runs one scenario on three fresh emulated hosts; ``workdir`` must be empty."""
+    from clusterflow.rpc import Credentials
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    Credentials.generate().to_file(workdir / "secret")
+    zombie = scenario == "zombie_heals_after_replacement"
+    # The cut-off launch's ps deadline: shorter than the cut (it gives up and exits), or
+    # longer (it outlives the cut: a zombie once healed).
+    deadline_s = 60.0 if zombie else 10.0
+    me = [sys.executable, "-m", "benchmarks._hostile_partition"]
+    with EmulatedHosts(3, prefix="hostile") as hosts:
+        serve = hosts[0].popen(
+            [*me, "serve", str(workdir), f"{hosts[0].address}:{PS_PORT}"],
+            env=_env(workdir, hosts, 0, 0),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / "serve.err", "w"),  # noqa: SIM115 (the process keeps it)
+        )
+        _wait((workdir / "serving").exists, "ps serving")
+        first = hosts[1].popen(
+            [*me, "work", str(workdir), str(deadline_s)],
+            env=_env(workdir, hosts, 0, 1),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / "first.err", "w"),  # noqa: SIM115
+        )
+        _wait(lambda: len(_progress(workdir)) >= 5, "progress of the first launch")
+        hosts.cut(1)
+        cut_at = time.monotonic()
+        if zombie:
+            # The "manager" declares it dead (it stopped answering) and relaunches it.
+            time.sleep(cut_s / 2)
+            _release(hosts, workdir, "worker:0", 1)
+            second = hosts[2].popen(
+                [*me, "work", str(workdir), "60"],
+                env=_env(workdir, hosts, 1, 2),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=open(workdir / "second.err", "w"),  # noqa: SIM115
+            )
+            done = len(_progress(workdir))
+            _wait(lambda: len(_progress(workdir)) >= done + 3, "progress of the replacement")
+            time.sleep(max(0.0, cut_s - (time.monotonic() - cut_at)))
+            hosts.heal(1)
+            cut_for = time.monotonic() - cut_at
+            if os.environ.get("HOSTILE_DEBUG"):
+                time.sleep(15)
+                first.send_signal(signal.SIGUSR1)
+            code = first.wait(TIMEOUT_S)
+            stall = time.monotonic() - cut_at
+            # Healed, it is refused at its next request; a request it had in flight when
+            # the link broke is lost with the connection ZeroMQ re-dials, so it may only
+            # end at that request's deadline: the bound is its deadline, then its exit.
+            del cut_for
+            bound = deadline_s + EXIT_MARGIN_S
+        else:
+            code = first.wait(TIMEOUT_S)
+            stall = time.monotonic() - cut_at
+            # Its ps deadline (its data client's is set to the same), then its exit.
+            bound = deadline_s + EXIT_MARGIN_S
+            time.sleep(max(0.0, cut_s - stall))
+            hosts.heal(1)
+            _release(hosts, workdir, "worker:0", 1)
+            second = hosts[2].popen(
+                [*me, "work", str(workdir), "60"],
+                env=_env(workdir, hosts, 1, 2),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=open(workdir / "second.err", "w"),  # noqa: SIM115
+            )
+        if second.wait(TIMEOUT_S) != 0:
+            raise RuntimeError(
+                f"{scenario}: the replacement failed: {_tail(workdir / 'second.err')}"
+            )
+        serve.terminate()
+        serve.wait(30)
+    counts = json.loads((workdir / "final.json").read_text())
+    lost = sum(1 for c in counts if round(c) < EPOCHS)
+    duplicated = sum(1 for c in counts if round(c) > EPOCHS)
+    last = _tail(workdir / "first.err")
+    if code == 0:
+        raise RuntimeError(f"{scenario}: the cut-off launch ended normally: {last}")
+    return Outcome(scenario, lost, duplicated, round(stall, 2), bound, last, "TaskFenced" in last)
+
+
+def _tail(path: Path) -> str:
+    lines = (
+        [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
+    return lines[-1] if lines else ""
+
+
+def _release(hosts: EmulatedHosts, workdir: Path, task: str, incarnation: int) -> None:
+    """The manager's part of a relaunch: the old launch's leases back, its fence raised."""
+    done = hosts[0].run(
+        [sys.executable, "-m", "benchmarks._hostile_partition", "relaunch", str(workdir),
+         f"{hosts[0].address}:{PS_PORT}", task, str(incarnation)],
+        env=_env(workdir, hosts, 0, 0),
+        cwd=ROOT,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"relaunch of {task} failed: {done.stderr.strip()[-300:]}")
+
+
+# The processes (python -m benchmarks._hostile_partition ROLE ...) --------------------
+
+
+def _serve(workdir: Path, address: str) -> None:
+    import signal
+    import threading
+
+    from clusterflow.data.dispatcher import DispatcherService
+    from clusterflow.ps.service import PSService
+    from clusterflow.rpc import Credentials, Request
+    from clusterflow.server import Server
+
+    creds = Credentials.from_hex((workdir / "secret").read_text())
+    server = Server({"ps": [address]}, "ps", 0, credentials=creds, start=False)
+    PSService(server)
+    data = DispatcherService().register_on(server)
+
+    def relaunched(request: Request) -> int:
+        task, incarnation = request.body["task"], int(request.body["incarnation"])
+        data.fences.raise_to(task, incarnation)
+        return data.release_worker(task)
+
+    server.register("test.relaunched", relaunched)
+    server.start()
+    (workdir / "serving").touch()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+
+
+def _relaunch(workdir: Path, address: str, task: str, incarnation: int) -> None:
+    from clusterflow.rpc import Credentials, RpcClient
+
+    creds = Credentials.from_hex((workdir / "secret").read_text())
+    with RpcClient(address, creds, deadline=20) as client:
+        client.call("test.relaunched", {"task": task, "incarnation": incarnation})
+
+
+def _work(workdir: Path, deadline_s: float) -> None:
+    import faulthandler
+    import signal
+
+    import torch
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, to stderr
+
+    from clusterflow.data import distributed_dataset
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
+    from clusterflow.train import TrainingSession
+
+    torch.set_num_threads(1)
+    strategy = ParameterServerStrategy(mode="async", deadline_s=deadline_s)
+    with strategy.scope():
+        counts = torch.nn.Parameter(torch.zeros(RECORDS))
+        model = torch.nn.ParameterList([counts])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = distributed_dataset(
+        {"id": torch.arange(RECORDS)},
+        batch_size=SPLIT,
+        split_size=SPLIT,
+        seed=3,
+        epochs=EPOCHS,
+        wait_for_all_acks=True,
+        worker="worker:0",
+    )
+    data.dispatcher.rpc.deadline = deadline_s  # a zombie's calls outlive the cut
+
+    def add_one(ids: torch.Tensor) -> None:
+        opt.zero_grad()
+        (-counts[ids].sum()).backward()  # type: ignore[no-untyped-call]  # counts[ids] += 1
+        opt.step()
+
+    log = workdir / "steps.log"
+    with TrainingSession(strategy=strategy, model=model, data=data, report_figures=False) as s:
+        for item in data:
+            time.sleep(0.05)  # a step's compute
+            s.run_step(add_one, item.data["id"], completes=item)
+            with open(log, "a") as f:
+                f.write(f"{os.environ['CLUSTERFLOW_INCARNATION']} {item.keys}\n")
+    data.close()
+    strategy.pull_values()
+    (workdir / "final.json").write_text(json.dumps(counts.detach().tolist()))
+    strategy.close()
+
+
+def main(argv: list[str]) -> None:
+    role, workdir = argv[0], Path(argv[1])
+    if role == "serve":
+        _serve(workdir, argv[2])
+    elif role == "relaunch":
+        _relaunch(workdir, argv[2], argv[3], int(argv[4]))
+    elif role == "work":
+        _work(workdir, float(argv[2]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
