@@ -362,3 +362,18 @@ def test_the_row_cache_serves_hot_rows_at_most_its_staleness_old() -> None:
     # Each step moves each of the three rows by -0.5 / 3 (the mean's gradient, lr 0.5).
     torch.testing.assert_close(seen[3], seen[0] - 0.5)
     strategy.close()
+
+
+def test_stale_row_pushes_are_dropped_or_scaled_as_dense_ones() -> None:
+    grads = {"t": (torch.tensor([1]), -torch.ones(1, 2))}
+    for policy, expected in (("drop", 1.0), ("scale", 1.5)):
+        store = RowStore(0)
+        spec = TableSpec(name="t", rows=10, dim=2, num_shards=1, init="zeros")
+        config = PSConfig(max_staleness=1, stale_policy=policy)  # type: ignore[arg-type]
+        store.create(config, [spec])
+        store.set_optimizer({"t": RowOptimizerSpec(name="SGD", hyper={"lr": 1.0})})
+        for version in range(2):
+            assert store.push(worker="fast", version=version, grads=grads).applied
+        late = store.push(worker="slow", version=0, grads=grads)  # 2 steps behind
+        assert late.staleness == 2 and late.applied == (policy == "scale")
+        assert store.pull({"t": torch.tensor([1])})[1]["t"][0, 0] == 2.0 + expected - 1.0

@@ -133,6 +133,11 @@ class PipeDreamEngine:
         self._stash_version = -1
         self.versions_made = 0
         """Weight snapshots taken (one per version a forward ran on, at most)."""
+        # Receives posted ahead, within one step, so that a neighbour's send finds its
+        # receive waiting instead of holding the sender (gloo sends to a peer that has
+        # not posted its receive cost milliseconds).
+        self._next_input: tuple[Any, torch.Tensor] | None = None
+        self._next_grad: tuple[Any, torch.Tensor] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -152,8 +157,12 @@ class PipeDreamEngine:
         rows = inputs.shape[0] // microbatches
         shapes = self._shapes((rows, *inputs.shape[1:]))
         outputs: list[torch.Tensor] = []
-        for x, y in zip(xs, ys, strict=True):
-            out = self._forward(x, shapes)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            if not self._last and len(self._inflight) + 1 > self.warmup:
+                # A backward follows this forward: its gradient may arrive meanwhile.
+                grad = torch.empty_like(self._inflight[0].outputs)
+                self._next_grad = (dist.irecv(grad, src=self._next, group=self._group), grad)
+            out = self._forward(x, shapes, more=i + 1 < microbatches)
             if self._last:
                 outputs.append(out.detach())
                 self._backward(loss_fn, y)
@@ -177,15 +186,28 @@ class PipeDreamEngine:
     # One forward, one backward -------------------------------------------------------
 
     def _forward(
-        self, x: torch.Tensor | None, shapes: list[tuple[torch.Size, torch.dtype]]
+        self,
+        x: torch.Tensor | None,
+        shapes: list[tuple[torch.Size, torch.dtype]],
+        *,
+        more: bool = False,
     ) -> torch.Tensor:
         index = self._forwarded
         self._forwarded += 1
         stage = self._layout.stage
         if x is None:
             shape, dtype = shapes[stage - 1]
-            x = torch.empty(shape, dtype=dtype)
-            dist.recv(x, src=self._prev, group=self._group)
+            if self._next_input is not None:
+                work, x = self._next_input
+                self._next_input = None
+                work.wait()
+            else:
+                x = torch.empty(shape, dtype=dtype)
+                dist.recv(x, src=self._prev, group=self._group)
+            if more:  # the step's next micro-batch, of the same shape
+                following = torch.empty(shape, dtype=dtype)
+                work = dist.irecv(following, src=self._prev, group=self._group)
+                self._next_input = (work, following)
             x.requires_grad_(x.is_floating_point())
         # The stash: the weights this micro-batch's backward must differentiate. A
         # stage whose backward comes before its next update uses the live weights.
@@ -217,8 +239,13 @@ class PipeDreamEngine:
             grad_out = None
         else:
             root = item.outputs
-            grad_out = torch.empty_like(item.outputs)
-            dist.recv(grad_out, src=self._next, group=self._group)
+            if self._next_grad is not None:
+                work, grad_out = self._next_grad
+                self._next_grad = None
+                work.wait()
+            else:
+                grad_out = torch.empty_like(item.outputs)
+                dist.recv(grad_out, src=self._next, group=self._group)
         wants_input = item.inputs.requires_grad and self._prev is not None
         inputs = [*item.weights, item.inputs] if wants_input else list(item.weights)
         grads = torch.autograd.grad(root, inputs, grad_outputs=grad_out, allow_unused=True)
