@@ -77,6 +77,28 @@ def vm_bytes() -> int:
         return int(f.read().split()[0]) * resource.getpagesize()
 
 
+def bad_ids(model: CTR, strategy: object) -> list[str]:
+    """An id past the item table, from the module and from a raw client: one line each,
+    and the ps still answers a good pull after it."""
+    from clusterflow.ps.rows import TableIndexError
+    from clusterflow.rpc import RemoteError
+
+    said = []
+    try:
+        model.items(torch.tensor([ITEMS]), torch.tensor([0]))
+    except TableIndexError as exc:
+        said.append(str(exc))
+    name = model.items.__dict__["_cf_table"][0]
+    ps = strategy._ps  # type: ignore[attr-defined]
+    try:
+        ps.call(1, "rows_pull", {}, {f"i/{name}": torch.tensor([ITEMS + 1])})
+    except RemoteError as exc:
+        said.append(f"{exc.error_type}: {exc}")
+    _, rows = ps.call(1, "rows_pull", {}, {f"i/{name}": torch.tensor([1, 3])})
+    said.append(f"then {tuple(rows[f'r/{name}'].shape)}")
+    return said
+
+
 def main() -> None:
     from sklearn.metrics import roc_auc_score
 
@@ -111,7 +133,8 @@ def main() -> None:
         scores = model(users, items, dense)
     tables = strategy._sparse.tables
     assert tables is not None
-    record = {
+    record: dict[str, object] = {"bad_id": bad_ids(model, strategy)}
+    record |= {
         "auc": float(roc_auc_score(label.numpy(), scores.numpy())),
         "true_auc": float(roc_auc_score(label.numpy(), logit.numpy())),
         "base_rss": base_rss,

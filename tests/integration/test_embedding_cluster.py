@@ -52,6 +52,12 @@ def test_async_click_through_with_a_table_larger_than_a_worker_reaches_the_auc(
         assert w["peak_rss"] - w["base_rss"] < w["table_bytes"] // 3, w
         # Pulled rows per step: a few thousand rows at most, not the table.
         assert w["bytes_pulled"] / w["steps"] < w["table_bytes"] / 500
+    # An id out of range: one line naming the table and the id, from the worker's check
+    # and from the ps (a client that skipped it), and the ps keeps serving.
+    module_said, ps_said, after = workers[0]["bad_id"]
+    assert "EmbeddingBag.weight" in module_said and "id 2000000 " in module_said, module_said
+    assert ps_said.startswith("TableIndexError") and "id 2000001 " in ps_said, ps_said
+    assert "\n" not in module_said + ps_said and after == "then (2, 64)"
     stats = workers[0]["ps_stats"]
     assert len(stats) == 2
     # Async: every push of both workers (2 x 120 steps) applied on both shards, none dropped.
