@@ -508,6 +508,7 @@ def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
         wait_until(lambda: "[worker:0] attempt 0" in _logs(cf, cluster_id), 120, "attempt 0")
         first = _state(cf, cluster_id)
         (task,) = first["tasks"]
+        assert task["memory_requested"] == 2**30  # the estimate: nothing measured yet
         nodes = ray_cluster.probe()["nodes"]
         dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
         assert first["manager"]["node_id"] == nodes["a"]  # the manager is on the head node
@@ -523,6 +524,13 @@ def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
         assert task["node_id"] == nodes[survivor]  # placed again, on the node that lives
         assert state["spec_version"] >= 2  # its new address is a new spec version
         assert "[worker:0] finished 1" in _logs(cf, cluster_id)
+        # The restart asked for the peak measured so far in this run x 1.25 (at least
+        # 256 MiB), not the first estimate (memory_watch.within_run).
+        assert (
+            max(256 << 20, first["tasks"][0]["memory_peak"] * 1.25)
+            <= (task["memory_requested"])
+            < 2**30
+        )
     finally:
         for tag in tags:
             with contextlib.suppress(AssertionError):
@@ -581,6 +589,11 @@ def test_a_node_that_dies_under_a_respawnable_task_is_survived_by_the_standby_el
         assert moved_to["node_ip"] != where["worker:1"]["node_ip"]  # one node per host
         assert state["spec"]["worker"][1] == moved_to["address"]  # the new spec has it
         assert state["spec_version"] == 2
+        # The standby holds no bundle but is held to the task's size as measured so far
+        # in this run (peak x 1.25, at least 256 MiB), not the first estimate.
+        assert where["worker:1"]["memory_requested"] == 2**30
+        peak = max(where[t]["memory_peak"] for t in ("worker:0", "worker:1"))
+        assert max(256 << 20, peak * 1.25) <= moved_to["memory_requested"] < 2**30
         flag.touch()
         state = wait_until(lambda: _ended(cf, cluster_id), 120, "the run's end")
         assert state["status"] == "succeeded", state

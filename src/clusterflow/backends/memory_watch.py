@@ -23,6 +23,10 @@ import psutil
 log = logging.getLogger(__name__)
 
 VMSTAT = Path("/proc/vmstat")
+HEADROOM = 1.25
+"""Measured peak x this: a run's peak varies with data and timing by some percent."""
+FLOOR = float(256 << 20)
+"""Never ask for less: the interpreter, torch and the supervisor need about this much."""
 
 
 def tree_rss(root: psutil.Process) -> int:
@@ -80,3 +84,29 @@ class MemoryWatch:
             return False
         now = oom_kills(self._vmstat)
         return now is not None and self._kills_at_start is not None and now > self._kills_at_start
+
+
+def within_run(
+    asked: float, peak: float, *, before: float = 0.0, grown: bool = False, largest: float = 0.0
+) -> float:
+    """What an automatically sized job asks for at a later placement of the same run.
+
+    Args:
+        asked: what it asks for now (the first estimate, or a request a kill grew).
+        peak: the largest peak of the job's tasks measured so far in this run.
+        before: the job's peak measured by earlier runs (a run's first minutes may not
+            reach it: a restart early in the run must not shrink below it).
+        grown: a kill for memory grew ``asked``: never ask for less than that.
+        largest: the largest node's memory (0: unknown), the most a request can be.
+
+    Returns:
+        The larger peak x ``HEADROOM`` (at least ``FLOOR``); ``asked`` while nothing was
+        measured; never less than ``asked`` after a kill for memory.
+    """
+    peak = max(peak, before)
+    if peak <= 0:
+        return asked
+    sized = max(FLOOR, peak * HEADROOM)
+    if largest:
+        sized = min(sized, largest)
+    return max(sized, asked) if grown else sized

@@ -38,7 +38,7 @@ from dataclasses import replace
 from typing import IO, Any
 
 from clusterflow.backends.api import TaskLaunch
-from clusterflow.backends.memory_watch import MemoryWatch, tree_rss
+from clusterflow.backends.memory_watch import MemoryWatch, tree_rss, within_run
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
@@ -179,6 +179,11 @@ class SupervisorHost:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._popen.pid, signum)
 
+    def hold_to(self, limit: float | None) -> None:
+        """From now on, the tree is killed once over ``limit`` (a standby that took a task
+        over is held to that task's request)."""
+        self._memory.limit = limit
+
 
 @functools.cache
 def _actor_class() -> Any:
@@ -227,6 +232,18 @@ class RayProcess:
     @property
     def output(self) -> IO[bytes] | None:
         return self._output
+
+    def hold_to(self, request: TaskRequest) -> None:
+        """The task runs under ``request`` now: its actor enforces its memory (a standby
+        that took a task over; the call is not awaited, it only sets a number)."""
+        self._request = request
+        with contextlib.suppress(Exception):
+            self._actor.hold_to.remote(request.bundle().get("memory"))
+
+    @property
+    def memory_asked(self) -> float:
+        """The memory it was held to (bytes; 0: none)."""
+        return float(self._request.bundle().get("memory") or 0.0)
 
     @property
     def memory_kill(self) -> bool:
@@ -362,11 +379,15 @@ def _largest_node_memory() -> float:
 class RayBackend:
     """Starts each task's supervisor in its bundle of the cluster's placement group.
 
-    A task killed for outgrowing its memory is given more when the whole cluster is
-    relaunched (a restart from the last checkpoint): its job's tasks ask for 1.5 times
-    as much (bounded by the largest node), and the placement group is made anew, since
-    a group's bundles cannot grow. A task respawned alone, beside tasks still running,
-    goes back into its bundle as it was.
+    When the whole cluster is relaunched (a restart from the last checkpoint), each job
+    asks anew: a job one of whose tasks was killed for outgrowing its memory asks for
+    1.5 times as much (bounded by the largest node); a job sized automatically asks for
+    the peak its tasks reached so far in this run x ``HEADROOM``
+    (``memory_sizing.within_run``); and the placement group is made anew when a size
+    changed, since a group's bundles cannot change. A task respawned alone, beside tasks
+    still running, goes back into its bundle as it was (sized at the last whole
+    placement). A standby holds no bundle; the task it takes over is held to the size
+    ``within_run`` gives at that moment.
 
     Args:
         requests: one per task, in the placement group's bundle order.
@@ -393,6 +414,8 @@ class RayBackend:
         self._placement_timeout_s = placement_timeout_s
         self._grown: set[int] = set()
         """Processes (by id) whose OOM kill already made their job's memory grow."""
+        self._grown_jobs: set[str] = set()
+        """Jobs whose memory a kill for memory grew (never asked for less after)."""
         self._lock = threading.Lock()
         self._processes: dict[str, RayProcess] = {}
         """The current process of each task (standbys are not a task's until they take one)."""
@@ -416,7 +439,7 @@ class RayBackend:
         }
         standby = launch.env.get(ENV_STANDBY) == "1"
         if not standby:
-            self._grow_after_oom()
+            self._resize_for_relaunch()
             request = self._requests[launch.task]
         if standby:
             # A standby waits idle beside the running tasks, whose bundles are all taken:
@@ -442,8 +465,11 @@ class RayBackend:
                     placement_group_bundle_index=self._bundles[launch.task],
                 ),
             }
-        # A standby holds no bundle (nothing to enforce); a task is held to its bundle's.
-        limit = None if standby else request.bundle().get("memory")
+        if standby:
+            # It holds no bundle, but is held to what the task it takes over would ask
+            # for now (``adopt`` sets it again when it takes one).
+            request = self._sized(request)
+        limit = request.bundle().get("memory")
         actor = (
             _actor_class()
             .options(name=None, **options)
@@ -456,23 +482,44 @@ class RayBackend:
                 self._processes[str(launch.task)] = process
         return process
 
-    def _grow_after_oom(self) -> None:
-        """Before a relaunch of every task: more memory for the jobs killed for memory."""
+    def job_peak(self, job: str) -> float:
+        """The largest peak memory any task of ``job`` reached so far in this run."""
+        with self._lock:
+            processes = list(self._all)
+        return float(max((p.memory_peak for p in processes if p.task.job == job), default=0))
+
+    def _sized(self, request: TaskRequest, largest: float = 0.0) -> TaskRequest:
+        """``request`` with an automatic memory sized by this run's peak so far."""
+        asked = request.resources.get("memory")
+        if request.memory_named or not asked:
+            return request
+        job = request.task.job
+        memory = within_run(
+            float(asked),
+            self.job_peak(job),
+            before=request.memory_before,
+            grown=job in self._grown_jobs,
+            largest=largest,
+        )
+        return replace(request, resources={**request.resources, "memory": memory})
+
+    def _resize_for_relaunch(self) -> None:
+        """Before a relaunch of every task: each job's memory asked anew (see the class)."""
         from ray.util.placement_group import remove_placement_group
 
         from clusterflow.backends.ray_placement import reserve
 
         with self._lock:
             processes = list(self._processes.values())
+        if not processes or any(p.poll() is None for p in processes):
+            return  # the first launch, or a relaunch already under way
         killed = [p for p in processes if p.oom and id(p) not in self._grown]
-        if not killed or any(p.poll() is None for p in processes):
-            return
         largest = _largest_node_memory()
-        grown = dict(self._requests)
+        grown = {t: self._sized(r, largest) for t, r in self._requests.items()}
         for process in killed:
             self._grown.add(id(process))
-            request = grown[process.task]
-            had = request.bundle().get("memory") or float(process.memory_peak)
+            self._grown_jobs.add(process.task.job)
+            had = process.memory_asked or float(process.memory_peak)
             more = min(had * OOM_GROWTH, largest) if largest else had * OOM_GROWTH
             for task, other in grown.items():
                 if task.job == process.task.job:
@@ -481,6 +528,11 @@ class RayBackend:
                 "%s was killed for memory (%d bytes asked); job %s now asks %d",
                 process.task, had, process.task.job, more,
             )  # fmt: skip
+        if grown == self._requests:
+            return
+        for task, request in grown.items():
+            if request != self._requests[task]:
+                log.info("%s asks %s now", task, request.describe(["memory"]))
         remove_placement_group(self._group)
         self._group = reserve(
             [grown[t] for t in self._order], self._group_name, self._placement_timeout_s
@@ -497,9 +549,13 @@ class RayBackend:
         return {str(p.placement["node_id"]) for p in processes if p.placement is not None}
 
     def adopt(self, process: Any, task: TaskId) -> None:
-        """A standby took ``task`` over: its node is the task's now (``placements``)."""
+        """A standby took ``task`` over: its node is the task's now (``placements``), and
+        it is held to the memory the task would ask for now (``_sized``)."""
         with self._lock:
             self._processes[str(task)] = process
+        request = self._requests.get(task)
+        if request is not None and isinstance(process, RayProcess):
+            process.hold_to(self._sized(request))
 
     def placements(self) -> dict[str, dict[str, Any]]:
         """Each task's node and resources, as its current actor reported them."""

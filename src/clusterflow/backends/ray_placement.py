@@ -42,6 +42,9 @@ class TaskRequest:
     memory_named: bool = True
     """The ``memory`` is the user's; False: sized automatically (manager/memory_sizing.py).
     Either is enforced (``memory_watch``); only a named one is blamed in an error."""
+    memory_before: float = 0.0
+    """An automatic memory's peak measured by earlier runs (bytes; 0: none), a floor of
+    the sizes later placements of this run ask for (``memory_sizing.within_run``)."""
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle: the resources, one CPU unless CPUs were named."""

@@ -100,6 +100,10 @@ class RunConfig:
     """Memory each task asks for on Ray, where ``resources`` names none: ``auto`` (sized
     from the measured peak of earlier runs of the same command and job) or a size such
     as ``4G``; None is ``auto`` on Ray."""
+    memory_key: str | None = None
+    """What measured memory peaks are kept by, with the job (``manager/memory_sizing.py``);
+    None: the command. ``clusterflow tune`` gives its study's command before ``{name}``
+    is filled in, so every trial is sized by the earlier trials' peaks."""
     placement_timeout_s: float = 60.0
     """How long a Ray cluster may take to place the whole cluster before the start fails."""
     cache: str | None = None

@@ -5,7 +5,9 @@ nodes' GPUs; a task that asks too little is killed. So each task's peak memory (
 process tree) is measured while it runs (``backends/ray.py``), and kept here, per command
 and job, in ``$CLUSTERFLOW_HOME/memory.json`` of the machine that runs the CLI. A later
 run of the same command (a new ``start``, or ``--resume``) asks for the measured peak
-times ``HEADROOM``; a job never measured asks for ``ESTIMATE``.
+times ``HEADROOM``; a job never measured asks for ``ESTIMATE``. Within a run, every later
+placement (a whole restart, a standby taking a task over) asks for the peak measured so
+far (``backends/memory_watch.within_run``), never less than a kill for memory made it ask.
 
 Every request, automatic or named (``--resources JOB:memory=...``, ``--memory SIZE``),
 is enforced on the node (``backends/memory_watch.py``): a task whose process tree
@@ -24,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clusterflow.backends.memory_watch import FLOOR, HEADROOM, within_run
 from clusterflow.cluster import TaskId
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig, parse_size
@@ -32,10 +35,6 @@ from clusterflow.manager.state import ClusterState
 ESTIMATE = float(1 << 30)
 """A first run's request per task: a small PyTorch job's processes (the interpreter,
 torch, a model of some MB, the supervisor) use 0.3-0.6 GiB; 1 GiB places it with room."""
-HEADROOM = 1.25
-"""Measured peak x this: a run's peak varies with data and timing by some percent."""
-FLOOR = float(256 << 20)
-"""Never ask for less: the interpreter, torch and the supervisor need about this much."""
 
 
 def store_file() -> Path:
@@ -43,7 +42,11 @@ def store_file() -> Path:
 
 
 def job_key(config: RunConfig, job: str) -> str:
-    """The same command and job, the same key (the command's arguments included)."""
+    """The same command and job, the same key (the command's arguments included); or the
+    same ``memory_key`` and job (a study's trials: its command before ``{name}`` is filled
+    in, so that each trial is sized by the earlier trials' peaks)."""
+    if config.memory_key:
+        return hashlib.sha256(json.dumps(["key", config.memory_key, job]).encode()).hexdigest()[:24]
     command = list(config.command_for(TaskId(job, 0)))
     return hashlib.sha256(json.dumps([command, job]).encode()).hexdigest()[:24]
 
@@ -78,6 +81,12 @@ def record(config: RunConfig, state: ClusterState) -> None:
     registry.write_json_atomic(store_file(), data)
 
 
+def earlier_peaks(config: RunConfig, jobs: frozenset[str]) -> dict[str, float]:
+    """The peaks earlier runs measured for ``jobs`` (those found), for ``within_run``."""
+    found = {job: measured(config, job) for job in jobs}
+    return {job: peak for job, peak in found.items() if peak}
+
+
 def size(config: RunConfig) -> tuple[RunConfig, frozenset[str]]:
     """``config`` with a memory request for every job (on Ray); and the jobs sized
     automatically (not named by the user: an error blames only what the user named)."""
@@ -96,3 +105,15 @@ def size(config: RunConfig) -> tuple[RunConfig, frozenset[str]]:
         wanted["memory"] = max(FLOOR, peak * HEADROOM) if peak else ESTIMATE
         automatic.add(job)
     return replace(config, resources=resources), frozenset(automatic)
+
+
+__all__ = [
+    "ESTIMATE",
+    "FLOOR",
+    "HEADROOM",
+    "earlier_peaks",
+    "measured",
+    "record",
+    "size",
+    "within_run",
+]

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,15 +53,20 @@ def actor_name(cluster_id: str) -> str:
     return f"clusterflow-{cluster_id}"
 
 
-def task_requests(config: RunConfig, automatic: frozenset[str]) -> list[TaskRequest]:
+def task_requests(
+    config: RunConfig, automatic: frozenset[str], before: Mapping[str, float] | None = None
+) -> list[TaskRequest]:
     """One placement request per task, in the cluster's canonical task order
-    (``automatic``: jobs whose memory was sized, not named)."""
+    (``automatic``: jobs whose memory was sized, not named; ``before``: their peaks
+    measured by earlier runs, a floor of this run's later sizes)."""
+    before = before or {}
     return [
         TaskRequest(
             task=task,
             resources=dict(config.resources.get(task.job, {})),
             labels=dict(config.labels.get(task.job, {})),
             memory_named=task.job not in automatic,
+            memory_before=float(before.get(task.job, 0.0)),
         )
         for task in config.tasks()
     ]
@@ -70,7 +76,12 @@ class ManagerHost:
     """The manager of one cluster, as a detached Ray actor (see ``_host_class``)."""
 
     def __init__(
-        self, cluster_id: str, config: dict[str, Any], secret: str, automatic: list[str]
+        self,
+        cluster_id: str,
+        config: dict[str, Any],
+        secret: str,
+        automatic: list[str],
+        before: dict[str, float] | None = None,
     ) -> None:
         import ray
 
@@ -86,6 +97,7 @@ class ManagerHost:
         # The manager's RPC server, its torch store and MASTER_ADDR use this node's address.
         self.config = replace(RunConfig.from_dict(config), host=ray.util.get_node_ip_address())
         self.automatic = frozenset(automatic)
+        self.before = dict(before or {})
         self.controller: Any = None
         self.backend: Any = None
         self._ended = threading.Event()
@@ -98,7 +110,7 @@ class ManagerHost:
         from clusterflow.backends.ray_placement import reserve
         from clusterflow.manager.controller import Controller
 
-        requests = task_requests(self.config, self.automatic)
+        requests = task_requests(self.config, self.automatic, self.before)
         name = actor_name(self.cluster.id)
         try:
             group = reserve(requests, name, self.config.placement_timeout_s)
@@ -214,13 +226,14 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     Raises:
         PlacementError: the cluster cannot be placed (the manager is ended again).
     """
-    from clusterflow.manager.memory_sizing import size
+    from clusterflow.manager.memory_sizing import earlier_peaks, size
 
     connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
     import ray
 
     secret = cluster.secret_file.read_text()
     sized, automatic = size(config)
+    before = earlier_peaks(config, automatic)
     actor = (
         _host_class()
         .options(
@@ -229,7 +242,7 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
             lifetime="detached",
             scheduling_strategy=_on_head_node(),
         )
-        .remote(cluster.id, sized.to_dict(), secret, sorted(automatic))
+        .remote(cluster.id, sized.to_dict(), secret, sorted(automatic), before)
     )
     handle = ManagerHandle(cluster, actor)
     try:

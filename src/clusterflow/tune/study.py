@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import socket
 import threading
 import time
@@ -173,7 +174,10 @@ class StudyRunner:
         self.failure: str | None = None
         self._optuna = _optuna()
         self.storage = settings.storage or default_storage()
-        self.base = RunConfig.merge(dict(settings.cluster), {"command": tuple(settings.command)})
+        # Trials' memory is kept by the command before {name} is filled in (and the job),
+        # so each trial on Ray asks for what the earlier trials measured (memory_sizing).
+        command = {"command": tuple(settings.command), "memory_key": shlex.join(settings.command)}
+        self.base = RunConfig.merge(dict(settings.cluster), command)
         fit = trials_at_once(self.base, settings.parallel)
         self.parallel, self.why = fit.trials, fit.why
         self.free_gpus = self._gpu_pool()
