@@ -12,6 +12,9 @@
   lost and applied twice over all of them (the counter model), and the longest time a
   task sat without progress or failure against its documented bound. ``zombies_fenced``:
   zombie launches that ended by ``TaskFenced`` rather than by their own deadline.
+* ``lossy_max_param_diff``, ``lossy_throughput_ratio``: sync ps training on a clean and
+  on a slow, lossy link (``benchmarks/_hostile_lossy.py``): the largest difference of
+  the final parameters (goal 0) and steps/s lossy / clean.
 
 Usage::
 
@@ -174,12 +177,30 @@ def partitions(workdir: Path) -> dict[str, float]:
     }
 
 
+def lossy(workdir: Path) -> dict[str, float]:
+    """Sync training on a clean and on a slow, lossy link (``_hostile_lossy``)."""
+    from benchmarks._hostile_lossy import compare
+    from clusterflow.testing import available
+
+    if not available():
+        print("lossy links: not run (emulated hosts need root and iproute2)", flush=True)
+        return {}
+    figures = compare(workdir / "lossy")
+    print(
+        f"lossy links: final parameters differ by at most {figures['lossy_max_param_diff']:g}; "
+        f"throughput kept {figures['lossy_throughput_ratio']:.2f}",
+        flush=True,
+    )
+    return figures
+
+
 def main() -> None:
     args = parser("hostile", __doc__).parse_args()
     total = 100_000 if args.quick else 200_000
     with tempfile.TemporaryDirectory(prefix="cf-hostile-") as tmp:
         figures = fuzz(total, Path(tmp), args.verbose)
         figures.update(partitions(Path(tmp)))
+        figures.update(lossy(Path(tmp)))
     result("hostile", **figures)
 
 
