@@ -19,11 +19,12 @@ of 4x the bytes per compute), ``async_vs_ddp_10g`` (cluster steps/s, one worker 
 slower), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``, ``dispatcher_leases_per_s``,
 ``register_1000_s``, ``ps_bandwidth_ratio``.
 
-    python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR]
+    python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -75,14 +76,31 @@ def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tup
     return out, figures
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] != 1 or sizes[-1] > 64:
+        raise argparse.ArgumentTypeError(
+            f"--sizes {text!r}: comma-separated worker counts from 1 (the base) up to 64"
+        )
+    return sizes
+
+
 def main() -> None:
     p = parser("scale", __doc__)
     p.add_argument("--plots", type=Path, help="write the PNG plots here (needs matplotlib)")
+    p.add_argument(
+        "--sizes",
+        type=_sizes,
+        help="worker counts to measure, 1 first (default 1,2,4,8; 16,32 without --quick)",
+    )
     args = p.parse_args()
     one_thread_per_process()
     load = MachineLoad()
     rounds = args.rounds or 3
-    sizes = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32]
+    sizes = args.sizes or ([1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     figures: dict[str, float | Spread] = {}
     control = _scale_control.run()
     for key, value in control.items():

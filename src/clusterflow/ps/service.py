@@ -19,6 +19,10 @@ from clusterflow.server import Server
 log = logging.getLogger(__name__)
 
 FANOUT_DEADLINE_S = 60.0
+HANDLERS_PER_TASK = 16
+"""Calls one task may have waiting at once: a pull and a push for each of up to 8
+replicas (``--replicas-per-host``). Threads start only as calls need them."""
+REPLICA_JOBS = ("chief", "worker")
 
 
 class PSService:
@@ -35,6 +39,11 @@ class PSService:
             for i in (spec.task_indices("ps") if "ps" in spec.jobs else [])
         }
         self._credentials: Credentials | None = server.credentials
+        # Every pull of a sync step waits on a handler thread until the step's last push
+        # arrives: with fewer threads than replicas, the last pushes queue behind the
+        # waiting pulls and the step never completes (the default pool holds 8).
+        replica_tasks = sum(spec.num_tasks(job) for job in spec.jobs if job in REPLICA_JOBS)
+        server.reserve_handler_threads(HANDLERS_PER_TASK * replica_tasks + 8)
         fan_out = self._fan_out if len(self._peer_addresses) > 1 else None
         self.handler = PSHandler(self.store, fan_out)
         self.fences = FenceBook()  # rpc/fencing.py: a replaced worker's requests are refused

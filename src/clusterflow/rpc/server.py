@@ -81,6 +81,16 @@ class _HandlerThreads:
         self._jobs.put((fn, args))
         return True
 
+    def grow(self, size: int) -> None:
+        """Allows up to ``size`` threads (never fewer than now); starts any queued work needs."""
+        with self._cond:
+            self._size = max(self._size, size)
+            while self._busy > self._threads < self._size and not self._closed:
+                self._threads += 1
+                threading.Thread(
+                    target=self._work, name=f"{self._name}-handler-{self._threads}", daemon=True
+                ).start()
+
     def close(self) -> None:
         """Lets idle threads end; running handlers are abandoned, queued ones dropped."""
         with self._cond:
@@ -213,6 +223,14 @@ class RpcServer:
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
         self._handlers[method] = _Entry(handler, blocking)
+
+    def reserve_workers(self, count: int) -> None:
+        """Room for ``count`` blocking handlers at once (threads start only as needed).
+
+        For a service whose handlers wait on each other: a sync ps step's pulls wait for
+        pushes that, with too few threads, would queue behind them forever.
+        """
+        self._workers.grow(count)
 
     def start(self) -> RpcServer:
         if self._thread is None:

@@ -122,6 +122,10 @@ class Server:
         for method, handler in handlers.items():
             self._rpc.register(f"{name}.{method}", handler, blocking=blocking)
 
+    def reserve_handler_threads(self, count: int) -> None:
+        """Room for ``count`` blocking handlers waiting at once (see ``RpcServer``)."""
+        self._rpc.reserve_workers(count)
+
     def start(self) -> None:
         """Starts serving (a no-op when already started)."""
         self._rpc.start()
