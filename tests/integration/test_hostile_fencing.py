@@ -82,6 +82,7 @@ def test_a_replaced_worker_is_fenced_by_the_ps_and_stops_itself(
     _, zombie_step = _trainer(zombie)
     for _ in range(3):
         zombie.run(zombie_step)
+    zombie.settled(wait=True)  # a push overlaps the next step: wait for its answer
     assert _ps_version(address, creds) == 3
 
     # The manager relaunched worker:1 (the zombie was cut off, not dead); the
@@ -89,6 +90,7 @@ def test_a_replaced_worker_is_fenced_by_the_ps_and_stops_itself(
     replacement = _strategy(monkeypatch, address, creds, incarnation=1)
     _, replacement_step = _trainer(replacement)
     replacement.run(replacement_step)
+    replacement.settled(wait=True)
     assert _ps_version(address, creds) == 4
 
     # The partition heals: the zombie's next push is refused, and it stops there (a push
@@ -98,6 +100,7 @@ def test_a_replaced_worker_is_fenced_by_the_ps_and_stops_itself(
         zombie.run(zombie_step)
     assert _ps_version(address, creds) == 4
     replacement.run(replacement_step)
+    replacement.settled(wait=True)
     assert _ps_version(address, creds) == 5
 
 

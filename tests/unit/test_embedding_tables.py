@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from clusterflow.errors import ConfigError
 from clusterflow.ps.api import PSConfig, PushRejected
 from clusterflow.ps.protocol import (
     ApplyRequest,
@@ -377,3 +378,10 @@ def test_stale_row_pushes_are_dropped_or_scaled_as_dense_ones() -> None:
         late = store.push(worker="slow", version=0, grads=grads)  # 2 steps behind
         assert late.staleness == 2 and late.applied == (policy == "scale")
         assert store.pull({"t": torch.tensor([1])})[1]["t"][0, 0] == 2.0 + expected - 1.0
+
+
+def test_warmup_with_no_dense_variable_on_the_ps_is_refused_in_one_line() -> None:
+    strategy = _strategy(1, mode="async", dense="allreduce", warmup_steps=3)
+    with pytest.raises(ConfigError, match="warmup_steps"), strategy.scope():
+        Ranker(sparse=False)
+    strategy.close()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from clusterflow.data.api import SplitKey
+from clusterflow.errors import ConfigError
 from clusterflow.ps.api import PSConfig
 from clusterflow.ps.client import PSConnection
 from clusterflow.ps.protocol import PushReply
@@ -77,6 +78,11 @@ class SparseSide:
                 seed=o.table_seed,
             )
         rest = [item for item in items if not item.tensor.is_meta]
+        if self._options.warmup_steps and (self._options.dense == "allreduce" or not rest):
+            raise ConfigError(
+                "warmup_steps counts the steps of dense variables on the ps; this model has "
+                "none there (dense='allreduce', or only tables): drop warmup_steps"
+            )
         if self._options.dense != "allreduce" or not rest:
             return rest
         self._dense_names = [(item.name, item.tensor) for item in rest]
