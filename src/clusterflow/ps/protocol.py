@@ -23,15 +23,11 @@ from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
 from clusterflow.ps.tables import RowStore
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire
+from clusterflow.ps.wire import request_body as _body
 from clusterflow.rpc.codec import DTYPES
 
-Tensors = dict[str, torch.Tensor]
 Body = dict[str, Any]
-Wire = tuple[Any, Tensors]
-"""A message as it travels: a msgpack-able body and named tensors."""
-
-DEFAULT_TIMEOUT_S = 60.0
-"""How long a ps waits for a version or a quiesced store when a request names no bound."""
 
 GRAD_PREFIX = "g/"
 BUFFER_PREFIX = "b/"
@@ -102,14 +98,6 @@ def _split_keys(method: str, value: Any) -> tuple[SplitKeyWire, ...]:
             f"ps.{method}: 'keys' must be [dataset, epoch, split] triples, got {value!r:.80}"
         )
     return tuple((str(d), int(e), int(s)) for d, e, s in value)
-
-
-def _body(method: str, body: Any) -> Mapping[str, Any]:
-    if body is None:
-        return {}
-    if not isinstance(body, Mapping):
-        raise MalformedRequest(f"ps.{method} request body must be a map, got {body!r:.80}")
-    return body
 
 
 def _wire_dtype(method: str, value: Any) -> str | None:

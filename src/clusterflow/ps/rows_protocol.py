@@ -18,20 +18,11 @@ from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.applied import Key
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
 from clusterflow.ps.tables import RowStore
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire
+from clusterflow.ps.wire import request_body as _body
 
-Tensors = dict[str, torch.Tensor]
-Wire = tuple[Any, Tensors]
 IDS = "i/"
 ROWS = "r/"
-DEFAULT_TIMEOUT_S = 60.0
-
-
-def _body(method: str, body: Any) -> Mapping[str, Any]:
-    if body is None:
-        return {}
-    if not isinstance(body, Mapping):
-        raise MalformedRequest(f"ps.{method} request body must be a map, got {body!r:.80}")
-    return body
 
 
 def _number(method: str, body: Mapping[str, Any], key: str, default: float) -> float:
