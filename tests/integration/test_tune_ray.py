@@ -11,6 +11,7 @@ left and checks that no actor or placement group remains in the Ray cluster.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -234,6 +235,10 @@ def test_trials_are_ray_placed_clusters_as_many_as_ray_holds_stopped_by_ctrl_c(
     assert sorted(t.params["x"] for t in interrupted) == queued
 
 
+def _tasks(tuner: Tuner, trial: Any) -> list[dict[str, Any]]:
+    return list(tuner.state(trial.user_attrs["cluster_id"])["tasks"])
+
+
 def test_a_pruned_ray_trial_is_stopped_and_leaves_nothing_in_ray(
     ray_ns: Namespace, tuner: Tuner, tmp_path: Path
 ) -> None:
@@ -256,4 +261,13 @@ def test_a_pruned_ray_trial_is_stopped_and_leaves_nothing_in_ray(
     state = tuner.state(cluster_id)
     assert state["status"] == "stopped" and state["backend"] == "ray"
     assert tuner.state(trials[0].user_attrs["cluster_id"])["status"] == "succeeded"
+    # Memory: the first trial asks for the estimate; each later one (one trial at a time)
+    # for the trial before it's peak x 1.25, at least 256 MiB: trials are kept by the
+    # study's command before {x} is filled in (manager/memory_sizing.py, memory_key).
+    (asked,) = [t["memory_requested"] for t in _tasks(tuner, trials[0])]
+    assert asked == 2**30
+    for before, trial in itertools.pairwise(trials):
+        (peak,) = [t["memory_peak"] for t in _tasks(tuner, before)]
+        (asked,) = [t["memory_requested"] for t in _tasks(tuner, trial)]
+        assert asked == pytest.approx(max(256 << 20, peak * 1.25))
     # The finalizer checks that no actor and no placement group is left in Ray.
