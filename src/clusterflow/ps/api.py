@@ -79,6 +79,20 @@ class PSConfig:
         """N: the pushes one sync step averages."""
         return self.num_replicas - self.backup_workers
 
+    def too_stale(self, staleness: int) -> bool:
+        """Whether an async push ``staleness`` versions old is past ``max_staleness``
+        (then ``stale_policy`` drops it or scales it)."""
+        return self.max_staleness is not None and staleness > self.max_staleness
+
+    def async_lr_scale(self, staleness: int) -> float:
+        """The learning-rate scale of an async push that is applied: 1/staleness past
+        ``max_staleness``, at most 1/max(1, staleness) with ``staleness_aware_lr``.
+        One rule for dense variables (``store.py``) and embedding rows (``tables.py``)."""
+        scale = 1.0 / staleness if self.too_stale(staleness) else 1.0
+        if self.staleness_aware_lr:
+            scale = min(scale, 1.0 / max(1, staleness))
+        return scale
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -347,16 +347,12 @@ class VariableStore:
         want_values: bool,
     ) -> PushResult:
         staleness = max(0, self.version - version)
-        scale = 1.0
-        if config.max_staleness is not None and staleness > config.max_staleness:
+        if config.too_stale(staleness):
             if config.stale_policy == "drop":
                 self.stats["dropped_stale"] += 1
                 return PushResult(False, self.version, "stale", staleness)
-            scale = 1.0 / staleness
             self.stats["scaled_stale"] += 1
-        if config.staleness_aware_lr:
-            scale = min(scale, 1.0 / max(1, staleness))
-        self._step(grads, hyper, scale)
+        self._step(grads, hyper, config.async_lr_scale(staleness))
         self.applied.add(keys)
         self.version += 1
         self.stats["applied"] += 1

@@ -249,15 +249,10 @@ class RowStore:
         hyper: Mapping[str, Any],
     ) -> RowsPushResult:
         staleness = max(0, self.version - version)
-        scale = 1.0
-        if config.max_staleness is not None and staleness > config.max_staleness:
-            if config.stale_policy == "drop":
-                self.stats["dropped_stale"] += 1
-                return RowsPushResult(False, self.version, "stale", staleness)
-            scale = 1.0 / staleness
-        if config.staleness_aware_lr:
-            scale = min(scale, 1.0 / max(1, staleness))
-        self._step(grads, hyper, scale)
+        if config.too_stale(staleness) and config.stale_policy == "drop":
+            self.stats["dropped_stale"] += 1
+            return RowsPushResult(False, self.version, "stale", staleness)
+        self._step(grads, hyper, config.async_lr_scale(staleness))
         self.applied.add(keys)
         self.version += 1
         self.stats["applied"] += 1
