@@ -11,13 +11,17 @@ the median.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import multiprocessing as mp
 import os
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 import psutil
 
@@ -43,6 +47,40 @@ def _positive(text: str) -> int:
     if value < 3:
         raise argparse.ArgumentTypeError(f"--rounds must be at least 3, got {value}")
     return value
+
+
+def run_ranks(
+    worker: Callable[[int, int, Any, Connection | None], None], world: int, plan: Any
+) -> Any:
+    """Runs ``worker(rank, port, plan, conn)`` in ``world`` spawned processes and returns
+    what rank 0 sends on ``conn`` (the others get None).
+
+    The ranks meet at a ``TCPStore`` on ``port``, hosted here and joined as clients by
+    every rank, as clusterflow's manager hosts one. Every rank still alive on the way out
+    (one that hung, or this process interrupted) is killed.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=worker, args=(rank, store.port, plan, child if rank == 0 else None))
+        for rank in range(world)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        sent = parent.recv()
+        for proc in procs:
+            proc.join(60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    return sent
 
 
 def one_thread_per_process() -> None:

@@ -20,8 +20,6 @@ side's median window.
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +34,7 @@ from benchmarks._common import (
     parser,
     ratio,
     result,
+    run_ranks,
 )
 
 WORKERS = 2
@@ -170,28 +169,7 @@ def main() -> None:
     )
     if args.rounds:
         plan = replace(plan, small_rounds=args.rounds, large_rounds=args.rounds)
-    import torch.distributed as dist
-
-    # Hosted here and joined as clients by both workers, as clusterflow's manager does.
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
-    )
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, store.port, plan, child if rank == 0 else None))
-        for rank in range(WORKERS)
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        figures, shares = parent.recv()
-        for proc in procs:
-            proc.join(60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+    figures, shares = run_ranks(_worker, WORKERS, plan)
     for size, model in (("small", "784-512-512-10"), ("large", "784-4096-4096-10")):
         best = {name: Spread.of(values).median for name, values in figures[size].items()}
         print(

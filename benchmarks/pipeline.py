@@ -28,8 +28,6 @@ Figures (each ratio the median over rounds of the same round's windows):
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
 import time
 import weakref
@@ -45,6 +43,7 @@ from benchmarks._common import (
     parser,
     ratio,
     result,
+    run_ranks,
 )
 
 STAGES = 2
@@ -208,27 +207,7 @@ def main() -> None:
     plan = Plan(rounds=4, steps=4, warmup=2) if args.quick else Plan(rounds=12, steps=6, warmup=3)
     if args.rounds:
         plan = Plan(rounds=args.rounds, steps=plan.steps, warmup=plan.warmup)
-    import torch.distributed as dist
-
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
-    )
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, store.port, plan, child if rank == 0 else None))
-        for rank in range(STAGES)
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        figures, stages = parent.recv()
-        for proc in procs:
-            proc.join(60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+    figures, stages = run_ranks(_worker, STAGES, plan)
     median = {name: Spread.of(values).median for name, values in figures.items()}
     print(
         f"MLP {WIDTH}x{LAYERS}, {STAGES} stages, batch {BATCH} in {MICROBATCHES} micro-batches, "
