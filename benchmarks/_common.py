@@ -277,3 +277,12 @@ def result(name: str, **figures: float | Spread) -> None:
         else:
             parts.append(f"{key}={value:.3f}")
     print(f"RESULT {name} {' '.join(parts)}", flush=True)
+
+
+def report(name: str, figures: Mapping[str, Spread], load: str) -> None:
+    """Ends a benchmark whose figures are all spreads: a line per figure, the machine's
+    load over the run (``MachineLoad.describe``), then the RESULT line."""
+    for key, spread in figures.items():
+        print(f"{key}: {spread}")
+    print(load, flush=True)
+    result(name, **figures)

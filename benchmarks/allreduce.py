@@ -33,7 +33,7 @@ from benchmarks._common import (
     one_thread_per_process,
     parser,
     ratio,
-    result,
+    report,
     run_ranks,
 )
 
@@ -193,10 +193,7 @@ def main() -> None:
         "vs_ddp_large": ratio(figures["large"]["ours"], figures["large"]["raw"]),
         "bf16_vs_ddp_fp32": ratio(figures["large"]["bf16"], figures["large"]["raw"]),
     }
-    for key, spread in spreads.items():
-        print(f"{key}: {spread}")
-    print(load.describe(), flush=True)
-    result("allreduce", **spreads)
+    report("allreduce", spreads, load.describe())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from benchmarks._common import (
     one_thread_per_process,
     parser,
     ratio,
-    result,
+    report,
     settle,
 )
 
@@ -370,10 +370,7 @@ def main() -> None:
     }
     if "torchrec" in rates:
         figures["vs_torchrec"] = ratio(rates["async"], rates["torchrec"])
-    for key, spread in figures.items():
-        print(f"{key}: {spread}")
-    print(load.describe(), flush=True)
-    result("embeddings", **figures)
+    report("embeddings", figures, load.describe())
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from benchmarks._common import (
     one_thread_per_process,
     parser,
     ratio,
-    result,
+    report,
     settle,
 )
 
@@ -395,10 +395,7 @@ def main() -> None:
         suffix = "" if hidden == 512 else "_large"
         figures[f"async_vs_ddp{suffix}"] = ratio(rates["async"], rates["ddp"])
         figures[f"sync_vs_ddp{suffix}"] = ratio(rates["sync"], rates["ddp"])
-    for key, spread in figures.items():
-        print(f"{key}: {spread}")
-    print(load.describe(), flush=True)
-    result("ps", **figures)
+    report("ps", figures, load.describe())
 
 
 if __name__ == "__main__":

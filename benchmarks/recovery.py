@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result, timed
+from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, report, timed
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "benchmarks" / "_recovery_job.py"
@@ -235,10 +235,7 @@ def main() -> None:
         "checkpoint_vs_torch_save": vs_save,
         "checkpoint_vs_torch_save_fsync": vs_synced,
     }
-    for key, spread in figures.items():
-        print(f"{key}: {spread}")
-    print(described, flush=True)
-    result("recovery", **figures)
+    report("recovery", figures, described)
 
 
 if __name__ == "__main__":
