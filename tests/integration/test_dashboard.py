@@ -17,10 +17,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from clusterflow.manager.stopper import cluster_processes, kill_processes
@@ -52,17 +52,6 @@ JOB = textwrap.dedent(
         time.sleep(0.2)
     """
 )
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
@@ -200,7 +189,7 @@ def _figure(site: Site, task: str, key: str) -> Any:
 def test_the_page_holds_the_tasks_and_its_chart_moves_as_training_advances(
     site: Site, page: Any, tmp_path: Path
 ) -> None:
-    _wait(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
     page.goto(f"{site.base}/clusters/{site.cluster_id}")
     page.wait_for_selector("#tasks tbody tr[data-task]")
     tasks = page.eval_on_selector_all(
@@ -242,7 +231,7 @@ def test_the_list_page_shows_the_cluster(site: Site, page: Any) -> None:
 
 
 def test_metrics_parse_with_prometheus_own_parser(site: Site) -> None:
-    _wait(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
     code, body, headers = site.get("/metrics")
     assert code == 200 and headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body)}
