@@ -19,13 +19,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import psutil
 import pytest
 
 from clusterflow.manager.registry import TERMINAL
 from clusterflow.manager.stopper import cluster_processes, kill_processes
+
+if TYPE_CHECKING:
+    from clusterflow.rpc import Credentials
+    from clusterflow.server import Server
 
 CLI = (sys.executable, "-m", "clusterflow.cli.main")
 """How the tests run the CLI: the module of this interpreter (the venv's script works too)."""
@@ -226,6 +230,21 @@ def reserve() -> Iterator[Callable[[], str]]:
     yield make
     for sock in held:
         sock.close()
+
+
+@pytest.fixture
+def ps_server() -> Iterator[tuple[Server, Credentials]]:
+    """A ps task served in this process on loopback, with the credentials to reach it
+    (imported here, not at the top: most integration tests never start a ps)."""
+    from clusterflow.ps.service import PSService
+    from clusterflow.rpc import Credentials
+    from clusterflow.server import create_local_server
+
+    credentials = Credentials.generate()
+    server = create_local_server(credentials=credentials)
+    PSService(server)
+    yield server, credentials
+    server.stop()
 
 
 @pytest.fixture

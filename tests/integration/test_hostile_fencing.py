@@ -12,7 +12,6 @@ Partitions that heal after the replacement runs: tests/integration/test_hostile_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,22 +21,12 @@ from clusterflow.cluster.contract import ENV_INCARNATION, ENV_SECRET, ENV_TASK
 from clusterflow.data.api import DatasetSpec
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.data.dispatcher_client import DispatcherClient
-from clusterflow.ps.service import PSService
 from clusterflow.rpc import Credentials, RpcClient, RpcServer
 from clusterflow.rpc.fencing import TaskFenced
-from clusterflow.server import Server, create_local_server
+from clusterflow.server import Server
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def ps_server() -> Iterator[tuple[Server, Credentials]]:
-    credentials = Credentials.generate()
-    server = create_local_server(credentials=credentials)
-    PSService(server)
-    yield server, credentials
-    server.stop()
 
 
 def _strategy(

@@ -17,9 +17,8 @@ import psutil
 import pytest
 import torch
 
-from clusterflow.ps.service import PSService
 from clusterflow.rpc import Credentials, RemoteError, RpcClient
-from clusterflow.server import Server, create_local_server
+from clusterflow.server import Server
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -300,15 +299,6 @@ def test_digits_ps_example_with_backup_workers_ends_and_learns(cluster_home: Pat
     # replicas left; the replica that read the step last saw the final one.
     taken = 3 * 2 * 23 - sum(d for _, _, d in got.values())
     assert taken / 2 <= max(step for _, step, _ in got.values()) <= taken, got
-
-
-@pytest.fixture
-def ps_server() -> Iterator[tuple[Server, Credentials]]:
-    credentials = Credentials.generate()
-    server = create_local_server(credentials=credentials)
-    PSService(server)
-    yield server, credentials
-    server.stop()
 
 
 def test_bad_pushes_get_error_replies_and_the_ps_keeps_serving(
