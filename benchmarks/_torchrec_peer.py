@@ -20,7 +20,23 @@ DIM = 64
 DENSE_IN = 13
 
 
-def _batches(rank: int, rows: list[int], batch: int, count: int) -> list[Any]:
+def top_mlp(tables: int) -> Any:
+    """The dense tower over the dense features and ``tables`` pooled embeddings (both
+    sides of the benchmark build it here)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(DENSE_IN + DIM * tables, 256),
+        nn.ReLU(),
+        nn.Linear(256, 64),
+        nn.ReLU(),
+        nn.Linear(64, 1),
+    )
+
+
+def batches(rank: int, rows: list[int], batch: int, count: int) -> list[Any]:
+    """Rank ``rank``'s ``count`` batches: zipf ids per table, dense features, labels.
+    ``benchmarks.embeddings`` trains ours on these very batches (the same seeds)."""
     import numpy as np
     import torch
 
@@ -69,13 +85,7 @@ def _rank(rank: int, port: int, rows: list[int], batch: int, pipe: Any) -> None:
                 ],
                 device=torch.device("meta"),
             )
-            self.mlp = nn.Sequential(
-                nn.Linear(DENSE_IN + DIM * len(rows), 256),
-                nn.ReLU(),
-                nn.Linear(256, 64),
-                nn.ReLU(),
-                nn.Linear(64, 1),
-            )
+            self.mlp = top_mlp(len(rows))
 
         def forward(self, kjt: Any, dense: torch.Tensor) -> torch.Tensor:
             pooled = self.ebc(kjt).values()
@@ -97,7 +107,7 @@ def _rank(rank: int, port: int, rows: list[int], batch: int, pipe: Any) -> None:
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=0.05),
     )
-    data = _batches(rank, rows, batch, 4)
+    data = batches(rank, rows, batch, 4)
     keys = [f"f_{n}" for n in names]
 
     def step(i: int) -> None:

@@ -44,9 +44,8 @@ from benchmarks._common import (
     report,
     settle,
 )
+from benchmarks._torchrec_peer import DIM, batches, top_mlp
 
-DIM = 64
-DENSE_IN = 13
 BATCH = 2048
 WORKERS = 2
 SLOW = 0.25
@@ -63,20 +62,6 @@ def _recv(conn: Connection, what: str) -> Any:
     return conn.recv()
 
 
-def _batches(rank: int, rows: list[int], count: int) -> list[Any]:
-    import numpy as np
-    import torch
-
-    rng = np.random.default_rng(100 + rank)
-    out = []
-    for _ in range(count):
-        ids = [torch.from_numpy((rng.zipf(1.1, BATCH) - 1) % r) for r in rows]
-        dense = torch.from_numpy(rng.standard_normal((BATCH, DENSE_IN)).astype("float32"))
-        label = torch.from_numpy((rng.random(BATCH) < 0.3).astype("float32"))
-        out.append((ids, dense, label))
-    return out
-
-
 def _model(rows: list[int]) -> Any:
     from torch import nn
 
@@ -84,13 +69,7 @@ def _model(rows: list[int]) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.tables = nn.ModuleList(nn.EmbeddingBag(r, DIM, mode="sum") for r in rows)
-            self.mlp = nn.Sequential(
-                nn.Linear(DENSE_IN + DIM * len(rows), 256),
-                nn.ReLU(),
-                nn.Linear(256, 64),
-                nn.ReLU(),
-                nn.Linear(64, 1),
-            )
+            self.mlp = top_mlp(len(rows))
 
         def forward(self, ids: list[Any], dense: Any) -> Any:
             import torch
@@ -145,7 +124,7 @@ def _worker(
         torch.manual_seed(0)
         model = _model(rows)
     opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
-    data = _batches(rank, rows, 4)
+    data = batches(rank, rows, BATCH, 4)
     tables = strategy._sparse.tables
     assert tables is not None
     delay = slow and rank == 1
