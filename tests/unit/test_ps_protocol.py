@@ -27,6 +27,7 @@ from clusterflow.ps.protocol import (
     QuiesceRequest,
     WaitVersionRequest,
 )
+from clusterflow.ps.rows_protocol import RowsPullRequest, RowsPushRequest
 from clusterflow.ps.service import PSService
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, RemoteError
@@ -179,3 +180,23 @@ def test_the_service_serves_every_method_of_the_contract(remote: PSConnection) -
             remote.call(0, method, {"worker": "worker:9", "version": 0, "timeout": 0.01})
         except RemoteError as exc:
             assert exc.code == "app", (method, exc)  # the handler refused, not the server
+
+
+@pytest.mark.parametrize(
+    ("request_type", "body"),
+    [
+        (PullRequest, {"timeout": float("nan")}),
+        (RowsPullRequest, {"timeout": float("nan")}),
+        (RowsPullRequest, {"timeout": float("inf")}),
+        (RowsPullRequest, {"timeout": -1.0}),
+        (RowsPullRequest, {"timeout": 1e9}),
+        (RowsPullRequest, {"min_version": 2.0**63}),
+        (RowsPushRequest, {"worker": "w", "timeout": float("nan")}),
+        (RowsPushRequest, {"worker": "w", "version": float("inf")}),
+    ],
+)
+def test_both_halves_refuse_unbounded_waits_and_versions(request_type: Any, body: Any) -> None:
+    """A NaN, infinite or year-long wait would hold a ps handler thread for good; the sparse
+    half of the contract bounds it as the dense half does (ps/wire.py ``BOUNDED``)."""
+    with pytest.raises(MalformedRequest, match="must be in"):
+        request_type.from_wire(body, {})

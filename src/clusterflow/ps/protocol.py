@@ -23,7 +23,7 @@ from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
 from clusterflow.ps.tables import RowStore
-from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds
 from clusterflow.ps.wire import request_body as _body
 from clusterflow.rpc.codec import DTYPES
 
@@ -49,26 +49,9 @@ def _field(method: str, body: Mapping[str, Any], key: str, kind: type[_T], defau
         raise MalformedRequest(
             f"ps.{method} request: {key!r} must be {kind.__name__}, got {value!r:.80}"
         )
-    low, high = _BOUNDED.get(key, (None, None))
-    if low is not None and not low <= value <= high:  # type: ignore[operator]
-        raise MalformedRequest(
-            f"ps.{method} request: {key!r} must be in {low:g}..{high:g}, got {value!r:.80}"
-        )
+    if isinstance(value, int | float):
+        in_bounds(method, key, value)
     return value
-
-
-MAX_WAIT_S = 3600.0
-"""The longest wait a request may ask for: a NaN, an infinity or a year would hold a
-handler thread of the ps for good (docs/failure-semantics.md, "Hostile bytes")."""
-
-_BOUNDED: Mapping[str, tuple[float, float]] = {
-    "timeout": (0.0, MAX_WAIT_S),
-    "min_version": (-(2.0**62), 2.0**62),
-    "version": (-(2.0**62), 2.0**62),
-}
-"""Fields whose value must lie in ``low..high`` (a NaN lies nowhere): a version is a step
-counter, so one near 2**63 is not a version a ps will ever reach, only a handler thread
-held for nothing."""
 
 
 def _all_of(method: str, key: str, items: Any, kind: type) -> Any:

@@ -18,7 +18,7 @@ from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.applied import Key
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
 from clusterflow.ps.tables import RowStore
-from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds
 from clusterflow.ps.wire import request_body as _body
 
 IDS = "i/"
@@ -29,6 +29,7 @@ def _number(method: str, body: Mapping[str, Any], key: str, default: float) -> f
     value = body.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MalformedRequest(f"ps.{method}: {key!r} must be a number, got {value!r:.40}")
+    in_bounds(method, key, float(value))
     return float(value)
 
 

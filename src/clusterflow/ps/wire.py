@@ -30,3 +30,26 @@ def request_body(method: str, body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise MalformedRequest(f"ps.{method} request body must be a map, got {body!r:.80}")
     return body
+
+
+MAX_WAIT_S = 3600.0
+"""The longest wait a request may ask for: a NaN, an infinity or a year would hold a
+handler thread of the ps for good (docs/failure-semantics.md, "Hostile bytes")."""
+
+BOUNDED: Mapping[str, tuple[float, float]] = {
+    "timeout": (0.0, MAX_WAIT_S),
+    "min_version": (-(2.0**62), 2.0**62),
+    "version": (-(2.0**62), 2.0**62),
+}
+"""Fields whose value must lie in ``low..high`` (a NaN lies nowhere): a version is a step
+counter, so one near 2**63 is not a version a ps will ever reach, only a handler thread
+held for nothing. Both halves of the contract check them through ``in_bounds``."""
+
+
+def in_bounds(method: str, key: str, value: float) -> None:
+    """``MalformedRequest`` when ``key`` is a bounded field and ``value`` lies outside it."""
+    low, high = BOUNDED.get(key, (None, None))
+    if low is not None and high is not None and not low <= value <= high:
+        raise MalformedRequest(
+            f"ps.{method} request: {key!r} must be in {low:g}..{high:g}, got {value!r:.80}"
+        )
