@@ -12,6 +12,7 @@ true model, its peak memory and the budget.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import resource
 import sys
@@ -108,6 +109,10 @@ def main() -> None:
     torch.set_num_threads(1)
     strategy = ParameterServerStrategy(mode="async", dense="allreduce", table_init="uniform")
     base_rss = rss_bytes()
+    # One malloc arena: glibc reserves 64 MiB of address space for each arena a new thread
+    # may open, which would spend RLIMIT_AS on reservations, not memory ("can't start new
+    # thread" once the ps client's pool grew). M_ARENA_MAX is -8 in malloc.h.
+    ctypes.CDLL(None).mallopt(-8, 1)
     limit = vm_bytes() + BUDGET
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     with strategy.scope():
