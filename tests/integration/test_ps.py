@@ -192,16 +192,20 @@ def test_async_digits_reaches_accuracy(cluster_home: Path) -> None:
     assert result.returncode == 0, result.stdout[-4000:]
     got = finals(result.stdout)
     assert sorted(got) == [0, 1], result.stdout[-4000:]
-    # Async Adam on digits reaches 0.95-0.98 in 6 epochs when the machine is quiet;
-    # staleness grows with load, and 0.90 held on a loaded 2-core machine. A broken
-    # optimizer or lost updates stay far below it.
-    assert min(acc for acc, _, _ in got.values()) >= 0.90
     # Async mode drops nothing (no max_staleness). Each worker reads the global step
     # after its own 6 x 23 pushes were applied, so it sees at least those; the one that
     # reads last also sees every push of the other, which had finished: exactly 2 x 138.
     assert all(dropped == 0 for _, _, dropped in got.values())
     steps = sorted(step for _, step, _ in got.values())
     assert steps[0] >= 6 * 23 and steps[-1] == 2 * 6 * 23, steps
+    # The model every push reached (the last reader's) is the trained one: async Adam on
+    # digits gives it 0.92-0.97 after 6 epochs. A worker that finished first evaluated
+    # values still missing the other's last pushes: measured 0.86-0.97 on a quiet machine,
+    # so it is held to less. A broken optimizer or lost updates stay far below both
+    # (chance is 0.1).
+    final = [acc for acc, step, _ in got.values() if step == 2 * 6 * 23]
+    assert min(final) >= 0.90, got
+    assert min(acc for acc, _, _ in got.values()) >= 0.80, got
 
 
 BACKUP_JOB = textwrap.dedent(

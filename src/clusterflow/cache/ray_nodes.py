@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from clusterflow.backends import ray_driver
 from clusterflow.cache import plan
 from clusterflow.cache.server import CacheServer
 from clusterflow.cache.store import free_for_caches, inspect, open_source
@@ -46,7 +47,7 @@ from clusterflow.rpc import Credentials
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "clusterflow"
+NAMESPACE = ray_driver.NAMESPACE
 """Ray's namespace of clusterflow's detached actors (the manager's too)."""
 CALL_S = 60.0
 """Deadline of one call to a cache actor (a load of a partition included)."""
@@ -213,21 +214,7 @@ def connect(address: str | None) -> None:
     Raises:
         ConfigError: Ray is not installed, or the cluster cannot be reached.
     """
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--backend ray needs Ray: pip install 'clusterflow[ray]'") from None
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(
-            address=address or os.environ.get("RAY_ADDRESS") or "auto",
-            namespace=NAMESPACE,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"cannot join the Ray cluster at {address or 'auto'}: {exc}") from exc
+    ray_driver.join(address)
 
 
 def create(

@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clusterflow.backends import ray_driver
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
 from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
 from clusterflow.errors import ConfigError
@@ -39,7 +40,7 @@ from clusterflow.manager.state import ClusterState
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "clusterflow"
+NAMESPACE = ray_driver.NAMESPACE
 LINGER_S = 3600.0
 """How long a finished manager waits for the CLI to collect its final state."""
 PULL_LIMIT = 8 << 20
@@ -197,27 +198,12 @@ def connect(address: str | None, job_dir: str | None = None) -> None:
     Raises:
         ConfigError: Ray is not installed, or the cluster cannot be reached.
     """
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--backend ray needs Ray: pip install 'clusterflow[ray]'") from None
-    if ray.is_initialized():
-        return
     runtime_env: dict[str, Any] = {}
     if job_dir:
         if not (os.path.isdir(job_dir) or (job_dir.endswith(".zip") and os.path.isfile(job_dir))):
             raise ConfigError(f"--job-dir {job_dir!r} is neither a folder nor a .zip file")
         runtime_env["working_dir"] = job_dir
-    try:
-        ray.init(
-            address=address or os.environ.get("RAY_ADDRESS") or "auto",
-            namespace=NAMESPACE,
-            runtime_env=runtime_env or None,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"cannot join the Ray cluster at {address or 'auto'}: {exc}") from exc
+    ray_driver.join(address, runtime_env=runtime_env)
 
 
 def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandle:
