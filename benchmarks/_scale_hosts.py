@@ -132,8 +132,9 @@ class Figures:
     per_worker: dict[str, dict[int, Spread]] = field(default_factory=dict)
     cluster: dict[str, list[float]] = field(default_factory=dict)
     """Per round, steps/s of the whole cluster (the straggler and bf16 sides)."""
-    cpu_share: dict[str, float] = field(default_factory=dict)
-    """Share of the machine's cores the workers used in their windows, largest size."""
+    cpu_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per side and size: a worker's CPU per step (ms; median over rounds, mean over
+    workers), what the step costs the host's CPU besides the emulated compute."""
 
 
 class Sweep:
@@ -152,6 +153,8 @@ class Sweep:
         agents = [Agent(h, self.log_dir) for h in self.hosts.hosts]
         for agent in agents:
             agent.recv()  # the greeting: torch imported, ready
+        rss = sum(_rss_bytes(a.proc.pid) for a in agents)
+        print(f"{len(agents)} host processes started: {rss / 2**30:.1f} GiB resident", flush=True)
         self.workers = agents[:max_workers]
         self.ps = agents[max_workers:]
 
@@ -188,8 +191,9 @@ class Sweep:
         )
         return [name] * shards
 
-    def size(self, n: int, largest: bool) -> dict[str, list[list[float]]]:
-        """Every side's windows at ``n`` workers: per round, each worker's steps/s."""
+    def size(self, n: int, largest: bool) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+        """Every side's windows at ``n`` workers: per round, each worker's steps/s; and
+        each side's CPU per step per worker (ms)."""
         workers = self.workers[:n]
         names: list[str] = []
         for shards in SHARDS:
@@ -225,6 +229,7 @@ class Sweep:
             sides["async_slow"] = f"async{max(SHARDS)}"
             sides["ddp_slow"] = "ddp"
         windows: dict[str, list[list[float]]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
 
         def window(side: str, record: bool = True) -> float:
             slow = side.endswith("_slow")
@@ -237,6 +242,7 @@ class Sweep:
             rates = [self.steps / (end - start) for start, end, _ in spans]
             if record:
                 windows[side].append(rates)
+                cpu[side].append(1000 * sum(c for _, _, c in spans) / n / self.steps)
             return sum(rates) / n
 
         for target in sides.values():  # untimed: connections, first pull, first buckets
@@ -256,7 +262,16 @@ class Sweep:
                     name=name,
                 )
         fan(workers, "dist_destroy")
-        return windows
+        return windows, {side: Spread.of(ms).median for side, ms in cpu.items() if ms}
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    kib = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(kib[0]) * 1024 if kib else 0
 
 
 def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
@@ -265,7 +280,9 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
     try:
         for n in sizes:
             started = time.perf_counter()
-            windows = sweep.size(n, largest=n == max(sizes))
+            windows, cpu_ms = sweep.size(n, largest=n == max(sizes))
+            for side, ms in cpu_ms.items():
+                figures.cpu_ms.setdefault(side, {})[n] = ms
             for side, per_round in windows.items():
                 if side.endswith("_slow") or side.startswith("ring_heavy"):
                     figures.cluster[side] = [sum(r) for r in per_round]
@@ -279,7 +296,8 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
                     for side in figures.per_worker
                     if n in figures.per_worker[side]
                 )
-                + " steps/s per worker",
+                + " steps/s per worker; CPU per step per worker: "
+                + ", ".join(f"{side} {ms:.0f} ms" for side, ms in cpu_ms.items()),
                 flush=True,
             )
     finally:

@@ -32,13 +32,22 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 RECORDS = 6000
 JOB = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     from clusterflow.data import distributed_dataset, numpy_collate
 
     out = sys.argv[1]
     data = distributed_dataset(  # NumPy batches: no torch import, a faster test
         "cache://", batch_size=100, split_size=1024, seed=1, collate_fn=numpy_collate
     )
+    # Both workers start reading together: the data service hands splits to whoever asks
+    # first, so a worker that starts seconds late (a cold import) could otherwise find
+    # every split taken, and this test is about each worker's own reads.
+    name = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
+    open(os.path.join(out, name + ".ready"), "w").close()
+    deadline = time.monotonic() + 60
+    while len([f for f in os.listdir(out) if f.endswith(".ready")]) < 2:
+        assert time.monotonic() < deadline, "the other worker never started"
+        time.sleep(0.02)
     seen = []
     for batch in data:
         seen.extend(int(i) for i in batch.data["id"])
@@ -46,7 +55,6 @@ JOB = textwrap.dedent(
     locality = data.status()["locality"]
     stats = data.source.stats()
     data.close()
-    name = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump({"ids": seen, "stats": stats, "locality": locality}, f)
     """

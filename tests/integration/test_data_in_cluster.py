@@ -15,16 +15,24 @@ pytestmark = pytest.mark.integration
 
 JOB = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
     from clusterflow.data import distributed_dataset
 
     path, out = sys.argv[1], sys.argv[2]
     seen = []
     data = distributed_dataset(path, batch_size=16, split_size=25, seed=3, epochs=1)
+    # Both start reading together: splits go to whoever asks first, so a worker that
+    # starts seconds late could find them all taken; this test wants both to read.
+    task = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
+    open(os.path.join(out, task + ".ready"), "w").close()
+    deadline = time.monotonic() + 60
+    while len([f for f in os.listdir(out) if f.endswith(".ready")]) < 2:
+        assert time.monotonic() < deadline, "the other worker never started"
+        time.sleep(0.02)
     for batch in data:
         seen.extend(int(i) for i in batch.data["id"])
     data.close()
-    with open(os.path.join(out, os.environ["CLUSTERFLOW_TASK"].replace(":", "-")), "w") as f:
+    with open(os.path.join(out, task), "w") as f:
         f.write(" ".join(map(str, seen)))
     """
 )
@@ -45,7 +53,7 @@ def test_workers_of_a_cluster_share_one_epoch_through_the_managers_dispatcher(
         "start", "--workers", "2", "--", sys.executable, str(script), data, str(out), timeout=150
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    seen = {p.name: [int(v) for v in p.read_text().split()] for p in out.iterdir()}
+    seen = {p.name: [int(v) for v in p.read_text().split()] for p in out.glob("worker-?")}
     assert set(seen) == {"worker-0", "worker-1"}
     ids = seen["worker-0"] + seen["worker-1"]
     assert sorted(ids) == list(range(records))  # every record once, across both workers

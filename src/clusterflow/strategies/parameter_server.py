@@ -125,7 +125,14 @@ class ParameterServerStrategy(Strategy):
         self._by_tensor: dict[int, TrackedVar] = {}
         self.placement = Placement()
         self._versions = [0] * self._ps.num_ps
-        self._overlap = self.options.overlap_push and self.config.mode == "async"
+        # A step computed while this replica's previous push is in flight reads values
+        # that push will make one version old: overlap only where max_staleness leaves
+        # room for that version (with 0, every other push would be dropped as stale).
+        self._overlap = (
+            self.options.overlap_push
+            and self.config.mode == "async"
+            and not self.config.too_stale(1)
+        )
         # sync: the background pull of the next version.
         self._next: Future[Values] | None = None
         # async: the push in flight; its thread writes only _bg_values, which the

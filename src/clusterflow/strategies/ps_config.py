@@ -45,8 +45,10 @@ class ParameterServerConfig:
     """``bfloat16`` halves the bytes of every pull."""
     overlap_push: bool = True
     """async only: a push travels while the next step computes (at most one in flight;
-    the step uses the newest values that arrived). Its splits are acked when its reply
-    comes, so exactly-once costs the step nothing."""
+    the step uses the newest values that arrived, so it reads values at most one of its
+    own pushes old: one version of staleness more). Its splits are acked when its reply
+    comes, so exactly-once costs the step nothing. Off by itself under
+    ``max_staleness=0``, which leaves no room for that version."""
     deadline_s: float = 120.0
     """Every call to a ps must answer within this many seconds."""
     dense: Literal["ps", "allreduce"] = "ps"
