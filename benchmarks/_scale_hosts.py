@@ -19,9 +19,9 @@ Sides at each size N (N workers, each on its own host):
 * ``sync``: the same, sync mode, ``SYNC_SHARDS`` shards;
 * ``ring``: ``MultiWorkerMirroredStrategy`` over gloo's ring;
 * ``ddp``: hand-written ``DistributedDataParallel`` on the same group.
-At the largest size also: ``async_slow``/``ddp_slow`` (the last worker computes 20%
-longer: a straggler) and ``ring_heavy``/``ring_heavy_bf16`` (a model of 4x the bytes per
-compute, fp32 against bf16 compression).
+At the largest size and at every size from ``EXTRAS_FROM`` on, also: ``async_slow`` and
+``ddp_slow`` (the last worker computes 20% longer: a straggler) and ``ring_heavy`` and
+``ring_heavy_bf16`` (a model of 4x the bytes per compute, fp32 against bf16 compression).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ BUCKET_BYTES = 25 * 2**20 // SCALE
 SHARDS = (1, 2, 4, 8)
 SYNC_SHARDS = 4
 STRAGGLER = 1.2
+EXTRAS_FROM = 8
+"""The straggler and bf16 sides run at this size and above (and at the largest)."""
 REPLY_TIMEOUT_S = 300.0
 
 
@@ -130,8 +132,8 @@ class Figures:
     """Per-worker steps/s of each side at each size (median over rounds and spread)."""
 
     per_worker: dict[str, dict[int, Spread]] = field(default_factory=dict)
-    cluster: dict[str, list[float]] = field(default_factory=dict)
-    """Per round, steps/s of the whole cluster (the straggler and bf16 sides)."""
+    cluster: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """Per side and size, per round: steps/s of the whole cluster (straggler, bf16)."""
     cpu_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per side and size: a worker's CPU per step (ms; median over rounds, mean over
     workers), what the step costs the host's CPU besides the emulated compute."""
@@ -191,7 +193,7 @@ class Sweep:
         )
         return [name] * shards
 
-    def size(self, n: int, largest: bool) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+    def size(self, n: int, extras: bool) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
         """Every side's windows at ``n`` workers: per round, each worker's steps/s; and
         each side's CPU per step per worker (ms)."""
         workers = self.workers[:n]
@@ -214,7 +216,7 @@ class Sweep:
         fan(workers, "ddp_join", name="ddp", width=WIDTH, bucket_bytes=BUCKET_BYTES)
         names += ["ring", "ddp"]
         sides = {name: name for name in names}
-        if largest:
+        if extras:
             for bf16 in (False, True):
                 name = "ring_heavy_bf16" if bf16 else "ring_heavy"
                 fan(
@@ -280,12 +282,12 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
     try:
         for n in sizes:
             started = time.perf_counter()
-            windows, cpu_ms = sweep.size(n, largest=n == max(sizes))
+            windows, cpu_ms = sweep.size(n, extras=n == max(sizes) or n >= EXTRAS_FROM)
             for side, ms in cpu_ms.items():
                 figures.cpu_ms.setdefault(side, {})[n] = ms
             for side, per_round in windows.items():
                 if side.endswith("_slow") or side.startswith("ring_heavy"):
-                    figures.cluster[side] = [sum(r) for r in per_round]
+                    figures.cluster.setdefault(side, {})[n] = [sum(r) for r in per_round]
                 else:
                     mean = [sum(r) / len(r) for r in per_round]
                     figures.per_worker.setdefault(side, {})[n] = Spread.of(mean)
@@ -302,4 +304,38 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
             )
     finally:
         sweep.close()
+    return figures
+
+
+def save(figures: Figures, path: Path) -> None:
+    """The curves as JSON, so runs of different sizes can be plotted together."""
+    data = {
+        "per_worker": {
+            side: {str(n): [sp.median, sp.low, sp.high, sp.count] for n, sp in curve.items()}
+            for side, curve in figures.per_worker.items()
+        },
+        "cluster": {
+            side: {str(n): rounds for n, rounds in by_size.items()}
+            for side, by_size in figures.cluster.items()
+        },
+        "cpu_ms": {side: {str(n): ms for n, ms in c.items()} for side, c in figures.cpu_ms.items()},
+    }
+    path.write_text(json.dumps(data, indent=1))
+
+
+def load(paths: list[Path]) -> Figures:
+    """Figures merged from ``save`` files; a size measured twice keeps the later file's."""
+    figures = Figures()
+    for path in paths:
+        data = json.loads(path.read_text())
+        for side, curve in data["per_worker"].items():
+            for n, (median, low, high, count) in curve.items():
+                spread = Spread(median, low, high, int(count))
+                figures.per_worker.setdefault(side, {})[int(n)] = spread
+        for side, by_size in data["cluster"].items():
+            for n, rounds in by_size.items():
+                figures.cluster.setdefault(side, {})[int(n)] = rounds
+        for side, c in data.get("cpu_ms", {}).items():
+            for n, ms in c.items():
+                figures.cpu_ms.setdefault(side, {})[int(n)] = ms
     return figures

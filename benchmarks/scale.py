@@ -71,10 +71,13 @@ def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tup
     print(f"DDP efficiency at {largest}: {ddp[largest].median / ddp[1].median:.2f}")
     sync = figures.per_worker["sync"]
     print(f"sync ps efficiency at {largest}: {sync[largest].median / sync[1].median:.2f}")
-    out["bf16_vs_fp32_10g"] = ratio(
-        figures.cluster["ring_heavy_bf16"], figures.cluster["ring_heavy"]
-    )
-    out["async_vs_ddp_10g"] = ratio(figures.cluster["async_slow"], figures.cluster["ddp_slow"])
+    c = figures.cluster
+    for n in sorted(c.get("ddp_slow", {})):
+        bf16 = ratio(c["ring_heavy_bf16"][n], c["ring_heavy"][n])
+        straggler = ratio(c["async_slow"][n], c["ddp_slow"][n])
+        print(f"at {n} workers: bf16_vs_fp32_10g {bf16}, async_vs_ddp_10g {straggler}")
+    out["bf16_vs_fp32_10g"] = ratio(c["ring_heavy_bf16"][largest], c["ring_heavy"][largest])
+    out["async_vs_ddp_10g"] = ratio(c["async_slow"][largest], c["ddp_slow"][largest])
     out["shards_needed_largest"] = float(shards_needed[largest] or 16)
     print("TensorFlow ParameterServerStrategy: skipped (TensorFlow is not installed)")
     return out, figures
@@ -107,6 +110,12 @@ def _parts(text: str) -> set[str]:
 def main() -> None:
     p = parser("scale", __doc__)
     p.add_argument("--plots", type=Path, help="write the PNG plots here (needs matplotlib)")
+    p.add_argument(
+        "--save",
+        type=Path,
+        help="write the data plane's curves to this JSON file (python -m "
+        "benchmarks._scale_plots OUT_DIR A.json B.json plots runs together)",
+    )
     p.add_argument(
         "--sizes",
         type=_sizes,
@@ -142,6 +151,8 @@ def main() -> None:
         from benchmarks.ps import bandwidth
 
         figures["ps_bandwidth_ratio"] = bandwidth(rounds + 4, args.verbose)
+    if args.save is not None and curves is not None:
+        _scale_hosts.save(curves, args.save)
     if args.plots is not None and curves is not None:
         if importlib.util.find_spec("matplotlib") is None:
             print("plots skipped: matplotlib is not installed (pip install matplotlib)")
