@@ -178,17 +178,26 @@ class Agent:
             strategy.close()
 
     def window(self, name: str, steps: int, compute_s: float) -> list[float]:
-        """``steps`` steps of side ``name``; (start, end, cpu seconds) of the window."""
+        """``steps`` steps of side ``name`` in steady state; (start, end, cpu seconds).
+
+        One untimed step first, so the first timed step waits for what an earlier step
+        left in flight (an overlapped push, a sync prefetch, peers of the ring starting
+        together), as every later one does. The window ends when the last step returns,
+        where the next step would start: its overlapped push travels during that next
+        step in a continuous run, so its answer is awaited after the window.
+        """
         kind, strategy, step = self.sides[name]
         self.emulated.step_s = compute_s
+        step()
         cpu = time.process_time()
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        if kind == "ps":
-            strategy.flush()  # the window's last push counts
         end = time.perf_counter()
-        return [start, end, time.process_time() - cpu]
+        cpu = time.process_time() - cpu
+        if kind == "ps":
+            strategy.flush()  # the last push's answer, outside the window
+        return [start, end, cpu]
 
     def warm(self, name: str, steps: int, compute_s: float) -> list[float]:
         return self.window(name, steps, compute_s)

@@ -19,9 +19,9 @@ Sides at each size N (N workers, each on its own host):
 * ``sync``: the same, sync mode, ``SYNC_SHARDS`` shards;
 * ``ring``: ``MultiWorkerMirroredStrategy`` over gloo's ring;
 * ``ddp``: hand-written ``DistributedDataParallel`` on the same group.
-At the largest size also: ``async_slow``/``ddp_slow`` (the last worker computes 20%
-longer: a straggler) and ``ring_heavy``/``ring_heavy_bf16`` (a model of 4x the bytes per
-compute, fp32 against bf16 compression).
+At the largest size and at every size from ``EXTRAS_FROM`` on, also: ``async_slow`` and
+``ddp_slow`` (the last worker computes 20% longer: a straggler) and ``ring_heavy`` and
+``ring_heavy_bf16`` (a model of 4x the bytes per compute, fp32 against bf16 compression).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ BUCKET_BYTES = 25 * 2**20 // SCALE
 SHARDS = (1, 2, 4, 8)
 SYNC_SHARDS = 4
 STRAGGLER = 1.2
+EXTRAS_FROM = 8
+"""The straggler and bf16 sides run at this size and above (and at the largest)."""
 REPLY_TIMEOUT_S = 300.0
 
 
@@ -130,10 +132,11 @@ class Figures:
     """Per-worker steps/s of each side at each size (median over rounds and spread)."""
 
     per_worker: dict[str, dict[int, Spread]] = field(default_factory=dict)
-    cluster: dict[str, list[float]] = field(default_factory=dict)
-    """Per round, steps/s of the whole cluster (the straggler and bf16 sides)."""
-    cpu_share: dict[str, float] = field(default_factory=dict)
-    """Share of the machine's cores the workers used in their windows, largest size."""
+    cluster: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """Per side and size, per round: steps/s of the whole cluster (straggler, bf16)."""
+    cpu_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per side and size: a worker's CPU per step (ms; median over rounds, mean over
+    workers), what the step costs the host's CPU besides the emulated compute."""
 
 
 class Sweep:
@@ -152,6 +155,8 @@ class Sweep:
         agents = [Agent(h, self.log_dir) for h in self.hosts.hosts]
         for agent in agents:
             agent.recv()  # the greeting: torch imported, ready
+        rss = sum(_rss_bytes(a.proc.pid) for a in agents)
+        print(f"{len(agents)} host processes started: {rss / 2**30:.1f} GiB resident", flush=True)
         self.workers = agents[:max_workers]
         self.ps = agents[max_workers:]
 
@@ -188,8 +193,9 @@ class Sweep:
         )
         return [name] * shards
 
-    def size(self, n: int, largest: bool) -> dict[str, list[list[float]]]:
-        """Every side's windows at ``n`` workers: per round, each worker's steps/s."""
+    def size(self, n: int, extras: bool) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+        """Every side's windows at ``n`` workers: per round, each worker's steps/s; and
+        each side's CPU per step per worker (ms)."""
         workers = self.workers[:n]
         names: list[str] = []
         for shards in SHARDS:
@@ -210,7 +216,7 @@ class Sweep:
         fan(workers, "ddp_join", name="ddp", width=WIDTH, bucket_bytes=BUCKET_BYTES)
         names += ["ring", "ddp"]
         sides = {name: name for name in names}
-        if largest:
+        if extras:
             for bf16 in (False, True):
                 name = "ring_heavy_bf16" if bf16 else "ring_heavy"
                 fan(
@@ -225,6 +231,7 @@ class Sweep:
             sides["async_slow"] = f"async{max(SHARDS)}"
             sides["ddp_slow"] = "ddp"
         windows: dict[str, list[list[float]]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
 
         def window(side: str, record: bool = True) -> float:
             slow = side.endswith("_slow")
@@ -237,6 +244,7 @@ class Sweep:
             rates = [self.steps / (end - start) for start, end, _ in spans]
             if record:
                 windows[side].append(rates)
+                cpu[side].append(1000 * sum(c for _, _, c in spans) / n / self.steps)
             return sum(rates) / n
 
         for target in sides.values():  # untimed: connections, first pull, first buckets
@@ -256,7 +264,16 @@ class Sweep:
                     name=name,
                 )
         fan(workers, "dist_destroy")
-        return windows
+        return windows, {side: Spread.of(ms).median for side, ms in cpu.items() if ms}
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    kib = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(kib[0]) * 1024 if kib else 0
 
 
 def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
@@ -265,10 +282,12 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
     try:
         for n in sizes:
             started = time.perf_counter()
-            windows = sweep.size(n, largest=n == max(sizes))
+            windows, cpu_ms = sweep.size(n, extras=n == max(sizes) or n >= EXTRAS_FROM)
+            for side, ms in cpu_ms.items():
+                figures.cpu_ms.setdefault(side, {})[n] = ms
             for side, per_round in windows.items():
                 if side.endswith("_slow") or side.startswith("ring_heavy"):
-                    figures.cluster[side] = [sum(r) for r in per_round]
+                    figures.cluster.setdefault(side, {})[n] = [sum(r) for r in per_round]
                 else:
                     mean = [sum(r) / len(r) for r in per_round]
                     figures.per_worker.setdefault(side, {})[n] = Spread.of(mean)
@@ -279,9 +298,44 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
                     for side in figures.per_worker
                     if n in figures.per_worker[side]
                 )
-                + " steps/s per worker",
+                + " steps/s per worker; CPU per step per worker: "
+                + ", ".join(f"{side} {ms:.0f} ms" for side, ms in cpu_ms.items()),
                 flush=True,
             )
     finally:
         sweep.close()
+    return figures
+
+
+def save(figures: Figures, path: Path) -> None:
+    """The curves as JSON, so runs of different sizes can be plotted together."""
+    data = {
+        "per_worker": {
+            side: {str(n): [sp.median, sp.low, sp.high, sp.count] for n, sp in curve.items()}
+            for side, curve in figures.per_worker.items()
+        },
+        "cluster": {
+            side: {str(n): rounds for n, rounds in by_size.items()}
+            for side, by_size in figures.cluster.items()
+        },
+        "cpu_ms": {side: {str(n): ms for n, ms in c.items()} for side, c in figures.cpu_ms.items()},
+    }
+    path.write_text(json.dumps(data, indent=1))
+
+
+def load(paths: list[Path]) -> Figures:
+    """Figures merged from ``save`` files; a size measured twice keeps the later file's."""
+    figures = Figures()
+    for path in paths:
+        data = json.loads(path.read_text())
+        for side, curve in data["per_worker"].items():
+            for n, (median, low, high, count) in curve.items():
+                spread = Spread(median, low, high, int(count))
+                figures.per_worker.setdefault(side, {})[int(n)] = spread
+        for side, by_size in data["cluster"].items():
+            for n, rounds in by_size.items():
+                figures.cluster.setdefault(side, {})[int(n)] = rounds
+        for side, c in data.get("cpu_ms", {}).items():
+            for n, ms in c.items():
+                figures.cpu_ms.setdefault(side, {})[int(n)] = ms
     return figures

@@ -2,10 +2,16 @@
 
 Two figures from the measured curves: per-worker steps/s against workers for every
 side, and the same as efficiency (over one worker of the same side).
+
+    python -m benchmarks._scale_plots OUT_DIR A.json [B.json ...]
+
+plots the curves that runs saved with ``--save`` together (a size in several files:
+the last file's), for runs of different sizes that no single quiet slot holds.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +70,18 @@ def plot(figures: Any, sizes: list[int], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def main() -> None:
+    from benchmarks._scale_hosts import load
+
+    if len(sys.argv) < 3:
+        raise SystemExit("usage: python -m benchmarks._scale_plots OUT_DIR A.json [B.json ...]")
+    figures = load([Path(a) for a in sys.argv[2:]])
+    sizes = sorted({n for curve in figures.per_worker.values() for n in curve})
+    for path in plot(figures, sizes, Path(sys.argv[1])):
+        print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,10 @@ slower), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``, ``dispatcher_leases
 ``register_1000_s``, ``ps_bandwidth_ratio``.
 
     python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
+                               [--parts data,control,ps]
+
+``--parts`` measures only some of the three (all by default): the keys of the others
+are left out of the RESULT line.
 """
 
 from __future__ import annotations
@@ -67,10 +71,13 @@ def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tup
     print(f"DDP efficiency at {largest}: {ddp[largest].median / ddp[1].median:.2f}")
     sync = figures.per_worker["sync"]
     print(f"sync ps efficiency at {largest}: {sync[largest].median / sync[1].median:.2f}")
-    out["bf16_vs_fp32_10g"] = ratio(
-        figures.cluster["ring_heavy_bf16"], figures.cluster["ring_heavy"]
-    )
-    out["async_vs_ddp_10g"] = ratio(figures.cluster["async_slow"], figures.cluster["ddp_slow"])
+    c = figures.cluster
+    for n in sorted(c.get("ddp_slow", {})):
+        bf16 = ratio(c["ring_heavy_bf16"][n], c["ring_heavy"][n])
+        straggler = ratio(c["async_slow"][n], c["ddp_slow"][n])
+        print(f"at {n} workers: bf16_vs_fp32_10g {bf16}, async_vs_ddp_10g {straggler}")
+    out["bf16_vs_fp32_10g"] = ratio(c["ring_heavy_bf16"][largest], c["ring_heavy"][largest])
+    out["async_vs_ddp_10g"] = ratio(c["async_slow"][largest], c["ddp_slow"][largest])
     out["shards_needed_largest"] = float(shards_needed[largest] or 16)
     print("TensorFlow ParameterServerStrategy: skipped (TensorFlow is not installed)")
     return out, figures
@@ -88,13 +95,37 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+PARTS = ("data", "control", "ps")
+
+
+def _parts(text: str) -> set[str]:
+    parts = {p.strip() for p in text.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):
+        raise argparse.ArgumentTypeError(
+            f"--parts {text!r}: a comma-separated choice of {', '.join(PARTS)}"
+        )
+    return parts
+
+
 def main() -> None:
     p = parser("scale", __doc__)
     p.add_argument("--plots", type=Path, help="write the PNG plots here (needs matplotlib)")
     p.add_argument(
+        "--save",
+        type=Path,
+        help="write the data plane's curves to this JSON file (python -m "
+        "benchmarks._scale_plots OUT_DIR A.json B.json plots runs together)",
+    )
+    p.add_argument(
         "--sizes",
         type=_sizes,
         help="worker counts to measure, 1 first (default 1,2,4,8; 16,32 without --quick)",
+    )
+    p.add_argument(
+        "--parts",
+        type=_parts,
+        default=set(PARTS),
+        help="which parts to measure: data, control, ps (default all)",
     )
     args = p.parse_args()
     one_thread_per_process()
@@ -102,19 +133,26 @@ def main() -> None:
     rounds = args.rounds or 3
     sizes = args.sizes or ([1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     figures: dict[str, float | Spread] = {}
-    control = _scale_control.run()
-    for key, value in control.items():
-        print(f"control plane, 1,000 simulated tasks: {key} = {value:,.1f}")
-    data, curves = _data_plane(
-        sizes, steps=4 if args.quick else 6, rounds=rounds, verbose=args.verbose
-    )
-    figures.update(data)
-    figures.update({k: control[k] for k in ("manager_heartbeats_per_s", "heartbeat_p99_ms")})
-    figures["dispatcher_leases_per_s"] = control["dispatcher_leases_per_s"]
-    figures["register_1000_s"] = control["register_1000_s"]
-    from benchmarks.ps import bandwidth
+    if "control" in args.parts:
+        control = _scale_control.run()
+        for key, value in control.items():
+            print(f"control plane, 1,000 simulated tasks: {key} = {value:,.1f}")
+    curves = None
+    if "data" in args.parts:
+        data, curves = _data_plane(
+            sizes, steps=4 if args.quick else 6, rounds=rounds, verbose=args.verbose
+        )
+        figures.update(data)
+    if "control" in args.parts:
+        figures.update({k: control[k] for k in ("manager_heartbeats_per_s", "heartbeat_p99_ms")})
+        figures["dispatcher_leases_per_s"] = control["dispatcher_leases_per_s"]
+        figures["register_1000_s"] = control["register_1000_s"]
+    if "ps" in args.parts:
+        from benchmarks.ps import bandwidth
 
-    figures["ps_bandwidth_ratio"] = bandwidth(rounds + 4, args.verbose)
+        figures["ps_bandwidth_ratio"] = bandwidth(rounds + 4, args.verbose)
+    if args.save is not None and curves is not None:
+        _scale_hosts.save(curves, args.save)
     if args.plots is not None and curves is not None:
         if importlib.util.find_spec("matplotlib") is None:
             print("plots skipped: matplotlib is not installed (pip install matplotlib)")

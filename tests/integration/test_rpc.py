@@ -463,6 +463,68 @@ def test_raw_peer_with_the_right_credentials_is_served(
     assert raw_reply(dealer)["b"] == [1, 2]
 
 
+@integration
+def test_a_burst_larger_than_one_wake_up_takes_is_answered_whole(
+    server: RpcServer, raw_dealer: Callable[..., zmq.Socket[bytes]], service: Service
+) -> None:
+    """The loop takes requests in batches per wake-up (``server.BATCH``): a burst of many
+    batches, mixed with malformed headers, one-way messages, a tensor request and a
+    blocking call whose reply comes back through the loop meanwhile, is answered in
+    full, each reply to its own id."""
+    from clusterflow.rpc import server as server_module
+
+    count = 5 * server_module.BATCH
+    bad = [i for i in range(2, count) if i % 7 == 0]
+    oneway = [i for i in range(2, count) if i % 11 == 0 and i % 7]
+    dealer = raw_dealer(server)
+    dealer.send_multipart([raw_request("meet", 1)])
+    for i in range(2, count):
+        if i in bad:
+            dealer.send_multipart([b"\x93not a map"])
+        elif i in oneway:
+            header = {"v": PROTOCOL_VERSION, "k": "one", "id": i, "m": "note", "b": i}
+            dealer.send_multipart([msgpack.packb(header)])
+        else:
+            dealer.send_multipart([raw_request("echo", i, [i])])
+    tensor = torch.arange(4, dtype=torch.float32)
+    header = {
+        "v": PROTOCOL_VERSION,
+        "k": "req",
+        "id": count,
+        "m": "scale",
+        "b": {"factor": 2},
+        "t": [["x", "float32", [4], 16]],
+    }
+    dealer.send_multipart([msgpack.packb(header), tensor.numpy().tobytes()])
+    service.barrier.wait()  # the blocking call runs while the burst is served
+    replies: dict[int, dict[str, Any]] = {}
+    malformed = 0
+    expected = count - len(oneway)
+    while len(replies) + malformed < expected:
+        assert dealer.poll(10_000), f"{len(replies) + malformed} of {expected} answered"
+        frames = dealer.recv_multipart()
+        reply = msgpack.unpackb(frames[0], raw=False)
+        if reply["k"] == "err":
+            assert reply["c"] == "protocol"
+            malformed += 1
+            continue
+        replies[reply["id"]] = {"b": reply.get("b"), "frames": frames[1:]}
+    assert malformed == len(bad)
+    for i in set(range(2, count)) - set(bad) - set(oneway):
+        assert replies[i]["b"] == [i]
+    assert replies[1]["b"] in (0, 1)
+    assert torch.frombuffer(
+        bytearray(replies[count]["frames"][0]), dtype=torch.float32
+    ).tolist() == [
+        0.0,
+        2.0,
+        4.0,
+        6.0,
+    ]
+    notes = sorted(service.notes.get(timeout=5).body for _ in oneway)
+    assert notes == oneway
+
+
 # Protocol versions ----------------------------------------------------------------------
 
 

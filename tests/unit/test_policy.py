@@ -277,3 +277,23 @@ def test_a_kill_for_memory_that_cannot_grow_counts_as_any_death() -> None:
     killed = TaskStatus(task="worker:0", tracked=True, exit_code=-9)
     verdict = decide(status(killed, max_restarts=1, restarts=1))
     assert verdict.decision == Decision.FAIL and not verdict.memory
+
+
+def test_heartbeats_reach_the_task_they_name_in_either_form() -> None:
+    """The manager's heartbeat path finds a task by its canonical name without parsing,
+    and still by TensorFlow's form; a stale or malformed name changes nothing."""
+    from clusterflow.manager.config import RunConfig
+    from clusterflow.manager.rendezvous import RegistrationError
+    from clusterflow.manager.tasks import TaskTable
+
+    table = TaskTable(RunConfig(command=("true",), workers=3))
+    table.heartbeat("worker:1")
+    table.heartbeat("/job:worker/task:2")
+    for stale in ("worker:7", "nonsense", 12, None):
+        table.heartbeat(stale)
+    ages = {s.task: s.heartbeat_age_s for s in table.statuses()}
+    assert ages["worker:0"] is None
+    assert ages["worker:1"] is not None and ages["worker:2"] is not None
+    assert table.find("/job:worker/task:0") is table.find("worker:0")
+    with pytest.raises(RegistrationError, match="worker:7"):
+        table.find("worker:7")

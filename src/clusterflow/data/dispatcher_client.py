@@ -48,9 +48,15 @@ class DispatcherClient:
         return reply
 
     def lease(
-        self, name: str, worker: str, host: str | None, acks: list[int] | None = None
+        self,
+        name: str,
+        worker: str,
+        host: str | None,
+        acks: list[int] | None = None,
+        count: int | None = None,
     ) -> dict[str, Any]:
-        """The next split, after acking ``acks`` (one call instead of two)."""
+        """The next split, after acking ``acks`` (one call instead of two); with
+        ``count``, up to that many, listed in the reply's ``leases``."""
         body: dict[str, Any] = {
             "name": name,
             "worker": worker,
@@ -59,6 +65,8 @@ class DispatcherClient:
         }
         if acks:
             body["acks"] = acks
+        if count is not None:
+            body["count"] = count
         reply: dict[str, Any] = self._call("data.lease", body)
         return reply
 

@@ -55,6 +55,9 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
     def __init__(self, config: RunConfig) -> None:
         self.lock = threading.Condition()
         self._records = {t: TaskRecord(t, config.is_tracked(t)) for t in config.tasks()}
+        self._by_name = {str(t): r for t, r in self._records.items()}
+        """Records by canonical name (``"worker:3"``): what supervisors send, found
+        without parsing (a heartbeat is the manager's most frequent call)."""
         self._changed = False
 
     def __getitem__(self, task: TaskId) -> TaskRecord:
@@ -72,6 +75,9 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
         Raises:
             RegistrationError: not a task name, or not a task of this cluster.
         """
+        record = self._by_name.get(name) if isinstance(name, str) else None
+        if record is not None:
+            return record
         try:
             record = self._records.get(TaskId.parse(str(name)))
         except ClusterflowError as exc:
@@ -94,10 +100,8 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
 
     def heartbeat(self, name: Any) -> None:
         """A supervisor is alive; an unknown name is ignored (a stale supervisor)."""
-        with contextlib.suppress(ClusterflowError):
-            record = self._records.get(TaskId.parse(str(name)))
-            if record is not None:
-                record.last_heartbeat = time.monotonic()
+        with contextlib.suppress(RegistrationError):
+            self.find(name).last_heartbeat = time.monotonic()
 
     def declare(self, record: TaskRecord, *, respawnable: bool) -> None:
         with self.lock:
