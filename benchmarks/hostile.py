@@ -11,7 +11,10 @@
   partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``); records
   lost and applied twice over all of them (the counter model), and the longest time a
   task sat without progress or failure against its documented bound. ``zombies_fenced``:
-  zombie launches that ended by ``TaskFenced`` rather than by their own deadline.
+  zombie launches that ended by ``TaskFenced`` rather than by their own deadline (goal:
+  every zombie scenario); ``zombie_served_after_fence``: their requests a ps or the
+  dispatcher served after the fence was raised (goal 0); ``zombie_ended_after_heal_s``:
+  the longest from the heal to a zombie's exit.
 * ``lossy_max_param_diff``, ``lossy_throughput_ratio``: sync ps training on a clean and
   on a slow, lossy link (``benchmarks/_hostile_lossy.py``): the largest difference of
   the final parameters (goal 0) and steps/s lossy / clean.
@@ -166,6 +169,7 @@ def partitions(workdir: Path) -> dict[str, float]:
         )
         outcomes.append(outcome)
     worst = max(outcomes, key=lambda o: o.stall_s / o.stall_bound_s)
+    zombies = [o for o in outcomes if o.scenario.startswith("zombie")]
     return {
         "partition_runs": len(outcomes),
         "lost": sum(o.lost for o in outcomes),
@@ -173,7 +177,9 @@ def partitions(workdir: Path) -> dict[str, float]:
         "max_stall_s": worst.stall_s,
         "stall_bound_s": worst.stall_bound_s,
         "stalls_within_bound": sum(o.stall_s <= o.stall_bound_s for o in outcomes),
-        "zombies_fenced": sum(o.fenced for o in outcomes if o.scenario.startswith("zombie")),
+        "zombies_fenced": sum(o.fenced for o in zombies),
+        "zombie_served_after_fence": sum(o.served_after_fence for o in zombies),
+        "zombie_ended_after_heal_s": max((o.ended_after_heal_s for o in zombies), default=0.0),
     }
 
 

@@ -110,6 +110,7 @@ class DispatcherService:
         }
         for method, handler in handlers.items():
             server.register(f"{SERVICE}.{method}", self.fences.guard(handler))
+        self.fences.register_on(server, SERVICE)
         return self
 
     # In-process API (the manager, the chief, tests) -------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from clusterflow.data.api import DatasetSpec
 from clusterflow.rpc import RemoteError, RpcClient
-from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp
+from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 __all__ = ["INCARNATION", "DispatcherClient"]
 
@@ -28,6 +28,7 @@ class DispatcherClient:
     def __init__(self, rpc: RpcClient) -> None:
         self.rpc = rpc
         self._fence = Fence.from_env()
+        watch(rpc, "data", self._fence)  # a lost connection: ask if we were fenced
 
     def _call(self, method: str, body: Any = None) -> Any:
         """One ``data.*`` call, fenced (rpc/fencing.py): a replaced worker stops here.
