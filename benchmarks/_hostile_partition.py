@@ -15,9 +15,13 @@ Scenarios (``SCENARIOS``):
   link heals; the run completes.
 * ``zombie_heals_after_replacement``: the deadline is longer than the cut, so the cut
   off worker is still alive, blocked in a push, when the "manager" declares it dead and
-  relaunches it on host 2. The link heals after the replacement trained: the old
-  process's push arrives, the ps refuses it (fencing), and the old process stops itself
-  with ``TaskFenced``.
+  relaunches it on host 2, raising its fence at the dispatcher and at the ps
+  (``ps.fence``, as ``manager/fences.py`` does) before the replacement starts. The link
+  heals after the replacement trained. The old process's clients find their
+  connection back (the cut killed the old one, and its request with it) and ask
+  ``ps.fence``/``data.fence``: refused, the old process stops itself with
+  ``TaskFenced``. The ps and the dispatcher count what they served of each launch
+  (``FenceBook.counts``): nothing of the old one after its fence was raised.
 
 Either way every record's counter must end at exactly the number of epochs. Progress
 and outcomes travel through files in a shared folder (the hosts share this machine's
@@ -48,6 +52,9 @@ SCENARIOS = ("cut_beyond_deadline", "zombie_heals_after_replacement")
 TIMEOUT_S = 180.0
 EXIT_MARGIN_S = 10.0
 """From a raised error to the process's end (closing clients, its interpreter's exit)."""
+FENCED_WITHIN_S = 5.0
+"""From the heal to a zombie's ``TaskFenced``: ZeroMQ re-dials (at most every second),
+then one round trip of ``<service>.fence``; docs/failure-semantics.md, "Fencing"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,13 @@ class Outcome:
     """How the cut-off launch ended: its last line."""
     fenced: bool
     """It ended by ``TaskFenced`` (it learnt it was replaced), not by a deadline."""
+    served_after_fence: int = 0
+    """Requests of the cut-off launch the ps or the dispatcher served after its fence
+    was raised (the relaunch). Goal 0."""
+    refused: int = 0
+    """Its requests (and probes) the ps and the dispatcher refused."""
+    ended_after_heal_s: float = 0.0
+    """From the heal to its exit (the zombie scenario)."""
 
 
 def _env(workdir: Path, hosts: EmulatedHosts, incarnation: int, host: int) -> dict[str, str]:
@@ -103,8 +117,10 @@ def _wait(predicate: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
         time.sleep(0.05)
 
 
-def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
-    """Runs one scenario on three fresh emulated hosts; ``workdir`` must be empty."""
+def run(scenario: str, workdir: Path, *, cut_s: float = 14.0, prefix: str = "hostile") -> Outcome:
+    """Runs one scenario on three fresh emulated hosts; ``workdir`` must be empty.
+
+    ``prefix`` names the hosts' network namespaces (``EmulatedHosts``)."""
     from clusterflow.rpc import Credentials
 
     if scenario not in SCENARIOS:
@@ -116,7 +132,7 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
     # longer (it outlives the cut: a zombie once healed).
     deadline_s = 60.0 if zombie else 10.0
     me = [sys.executable, "-m", "benchmarks._hostile_partition"]
-    with EmulatedHosts(3, prefix="hostile") as hosts:
+    with EmulatedHosts(3, prefix=prefix) as hosts:
         serve = hosts[0].popen(
             [*me, "serve", str(workdir), f"{hosts[0].address}:{PS_PORT}"],
             env=_env(workdir, hosts, 0, 0),
@@ -150,18 +166,19 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
             _wait(lambda: len(_progress(workdir)) >= done + 3, "progress of the replacement")
             time.sleep(max(0.0, cut_s - (time.monotonic() - cut_at)))
             hosts.heal(1)
-            cut_for = time.monotonic() - cut_at
+            healed_at = time.monotonic()
             if os.environ.get("HOSTILE_DEBUG"):
                 time.sleep(15)
                 first.send_signal(signal.SIGUSR1)
             code = first.wait(TIMEOUT_S)
             stall = time.monotonic() - cut_at
-            # Healed, it is refused at its next request; a request it had in flight when
-            # the link broke is lost with the connection ZeroMQ re-dials, so it may only
-            # end at that request's deadline: the bound is its deadline, then its exit.
-            del cut_for
-            bound = deadline_s + EXIT_MARGIN_S
+            ended_after_heal = time.monotonic() - healed_at
+            # Healed, its clients find their connection back and ask whether it was
+            # fenced (a request in flight when the link broke died with the connection):
+            # refused, it stops. The bound: the cut, the re-dial and that answer, its exit.
+            bound = (healed_at - cut_at) + FENCED_WITHIN_S + EXIT_MARGIN_S
         else:
+            ended_after_heal = 0.0
             code = first.wait(TIMEOUT_S)
             stall = time.monotonic() - cut_at
             # Its ps deadline (its data client's is set to the same), then its exit.
@@ -188,7 +205,30 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0) -> Outcome:
     last = _tail(workdir / "first.err")
     if code == 0:
         raise RuntimeError(f"{scenario}: the cut-off launch ended normally: {last}")
-    return Outcome(scenario, lost, duplicated, round(stall, 2), bound, last, "TaskFenced" in last)
+    served, refused = _fence_counts(workdir)
+    return Outcome(
+        scenario,
+        lost,
+        duplicated,
+        round(stall, 2),
+        round(bound, 2),
+        last,
+        "TaskFenced" in last,
+        served,
+        refused,
+        round(ended_after_heal, 2),
+    )
+
+
+def _fence_counts(workdir: Path) -> tuple[int, int]:
+    """Requests of launch 0 served after its fence was raised, and those refused, over
+    the ps and the dispatcher (what ``serve`` recorded at the relaunch and at its end)."""
+    at_fence = json.loads((workdir / "fences_at_relaunch.json").read_text())
+    final = json.loads((workdir / "fences.json").read_text())
+    served = sum(
+        final[s]["admitted"].get("0", 0) - at_fence[s]["admitted"].get("0", 0) for s in final
+    )
+    return served, sum(final[s]["refused"].get("0", 0) for s in final)
 
 
 def _tail(path: Path) -> str:
@@ -224,29 +264,41 @@ def _serve(workdir: Path, address: str) -> None:
 
     creds = Credentials.from_hex((workdir / "secret").read_text())
     server = Server({"ps": [address]}, "ps", 0, credentials=creds, start=False)
-    PSService(server)
+    ps = PSService(server)
     data = DispatcherService().register_on(server)
 
     def relaunched(request: Request) -> int:
         task, incarnation = request.body["task"], int(request.body["incarnation"])
-        data.fences.raise_to(task, incarnation)
+        data.fences.raise_to(task, incarnation)  # the manager's dispatcher, in process
         return data.release_worker(task)
 
+    def fences(path: Path) -> None:
+        counts = {"ps": ps.fences.counts("worker:0"), "data": data.fences.counts("worker:0")}
+        path.write_text(json.dumps(counts))
+
     server.register("test.relaunched", relaunched)
+    server.register("test.fences", lambda r: fences(workdir / "fences_at_relaunch.json"))
     server.start()
     (workdir / "serving").touch()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     server.stop()
+    fences(workdir / "fences.json")
 
 
 def _relaunch(workdir: Path, address: str, task: str, incarnation: int) -> None:
     from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.rpc.fencing import Fence, announce
 
     creds = Credentials.from_hex((workdir / "secret").read_text())
     with RpcClient(address, creds, deadline=20) as client:
         client.call("test.relaunched", {"task": task, "incarnation": incarnation})
+        # The ps hears of it as from the manager (manager/fences.py), before the launch.
+        missed = announce([address], creds, Fence(task, incarnation))
+        if missed:
+            raise RuntimeError(f"the ps did not take the fence: {missed}")
+        client.call("test.fences")  # what each launch got served so far
 
 
 def _work(workdir: Path, deadline_s: float) -> None:

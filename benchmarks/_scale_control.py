@@ -34,6 +34,8 @@ PACED_HZ = 10.0
 """Heartbeats per task per second in the paced phase (10,000/s in all)."""
 PHASE_S = 3.0
 """Seconds each measured phase runs."""
+LEASES_PER_CALL = 8
+"""Splits a simulated task asks for per ``data.lease`` call in the batched phase."""
 
 
 class _Process:
@@ -160,17 +162,19 @@ def _client(conn: Connection, endpoint: str, secret: bytes) -> None:
         return out
 
     def closed_loop(first: list[bytes], following: Any, seconds: float) -> float:
-        """One call in flight per task, for ``seconds``; calls/s.
+        """One call in flight per task, for ``seconds``; what was answered per second.
 
-        ``following(i, reply)`` is the frame task ``i`` sends after ``reply``.
+        ``following(i, reply)`` gives the frame task ``i`` sends after ``reply``, and
+        how much ``reply`` answered (a heartbeat, or each lease it lent).
         """
         for i in range(TASKS):
             send(i, first[i])
         done, start = 0, time.perf_counter()
         while (now := time.perf_counter()) - start < seconds:
-            for i, raw in replies(100):
-                done += 1
-                send(i, following(i, raw))
+            for i, reply in replies(100):
+                ask, units = following(i, reply)
+                done += units
+                send(i, ask)
         rate = done / (now - start)
         pending = TASKS
         deadline = time.monotonic() + 60
@@ -196,7 +200,7 @@ def _client(conn: Connection, endpoint: str, secret: bytes) -> None:
 
     beats = [frame(i, "manager.heartbeat", {"task": f"worker:{i}"}) for i in range(TASKS)]
     conn.send(("begin", "heartbeat"))
-    figures["manager_heartbeats_per_s"] = closed_loop(beats, lambda i, _: beats[i], PHASE_S)
+    figures["manager_heartbeats_per_s"] = closed_loop(beats, lambda i, _: (beats[i], 1), PHASE_S)
     conn.send(("end", "heartbeat"))
 
     # paced: every task every 1/PACED_HZ s, staggered; latency of each reply. A task
@@ -254,20 +258,37 @@ def _client(conn: Connection, endpoint: str, secret: bytes) -> None:
     while not replies(1000):
         pass
 
-    asks = [
-        frame(i, "data.lease", {"name": "bench", "worker": f"worker:{i}"}) for i in range(TASKS)
-    ]
+    def asks(count: int | None) -> list[bytes]:
+        more = {} if count is None else {"count": count}
+        return [
+            frame(i, "data.lease", {"name": "bench", "worker": f"worker:{i}", **more})
+            for i in range(TASKS)
+        ]
 
-    def lease_after(i: int, raw: bytes) -> bytes:
-        reply = codec.decode_header(raw)["b"]
-        if reply.get("status") != "lease":
-            raise SystemExit(f"benchmark failed: data.lease answered {reply}")
-        body = {"name": "bench", "worker": f"worker:{i}", "acks": [reply["lease"][0]]}
-        return frame(i, "data.lease", body)
+    def lease_after(count: int | None) -> Any:
+        more = {} if count is None else {"count": count}
 
+        def following(i: int, raw: bytes) -> tuple[bytes, int]:
+            reply = codec.decode_header(raw)["b"]
+            if reply.get("status") != "lease":
+                raise SystemExit(f"benchmark failed: data.lease answered {reply}")
+            lent = reply["leases"] if count is not None else [reply["lease"]]
+            acks = [lease[0] for lease in lent]
+            body = {"name": "bench", "worker": f"worker:{i}", "acks": acks, **more}
+            return frame(i, "data.lease", body), len(lent)
+
+        return following
+
+    # one split per call, as the data service's client asks today
     conn.send(("begin", "lease"))
-    figures["dispatcher_leases_per_s"] = closed_loop(asks, lease_after, PHASE_S)
+    figures["dispatcher_leases_per_s"] = closed_loop(asks(None), lease_after(None), PHASE_S)
     conn.send(("end", "lease"))
+    # LEASES_PER_CALL splits per call, each its own lease (and ack): counted per lease
+    conn.send(("begin", "lease_batched"))
+    figures["dispatcher_leases_batched_per_s"] = closed_loop(
+        asks(LEASES_PER_CALL), lease_after(LEASES_PER_CALL), PHASE_S
+    )
+    conn.send(("end", "lease_batched"))
     conn.send(figures)
     for s in socks:
         s.close(linger=0)
@@ -316,20 +337,21 @@ def run() -> dict[str, float]:
             if isinstance(message, dict):
                 break
             marks[message] = {name: _cpu(proc) for name, proc in procs.items()}
-            marks[message].update({f"{n}_io": _io_cpu(proc) for n, proc in procs.items()})
+            marks[message]["manager_io"] = _io_cpu(procs["manager"])
         figures: dict[str, float] = message
         # CPU each side spent, per phase and per call: what a quiet core would sustain,
         # whatever the load of the shared machine did to the wall-clock rates above.
-        for phase in ("register", "heartbeat", "paced", "lease"):
-            for name in (*procs, *(f"{n}_io" for n in procs)):
+        for phase in ("register", "heartbeat", "paced", "lease", "lease_batched"):
+            for name in (*procs, "manager_io"):
                 used = marks[("end", phase)][name] - marks[("begin", phase)][name]
                 figures[f"{phase}_{name}_cpu_s"] = used
         for phase, rate_key in (
             ("heartbeat", "manager_heartbeats_per_s"),
             ("lease", "dispatcher_leases_per_s"),
+            ("lease_batched", "dispatcher_leases_batched_per_s"),
         ):
             calls = figures[rate_key] * PHASE_S
-            for name in (*procs, *(f"{n}_io" for n in procs)):
+            for name in (*procs, "manager_io"):
                 used = figures[f"{phase}_{name}_cpu_s"]
                 figures[f"{phase}_{name}_cpu_us"] = 1e6 * used / max(calls, 1.0)
         client.join(30)

@@ -365,6 +365,36 @@ def test_unknown_lease_and_conflicting_definition_are_clear_errors(
         assert next(client).index == batch.index + 1  # the dispatcher kept serving
 
 
+def test_one_call_acks_and_leases_several_splits_each_once(dispatcher: Dispatcher) -> None:
+    """``data.lease`` with ``count``: several splits per round trip over the wire, each
+    under its own lease; the acks that ride along settle the previous ones; a bad count
+    is refused with its value named, and the dispatcher serves on."""
+    from clusterflow.data import DatasetSpec
+    from clusterflow.data.dispatcher_client import DispatcherClient
+    from clusterflow.rpc import RpcClient
+
+    spec = DatasetSpec(name="many", source="range://40", num_records=40, split_size=4)
+    rpc = RpcClient(dispatcher.address, dispatcher.credentials, deadline=10.0)
+    try:
+        client = DispatcherClient(rpc)
+        client.register(spec, [])
+        seen: list[list[int]] = []
+        acks: list[int] = []
+        while (reply := client.lease("many", "w", None, acks, count=3))["status"] == "lease":
+            assert reply["lease"] == reply["leases"][0] and 1 <= len(reply["leases"]) <= 3
+            seen.extend(reply["leases"])
+            acks = [lease[0] for lease in reply["leases"]]
+        assert reply["status"] == "end"
+        assert len({lease[0] for lease in seen}) == len(seen) == 10
+        assert Counter(r for _, _, a, b in seen for r in range(a, b)) == Counter(range(40))
+        for bad in (0, 10_000, True, "3"):
+            with pytest.raises(RemoteError, match=f"lease count .* got {bad!r}"):
+                client.lease("many", "w", None, count=bad)  # type: ignore[arg-type]
+        assert client.status("many")["finished"]
+    finally:
+        rpc.close()
+
+
 class NullAt:
     """A source whose ``v`` column holds a null at one record (a corrupt record)."""
 

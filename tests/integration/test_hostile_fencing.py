@@ -2,29 +2,50 @@
 
 Two processes' worth of clients stand for one task name: the *zombie* (incarnation 0,
 cut off, declared dead, still alive) and its *replacement* (incarnation 1, launched by
-the manager). Against a live ps and a live dispatcher: once the replacement has spoken
-to the ps (its strategy's first step), or once the manager raised the dispatcher's bar
-(at the relaunch), every request of the zombie is refused; its training loop raises
-``TaskFenced`` and stops, and the ps's version moves only by the replacement's pushes.
-Partitions that heal after the replacement runs: tests/integration/test_hostile_partitions.py.
+the manager). Against a live ps and a live dispatcher: once the manager raised the
+task's fence (at the relaunch: ``manager/fences.py`` for each ps, in process for the
+dispatcher), or once the replacement has spoken to the ps, every request of the zombie
+is refused; its training loop raises ``TaskFenced`` and stops, and the ps's version
+moves only by the replacement's pushes.
+
+A zombie whose connection died with its request in flight learns it too: its client
+asks ``<service>.fence`` when the connection comes back (``ReconnectProbe``). Proved on
+loopback (a server restarted under a waiting call) and across a real partition of
+emulated hosts that heals after the replacement ran (``benchmarks/_hostile_partition``).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import pytest
 import torch
+from benchmarks import _hostile_partition
 
-from clusterflow.cluster import ClusterSpec
+from clusterflow.cluster import ClusterSpec, TaskId
 from clusterflow.cluster.contract import ENV_INCARNATION, ENV_SECRET, ENV_TASK
 from clusterflow.data.api import DatasetSpec
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.data.dispatcher_client import DispatcherClient
-from clusterflow.rpc import Credentials, RpcClient, RpcServer
-from clusterflow.rpc.fencing import TaskFenced
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.fences import fence_ps_tasks
+from clusterflow.manager.registry import ClusterDir
+from clusterflow.manager.tasks import TaskRecord
+from clusterflow.rpc import (
+    Credentials,
+    DeadlineExceeded,
+    RemoteError,
+    Request,
+    RpcClient,
+    RpcServer,
+)
+from clusterflow.rpc.client import ReconnectProbe
+from clusterflow.rpc.fencing import FenceBook, TaskFenced
 from clusterflow.server import Server
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
+from clusterflow.testing import available
 
 pytestmark = pytest.mark.integration
 
@@ -137,3 +158,118 @@ def test_requests_without_a_fence_are_served_as_before(
         bad = {"names": [], "fence": ["worker:1", "zero"]}
         with pytest.raises(Exception, match="malformed fence"):
             client.call("ps.pull", bad)
+
+
+def test_the_manager_fences_the_ps_before_the_replacement_speaks(
+    ps_server: tuple[Server, Credentials], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    server, creds = ps_server
+    address = server.target.removeprefix("tcp://")
+    zombie = _strategy(monkeypatch, address, creds, incarnation=0)
+    _, zombie_step = _trainer(zombie)
+    zombie.run(zombie_step)
+    zombie.settled(wait=True)
+    assert _ps_version(address, creds) == 1
+
+    # The manager relaunches worker:1 (controller._respawn): every ps takes the new
+    # incarnation before the replacement is even launched; it never speaks here.
+    cluster = ClusterDir(tmp_path / "cluster")
+    cluster.path.mkdir()
+    creds.to_file(cluster.secret_file)
+    spec = ClusterSpec({"ps": [address], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    relaunched = TaskRecord(TaskId("worker", 1), tracked=True, restarts=1)
+    assert fence_ps_tasks(cluster, RunConfig(command=("true",)), spec, relaunched) == {}
+    assert not cluster.events_file.exists()  # no fence_missed
+
+    with pytest.raises(TaskFenced, match="worker:1 incarnation 0 is fenced"):
+        zombie.run(zombie_step)
+        zombie.run(zombie_step)
+    assert _ps_version(address, creds) == 1
+
+
+def _probe(incarnation: int) -> ReconnectProbe:
+    return ReconnectProbe(
+        method="svc.fence",
+        body={"fence": ["worker:1", incarnation]},
+        refusals=frozenset({TaskFenced.__name__}),
+    )
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "current"])
+def test_a_call_whose_connection_died_asks_the_probe_when_it_is_back(fenced: bool) -> None:
+    """The call's request dies with its connection (its server stops); a server on the
+    same port comes back. A fenced task's call fails with the probe's refusal, long
+    before its deadline; a current one's call waits on, to its deadline."""
+    creds = Credentials.generate()
+    entered, never = threading.Event(), threading.Event()
+
+    def hang(request: Request) -> None:
+        entered.set()
+        never.wait(60)
+
+    first = RpcServer(creds, name="first")
+    first.register("svc.hang", hang, blocking=True)
+    first.start()
+    deadline = 60.0 if fenced else 3.0
+    client = RpcClient(first.address, creds, deadline=deadline)
+    client.probe_on_reconnect(_probe(0))
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call("svc.hang")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    book = FenceBook()
+    second: RpcServer | None = None
+    try:
+        caller.start()
+        assert entered.wait(30)
+        first.stop()  # the connection dies with the request on it
+        if fenced:
+            book.raise_to("worker:1", 1)  # its replacement took over meanwhile
+        second = RpcServer(creds, port=first.port, name="second")
+        book.register_on(second, "svc")
+        second.start()
+        caller.join(deadline + 30)
+        assert not caller.is_alive()
+        if fenced:
+            assert isinstance(outcome[0], RemoteError), outcome
+            assert outcome[0].error_type == "TaskFenced", outcome[0]
+            assert "svc.hang" in str(outcome[0])
+            assert book.counts("worker:1")["refused"] == {0: 1}
+        else:
+            assert isinstance(outcome[0], DeadlineExceeded), outcome
+            assert book.counts("worker:1")["refused"] == {}
+            assert book.highest("worker:1") == 0  # the probe was answered
+    finally:
+        never.set()
+        client.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+@pytest.mark.skipif(not available(), reason="needs root and iproute2 to make network namespaces")
+@pytest.mark.timeout(300)
+def test_a_zombie_healed_after_its_replacement_ran_applies_nothing_and_stops(
+    tmp_path: Path,
+) -> None:
+    """A real partition: worker:0 trains on host 1 against a ps and a dispatcher on host
+    0; host 1 is cut off; the "manager" raises the fence and relaunches worker:0 on host
+    2; the link heals after the replacement trained. The zombie's request in flight
+    died with its connection (the cut outlasts the kernel's retries); once the link is
+    back its clients ask whether it was fenced, and it stops with ``TaskFenced`` within
+    the documented bound (the heal, a re-dial and one answer, its exit), never reaching
+    its own 60 s deadline. Nothing of it was served after the fence; every record of
+    the counter model is counted exactly once."""
+    outcome = _hostile_partition.run(
+        "zombie_heals_after_replacement", tmp_path / "zombie", cut_s=10.0, prefix="fence"
+    )
+    assert outcome.fenced, outcome
+    assert outcome.served_after_fence == 0, outcome
+    assert outcome.refused >= 1, outcome
+    assert outcome.lost == 0 and outcome.duplicated == 0, outcome
+    assert outcome.stall_s <= outcome.stall_bound_s, outcome

@@ -189,3 +189,33 @@ def test_restarted_worker_hands_back_its_predecessors_leases() -> None:
     assert old.lease_id not in b.outstanding()
     assert b.grant("worker:1", None, 2.0, incarnation="pid-2").lease is not None
     assert len(b.outstanding()) == 2
+
+
+def test_a_grant_of_several_lends_each_split_under_its_own_lease() -> None:
+    """``count`` lends several splits at once, each acked or taken back on its own:
+    every record still once, across workers, epochs and a dead worker's return."""
+    b = book(n=20, split=2, epochs=2)  # 10 splits an epoch
+    first = b.grant("a", None, 0, count=4)
+    assert first.status == GrantStatus.LEASE and len(first.leases) == 4
+    assert first.lease is first.leases[0]
+    assert len({lease.lease_id for lease in first.leases}) == 4
+    b.ack([first.leases[0].lease_id, first.leases[2].lease_id], 0)
+    assert b.release_worker("a") == 2  # the two unacked go back, the acked stay acked
+    seen = [first.leases[0], first.leases[2]]
+    while (grant := b.grant("b", None, 0, count=3)).status == GrantStatus.LEASE:
+        assert 1 <= len(grant.leases) <= 3
+        seen.extend(grant.leases)
+        b.ack([lease.lease_id for lease in grant.leases], 0)
+    assert grant.status == GrantStatus.END
+    for epoch in (0, 1):
+        assert records([x for x in seen if x.epoch == epoch]) == Counter(range(20))
+
+
+def test_a_grant_of_several_gives_what_is_pending_then_waits() -> None:
+    b = book(n=6, split=2)  # 3 splits, one epoch
+    two = b.grant("a", None, 0, count=2)
+    last = b.grant("b", None, 0, count=5)
+    assert len(two.leases) == 2 and len(last.leases) == 1
+    assert b.grant("c", None, 0, count=5).status == GrantStatus.WAIT
+    b.ack([lease.lease_id for lease in (*two.leases, *last.leases)], 0)
+    assert b.grant("c", None, 0, count=5).status == GrantStatus.END

@@ -154,9 +154,10 @@ class CacheKeeper:
     def _rebalance(self, lost: set[str]) -> None:
         import ray
 
+        degraded = f"degraded: lost node {', '.join(sorted(lost))}"
         with self._lock:
             cache = self._map
-            self._map = replace(cache, status=f"degraded: lost node {', '.join(sorted(lost))}")
+            self._map = replace(cache, status=degraded)
         for node in lost:
             self._actors.pop(node, None)
         alive = [n for n in cache.nodes if n not in lost and n in self._actors]
@@ -168,8 +169,9 @@ class CacheKeeper:
                 self._map = replace(self._map, status=f"failed: {exc}")
             return
         servers = {n: s for n, s in cache.servers.items() if n not in lost}
-        # The new owners (replicas promoted) serve at once: publish before any load.
-        self._publish(replace(cache, partitions=moved.partitions, servers=servers))
+        # The new owners (replicas promoted) serve at once: publish before any load, still
+        # degraded (the copies that restore the replica count are not loaded yet).
+        self._publish(replace(cache, partitions=moved.partitions, servers=servers, status=degraded))
         for node, indexes in moved.loads.items():
             parts = [
                 (p.index, p.start, p.stop) for p in moved.partitions if p.index in set(indexes)

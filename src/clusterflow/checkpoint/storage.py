@@ -351,6 +351,8 @@ class CheckpointWriter:
         self.step = step
         self._dir = storage._dir(step)
         self._made_dir = False
+        self._written: list[str] = []
+        """The files this writer made (data files and sidecars), for ``abort``."""
 
     @property
     def directory(self) -> str:
@@ -369,7 +371,26 @@ class CheckpointWriter:
         # A sidecar left by an earlier write of this step must not be collected while
         # this one is under way.
         self._files.remove(self._files.join(self._dir, name + SIDECAR_SUFFIX))
-        return f"{name}.{secrets.token_hex(6)}{EXTENSIONS[kind]}"
+        file = f"{name}.{secrets.token_hex(6)}{EXTENSIONS[kind]}"
+        self._written += [file, name + SIDECAR_SUFFIX]
+        return file
+
+    def abort(self) -> None:
+        """Removes every file this writer wrote: a save that failed (a full disk) gives
+        all its space back, and a retry does not pile its parts beside the old ones.
+
+        Does nothing once the folder holds a manifest: the step may be committed (by
+        this writer or an earlier one), and its parts must stay.
+        """
+        try:
+            if MANIFEST_FILE in self._files.list_files(self._dir):
+                return
+        except OSError:
+            return
+        for name in self._written:
+            with contextlib.suppress(OSError):
+                self._files.remove(self._files.join(self._dir, name))
+        self._written.clear()
 
     def _finish_part(self, info: PartInfo, started: float) -> PartInfo:
         sidecar = json.dumps(info.to_dict()).encode()

@@ -131,9 +131,10 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
     "--backend",
-    type=click.Choice(["local", "ray"]),
+    type=click.Choice(["local", "ray", "hosts"]),
     default=None,
-    help="Where tasks run: local processes, or a Ray cluster [default: local].",
+    help="Where tasks run: local processes, a Ray cluster, or emulated hosts (tests: "
+    "CLUSTERFLOW_HOSTS) [default: local].",
 )
 @click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or local].")
 @click.option(
@@ -252,8 +253,14 @@ def _run_foreground(cluster: Any, config: Any) -> int:
     from clusterflow.backends.local import LocalBackend
     from clusterflow.manager import Controller
 
-    backend = LocalBackend.split_gpus(config.gpu_hosts())
-    controller = Controller(cluster, config, backend, echo=True)
+    backend: Any = None
+    if config.backend == "hosts":  # each task in an emulated host (testing/hosts_backend.py)
+        from clusterflow.testing.hosts_backend import for_run
+
+        config, backend = for_run(config)
+    controller = Controller(
+        cluster, config, backend or LocalBackend.split_gpus(config.gpu_hosts()), echo=True
+    )
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()

@@ -9,9 +9,12 @@ inline on the RPC loop thread.
 Methods (all take and give msgpack bodies):
 
 * ``data.register``: ``{spec, locations}`` -> ``{name, num_splits, epoch}``
-* ``data.lease``: ``{name, worker, host, incarnation, acks?}`` ->
-  ``{status: lease|wait|end, lease, retry_s}``; ``acks`` are acked first (the simple
-  mode's acks ride on the next ask); ``wait`` only comes at the end of the data
+* ``data.lease``: ``{name, worker, host, incarnation, acks?, count?}`` ->
+  ``{status: lease|wait|end, lease, leases?, retry_s}``; ``acks`` are acked first (the
+  simple mode's acks ride on the next ask); ``wait`` only comes at the end of the data.
+  With ``count`` (1 to ``MAX_LEASES_PER_CALL``), up to that many splits are lent, each
+  under its own lease, all listed in ``leases`` (``lease`` is the first): one round
+  trip for a worker that reads several splits ahead
 * ``data.ack``: ``{name, leases, worker?}`` -> ``{acked, duplicates}``
 * ``data.release``: ``{name?, worker, leases?}`` -> ``{released}``
 * ``data.status``: ``{name}`` -> counts per epoch and worker
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 
 SERVICE = "data"
 """Methods are served as ``data.<method>``."""
+
+MAX_LEASES_PER_CALL = 256
+"""The most splits one ``data.lease`` call may ask for: a reply stays a few KiB."""
 
 
 class Registrar(Protocol):
@@ -104,6 +110,7 @@ class DispatcherService:
         }
         for method, handler in handlers.items():
             server.register(f"{SERVICE}.{method}", self.fences.guard(handler))
+        self.fences.register_on(server, SERVICE)
         return self
 
     # In-process API (the manager, the chief, tests) -------------------------------------
@@ -141,11 +148,30 @@ class DispatcherService:
             return {"name": spec.name, "num_splits": spec.num_splits, "epoch": book.epoch}
 
     def lease(
-        self, name: str, worker: str, host: str | None = None, incarnation: str | None = None
+        self,
+        name: str,
+        worker: str,
+        host: str | None = None,
+        incarnation: str | None = None,
+        *,
+        count: int = 1,
+        acks: list[int] | None = None,
     ) -> Grant:
-        """The next split for ``worker``, or word to wait or stop."""
+        """The next split for ``worker`` (up to ``count`` of them), or word to wait or stop.
+
+        ``acks`` are acked first, under the same lock (the simple mode's acks ride on
+        the next ask). If one cannot be acked, nothing is lent.
+
+        Raises:
+            UnknownDatasetError: nobody registered ``name``.
+            UnknownLeaseError: an ack names a lease that cannot be acked.
+        """
         with self._lock:
-            return self._book(name).grant(worker, host, self._clock(), incarnation)
+            book = self._book(name)
+            now = self._clock()
+            if acks:
+                book.ack(acks, now, worker)
+            return book.grant(worker, host, now, incarnation, count)
 
     def ack(self, name: str, lease_ids: list[int], worker: str | None = None) -> dict[str, int]:
         """Marks leases applied.
@@ -248,16 +274,22 @@ class DispatcherService:
     def _on_lease(self, request: Request) -> dict[str, Any]:
         body = _body(request)
         name, worker = str(body.get("name")), _worker(body)
-        acks = body.get("acks")
-        if acks:  # acks of the simple mode ride along: one call per split, not two
-            self.ack(name, _lease_ids(acks), worker)
+        acks = body.get("acks")  # the simple mode's ride along: one call per split, not two
+        count = body.get("count")
         incarnation = body.get("incarnation")
         grant = self.lease(
-            name, worker, body.get("host"), str(incarnation) if incarnation else None
+            name,
+            worker,
+            body.get("host"),
+            str(incarnation) if incarnation else None,
+            count=1 if count is None else _count(count),
+            acks=_lease_ids(acks) if acks else None,
         )
-        reply: dict[str, Any] = {"status": str(grant.status)}
+        reply: dict[str, Any] = {"status": grant.status.value}
         if grant.lease is not None:
             reply["lease"] = grant.lease.to_wire()
+            if count is not None:
+                reply["leases"] = [lease.to_wire() for lease in grant.leases]
         elif grant.status == GrantStatus.WAIT:
             reply["retry_s"] = self.config.retry_s
         return reply
@@ -299,6 +331,18 @@ def _lease_ids(value: Any) -> list[int]:
         isinstance(x, int) and not isinstance(x, bool) for x in value
     ):
         raise ConfigError(f"ack needs a list of integer lease ids, got {value!r}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_LEASES_PER_CALL
+    ):
+        raise ConfigError(
+            f"lease count must be an integer from 1 to {MAX_LEASES_PER_CALL}, got {value!r}"
+        )
     return value
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from clusterflow.data.api import DatasetSpec
 from clusterflow.rpc import RemoteError, RpcClient
-from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp
+from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 __all__ = ["INCARNATION", "DispatcherClient"]
 
@@ -28,6 +28,7 @@ class DispatcherClient:
     def __init__(self, rpc: RpcClient) -> None:
         self.rpc = rpc
         self._fence = Fence.from_env()
+        watch(rpc, "data", self._fence)  # a lost connection: ask if we were fenced
 
     def _call(self, method: str, body: Any = None) -> Any:
         """One ``data.*`` call, fenced (rpc/fencing.py): a replaced worker stops here.
@@ -47,9 +48,15 @@ class DispatcherClient:
         return reply
 
     def lease(
-        self, name: str, worker: str, host: str | None, acks: list[int] | None = None
+        self,
+        name: str,
+        worker: str,
+        host: str | None,
+        acks: list[int] | None = None,
+        count: int | None = None,
     ) -> dict[str, Any]:
-        """The next split, after acking ``acks`` (one call instead of two)."""
+        """The next split, after acking ``acks`` (one call instead of two); with
+        ``count``, up to that many, listed in the reply's ``leases``."""
         body: dict[str, Any] = {
             "name": name,
             "worker": worker,
@@ -58,6 +65,8 @@ class DispatcherClient:
         }
         if acks:
             body["acks"] = acks
+        if count is not None:
+            body["count"] = count
         reply: dict[str, Any] = self._call("data.lease", body)
         return reply
 

@@ -49,6 +49,14 @@ class GrantStatus(StrEnum):
 class Grant:
     status: GrantStatus
     lease: Lease | None = None
+    """The first split lent (None unless ``status`` is ``lease``)."""
+    more: tuple[Lease, ...] = ()
+    """Further splits lent by the same call (``grant(count=...)``), in queue order."""
+
+    @property
+    def leases(self) -> list[Lease]:
+        """Every split this grant lends: each its own lease, acked on its own."""
+        return [] if self.lease is None else [self.lease, *self.more]
 
 
 @dataclass(slots=True)
@@ -151,9 +159,15 @@ class LeaseBook:
             ep.queue = PendingQueue(pending, self._hosts)
 
     def grant(
-        self, worker: str, host: str | None, now: float, incarnation: str | None = None
+        self,
+        worker: str,
+        host: str | None,
+        now: float,
+        incarnation: str | None = None,
+        count: int = 1,
     ) -> Grant:
-        """Lends the next split to ``worker`` (one on ``host`` first), if any is pending.
+        """Lends the next split to ``worker`` (one on ``host`` first), if any is pending;
+        up to ``count`` splits, each under a lease of its own, if that many are.
 
         ``incarnation`` tells a restarted worker from its dead predecessor of the same
         name: the first call of a new incarnation hands the old one's leases back, which
@@ -167,18 +181,24 @@ class LeaseBook:
             self._incarnations[worker] = incarnation
         self._touch(worker, now)
         self.expire(now)
-        while True:
-            for ep in sorted(self._live.values(), key=lambda e: e.epoch):
+        lent: list[Lease] = []
+        while len(lent) < count:
+            # ``_live`` holds epochs in ascending order: opened in order, restored sorted
+            for ep in self._live.values():
                 split = ep.queue.pop(host)
                 if split is not None:
                     self._count_locality(split, host)
-                    return Grant(GrantStatus.LEASE, self._lend(ep.epoch, split, worker))
-            if not self._exhausted():
+                    lent.append(self._lend(ep.epoch, split, worker))
+                    break
+            else:
+                if self._exhausted():
+                    break
                 self._open_next()
-                continue
-            if self._live:
-                return Grant(GrantStatus.WAIT)
-            return Grant(GrantStatus.END)
+        if lent:
+            return Grant(GrantStatus.LEASE, lent[0], tuple(lent[1:]))
+        if self._live:
+            return Grant(GrantStatus.WAIT)
+        return Grant(GrantStatus.END)
 
     def ack(self, lease_ids: Iterable[int], now: float, worker: str | None = None) -> AckResult:
         """Marks leases done: their updates have been applied.
@@ -328,7 +348,7 @@ class LeaseBook:
         book._next_epoch = int(state["next_epoch"])
         book._next_lease_id = int(state["next_lease_id"])
         requeued = 0
-        for saved in state["epochs"]:
+        for saved in sorted(state["epochs"], key=lambda saved: int(saved["epoch"])):
             epoch = int(saved["epoch"])
             acked = {int(s) for s in saved["acked"]}
             bad = [s for s in acked if not 0 <= s < spec.num_splits]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from clusterflow.backends.api import Backend
 from clusterflow.backends.local import LocalBackend
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
@@ -22,7 +23,11 @@ def main() -> int:
     )
     cluster = ClusterDir(Path(sys.argv[1]))
     config = RunConfig.from_dict(cluster.read_config())
-    backend = LocalBackend.split_gpus(config.gpu_hosts())
+    backend: Backend = LocalBackend.split_gpus(config.gpu_hosts())
+    if config.backend == "hosts":  # each task in an emulated host (testing/hosts_backend.py)
+        from clusterflow.testing.hosts_backend import for_run
+
+        config, backend = for_run(config)
     controller = Controller(cluster, config, backend, echo=False)
 
     def _stop(signum: int, frame: FrameType | None) -> None:

@@ -282,7 +282,8 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
     raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
 
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "hosts")
+"""``hosts``: local tasks, each inside an emulated host (``clusterflow.testing``, tests)."""
 RAY_ONLY = {
     "address": "--address",
     "resources": "--resources",
@@ -297,7 +298,7 @@ def check_placement(config: RunConfig) -> None:
     """Validates the backend and the per-job placement settings (resources, labels)."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    if config.backend == "local":
+    if config.backend != "ray":
         for name, flag in RAY_ONLY.items():
             if getattr(config, name):
                 raise ConfigError(f"{flag} needs --backend ray (local tasks share this machine)")

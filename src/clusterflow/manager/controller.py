@@ -39,6 +39,7 @@ from clusterflow.cluster.contract import (
 )
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.manager.config import RunConfig
+from clusterflow.manager.fences import fence_ps_tasks
 from clusterflow.manager.job_env import (
     ClusterPlace,
     Incarnation,
@@ -375,6 +376,7 @@ class Controller:
         )
         self.tasks.relaunching(task)
         self.data.fences.raise_to(str(task.id), task.restarts)  # the old one is a zombie now
+        fence_ps_tasks(self.cluster, self.config, self.rendezvous.current()[0], task)
         self._launch(task, self._choose_checkpoint(restore_data=False))
         self._write_state()
 

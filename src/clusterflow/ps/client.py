@@ -18,7 +18,7 @@ from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.protocol import PSHandler, PullReply, PullRequest, PushReply, PushRequest
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, RemoteError, RpcClient
-from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp
+from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 T = TypeVar("T")
 Tensors = dict[str, torch.Tensor]
@@ -90,6 +90,8 @@ class RemotePS:
         )
         self._fence = Fence.from_env()
         """Who this process is, on every request: a replaced worker is refused."""
+        for client in [*self._clients, *self._control]:
+            watch(client, "ps", self._fence)  # a lost connection: ask if we were fenced
 
     @property
     def num_ps(self) -> int:

@@ -50,6 +50,7 @@ class PSService:
         self.fences = FenceBook()  # rpc/fencing.py: a replaced worker's requests are refused
         for name in METHODS:
             server.register(f"ps.{name}", self.fences.guard(self._serve(name)), blocking=True)
+        self.fences.register_on(server, "ps")  # ps.fence: the manager's relaunches
 
     def _serve(self, method: str) -> Handler:
         def serve(request: Request) -> Response:

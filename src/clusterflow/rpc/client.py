@@ -8,6 +8,15 @@ Until the first handshake with the peer succeeds the client also watches the soc
 monitor, so a peer that refuses our credentials is reported at once as
 ``AuthenticationError`` instead of as a silent timeout. After that the monitor is
 dropped and a call costs one send and one poll.
+
+A client given a ``ReconnectProbe`` keeps the monitor, to learn of a lost connection.
+A connection can die under a call, a partition's retransmissions running out (the
+kernel gives up on a link that drops everything after ``tcp_retries2`` probes): ZeroMQ
+then dials a new one, but what was written to the old one, the call's request or its
+answer, is gone, and the call would wait for nothing until its deadline. When the
+connection is back while a call waits, the client sends the probe, a request that is
+safe to repeat; a refusal it names fails the call at once (a replaced task learns it
+is fenced, ``rpc/fencing.py``). Otherwise the call waits on, within its deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -47,6 +57,21 @@ _HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconnectProbe:
+    """What a client asks when its connection came back while a call waited.
+
+    The call's request or its answer may have been lost with the old connection. The
+    probe must be safe to send any number of times. An error answer whose type is in
+    ``refusals`` fails the waiting call with that answer (a ``RemoteError``); any other
+    answer leaves the call waiting, within its deadline.
+    """
+
+    method: str
+    body: Any
+    refusals: frozenset[str]
 
 
 def split_endpoint(address: str) -> tuple[str, str]:
@@ -81,7 +106,18 @@ class RpcClient:
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller: zmq.Poller | None = None
         self._closed = False
+        self._probe: ReconnectProbe | None = None
+        self._down = False
+        """A disconnect was seen and no handshake since (only watched with a probe)."""
         runtime.track_client(self)
+
+    def probe_on_reconnect(self, probe: ReconnectProbe | None) -> None:
+        """Sends ``probe`` whenever the connection comes back while a call waits (see
+        the module's docstring); None stops it. Keeps the socket's monitor alive."""
+        with self._lock:
+            if probe != self._probe:
+                self._probe = probe
+                self._reset()  # the next call builds a socket watched for disconnects
 
     def __enter__(self) -> RpcClient:
         return self
@@ -131,6 +167,8 @@ class RpcClient:
         end = time.monotonic() + timeout
         with self._lock:
             sock = self._socket()
+            if self._probe is not None and self._monitor is not None:
+                self._read_monitor(method)  # a loss before this call concerns none of it
             request_id = next(_ids)
             frames = codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors)
             try:
@@ -183,9 +221,11 @@ class RpcClient:
             sock.reconnect_ivl = 50
             sock.reconnect_ivl_max = 1000
             self._credentials.apply_client(sock, self._host)
+            lost = zmq.EVENT_DISCONNECTED if self._probe is not None else 0
             self._monitor = sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILURES
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILURES | lost
             )
+            self._down = False
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
@@ -234,6 +274,7 @@ class RpcClient:
     def _await_reply(
         self, sock: zmq.Socket[bytes], request_id: int, method: str, end: float, timeout: float
     ) -> Response:
+        probe_id = -1
         while True:
             remaining_ms = int((end - time.monotonic()) * 1000)
             if remaining_ms <= 0:
@@ -244,12 +285,15 @@ class RpcClient:
                 continue
             if self._monitor is not None:
                 ready = dict(events)
-                if self._monitor in ready:
-                    self._read_monitor(method)
+                if self._monitor in ready and self._read_monitor(method):
+                    probe_id = self._send_probe(sock, method, end, timeout)
                 if sock not in ready:
                     continue
             frames = sock.recv_multipart(copy=False)
             header = codec.decode_header(frames[0])
+            if header["id"] == probe_id:
+                self._probe_answered(header, method)
+                continue
             if header["id"] != request_id:
                 continue  # a late reply to an earlier call that gave up
             if header["k"] not in (codec.KIND_REPLY, codec.KIND_ERROR):
@@ -263,18 +307,57 @@ class RpcClient:
                 )
             return Response(header.get("b"), codec.decode_tensors(header, frames[1:]))
 
-    def _read_monitor(self, method: str) -> None:
+    def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
+        """Sends the probe (the connection is back while ``method`` waits); its id."""
+        assert self._probe is not None  # the monitor reports disconnects only with one
+        probe_id = next(_ids)
+        log.info(
+            "%s: the connection to %s came back while the call waited (its request or "
+            "answer may be lost with the old one); asking %s",
+            method,
+            self.endpoint,
+            self._probe.method,
+        )
+        body = codec.encode(codec.KIND_REQUEST, probe_id, self._probe.method, self._probe.body)
+        self._send_before(sock, body, method, end, timeout)
+        return probe_id
+
+    def _probe_answered(self, header: Mapping[str, Any], method: str) -> None:
+        """Fails the waiting call if the probe was refused in a way that says so."""
+        assert self._probe is not None
+        error_type = str(header.get("e", ""))
+        if header["k"] == codec.KIND_ERROR and error_type in self._probe.refusals:
+            raise RemoteError(
+                str(header.get("c", "app")),
+                f"{method} on {self.endpoint}: {header.get('b')}",
+                error_type=error_type,
+                method=method,
+            )
+        log.info("%s: %s answered %s; waiting on", method, self._probe.method, header.get("b"))
+
+    def _read_monitor(self, method: str) -> bool:
+        """Reads the monitor's events; True if the connection came back after a loss.
+
+        Raises:
+            AuthenticationError: the peer refused our credentials.
+        """
         assert self._monitor is not None
+        back = False
         while True:
             try:
                 event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return back
             kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._drop_monitor()
-                return
-            if kind & _HANDSHAKE_FAILURES:
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._down = True
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._probe is None:
+                    self._drop_monitor()
+                    return False
+                back |= self._down
+                self._down = False
+            elif kind & _HANDSHAKE_FAILURES:
                 raise AuthenticationError(
                     f"{method} to {self.endpoint}: the peer refused our credentials "
                     f"(another cluster's secret, or another auth mode)"

@@ -4,7 +4,8 @@
 with its own private address and a shaped full-duplex link, so clusterflow's addresses,
 auth and timeouts run as across real machines, and moving bytes costs link time, not
 only CPU. Partitions (``cut``/``heal``) and re-shaping serve the hostile-conditions
-tests. Needs root and iproute2; nothing in ``src/`` imports this package.
+tests. Needs root and iproute2; nothing in ``src/`` imports this package but
+``clusterflow start --backend hosts`` (``hosts_backend.py``: each task in its host).
 """
 
 from __future__ import annotations

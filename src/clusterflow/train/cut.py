@@ -40,7 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from clusterflow.checkpoint import CheckpointError, CheckpointStorage, Manifest, PartInfo
+from clusterflow.checkpoint import (
+    CheckpointError,
+    CheckpointStorage,
+    CheckpointWriteError,
+    Manifest,
+    PartInfo,
+)
 from clusterflow.checkpoint.names import (
     DATA_PART,
     ENV_CHECKPOINT_DIR,
@@ -236,6 +242,7 @@ class Checkpointer:
         participant = self.participant
         quiesced = self.is_chief
         held = participant.quiesce() if quiesced else None
+        writer = None
         try:
             at = step if held is None else held
             writer = self.storage.writer(at)
@@ -262,6 +269,10 @@ class Checkpointer:
                 meta["local_step"] = step
             writer.commit(parts, meta)
             return at
+        except CheckpointWriteError:
+            if writer is not None:
+                writer.abort()  # the filesystem refused: it gets back all we wrote of it
+            raise
         finally:
             if quiesced:
                 participant.resume()
