@@ -2,9 +2,10 @@
 
 One real cluster (``--chief --ps 1 --workers 2``, the counter model through ``fit()``),
 the manager and every task each inside an emulated host (``start --backend hosts``),
-runs once for the module (``benchmarks/_hostile_start.py``): first ``worker:1``'s host
-is cut from the manager's until the manager has respawned it and the replacement
-trained, then ``ps:0``'s until the manager has restarted every task; each link heals.
+runs once for the module (``benchmarks/_hostile_start.py``): first ``worker:0``'s host
+is cut from ``ps:0``'s, then ``worker:1``'s from the manager's, each until the manager
+has respawned the task and the replacement trained, then ``ps:0``'s from the manager's
+until the manager has restarted every task; each link heals.
 The run must succeed with every record applied exactly once.
 """
 
@@ -50,10 +51,22 @@ def test_every_task_runs_in_its_host_at_its_address_with_curve(run: scenario.Run
 
 
 @pytest.mark.timeout(300)
+def test_a_worker_cut_from_its_ps_raises_at_its_deadline_and_is_respawned_before_the_heal(
+    run: scenario.Run,
+) -> None:
+    cut = next((c for c in run.cuts if c.scenario == "worker_ps"), None)
+    assert cut is not None, _detail(run)
+    assert cut.recovery == "task_respawned", _detail(run)
+    assert cut.ended_before_heal, _detail(run)
+    assert "DeadlineExceeded" in run.output, _detail(run)
+
+
+@pytest.mark.timeout(300)
 def test_a_worker_cut_from_the_manager_stops_and_is_respawned_before_the_heal(
     run: scenario.Run,
 ) -> None:
-    cut = next(c for c in run.cuts if c.scenario == "worker_manager")
+    cut = next((c for c in run.cuts if c.scenario == "worker_manager"), None)
+    assert cut is not None, _detail(run)
     assert cut.recovery == "task_respawned", _detail(run)
     # Its supervisor gave up on the manager and stopped it while the link was still cut.
     assert cut.ended_before_heal, _detail(run)
