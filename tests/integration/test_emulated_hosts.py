@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import wait_until
 
-from clusterflow.testing import EmulatedHosts, LinkShape, available, netem_available, sweep_stale
+from clusterflow.testing import EmulatedHosts, LinkShape, available, sweep_stale
 from clusterflow.testing.netns import _NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -217,14 +217,208 @@ def test_a_killed_harness_is_swept_by_the_next() -> None:
     wait_until(lambda: leftover not in _netns_names(), 10, "the sweep")
 
 
-def test_a_delay_needs_netem_and_says_so_when_absent(hosts: EmulatedHosts) -> None:
-    delayed = LinkShape.parse("40mbit", delay="50us")
-    if netem_available():
-        hosts.reshape(0, delayed)
-        assert "netem" in hosts[0].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
-        hosts.reshape(0, LinkShape.parse("40mbit"))
-    else:
-        with pytest.raises(ValueError, match="sch_netem"):
-            hosts.reshape(0, delayed)
-        assert hosts.shape_of(0).delay_s == 0
+def test_a_delay_on_hosts_without_a_relay_is_refused(hosts: EmulatedHosts) -> None:
+    with pytest.raises(ValueError, match="needs the relay"):
+        hosts.reshape(0, LinkShape.parse("40mbit", "50us"))
+    assert hosts.shape_of(0).delay_s == 0
     assert _reaches(hosts, 0, 1)
+
+
+# -- delay, jitter and reordering through the userspace relay (no sch_netem here) ----------
+
+ECHO = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], int(sys.argv[2])))
+    s.settimeout(30)
+    print("ready", flush=True)
+    while True:
+        data, peer = s.recvfrom(2048)
+        s.sendto(data, peer)
+    """
+)
+
+PROBE = textwrap.dedent(
+    """
+    import socket, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(1)
+    rtts, tries = [], 0
+    while len(rtts) < int(sys.argv[3]) and tries < 30:
+        tries += 1  # UDP: a datagram lost (the first, while ARP settles) is sent again
+        t0 = time.perf_counter()
+        s.sendto(str(tries).encode(), (sys.argv[1], int(sys.argv[2])))
+        try:
+            while s.recv(2048) != str(tries).encode():
+                pass
+        except TimeoutError:
+            continue
+        rtts.append(time.perf_counter() - t0)
+    print(min(rtts), max(rtts))
+    """
+)
+
+SEQ_SINK = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    s.bind((sys.argv[1], int(sys.argv[2])))
+    print("ready", flush=True)
+    s.settimeout(30)
+    got, late, top = 0, 0, -1
+    while True:
+        try:
+            data = s.recv(2048)
+        except TimeoutError:
+            break
+        if data == b"end":
+            s.settimeout(1.0)  # frames held back behind the end marker still come
+            continue
+        seq = int(data[:8])
+        got += 1
+        if seq < top:
+            late += 1
+        top = max(top, seq)
+        if got == int(sys.argv[3]):
+            break
+    """
+)
+
+SEQ_SOURCE = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(int(sys.argv[3])):
+        s.sendto(b"%08d" % i + bytes(56), (sys.argv[1], int(sys.argv[2])))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def relayed() -> Iterator[EmulatedHosts]:
+    with EmulatedHosts(2, LinkShape.parse("40mbit"), prefix="cftest", relay=True) as made:
+        yield made
+
+
+def _rtt_s(hosts: EmulatedHosts, probes: int = 10) -> tuple[float, float]:
+    echo = hosts[1].popen(
+        [sys.executable, "-c", ECHO, hosts[1].address, str(PORT)], stdout=subprocess.PIPE
+    )
+    try:
+        assert echo.stdout is not None and echo.stdout.readline().strip() == b"ready"
+        out = hosts[0].run([sys.executable, "-c", PROBE, hosts[1].address, str(PORT), str(probes)])
+        assert out.returncode == 0, out.stderr
+        low, high = (float(x) for x in out.stdout.split())
+        return low, high
+    finally:
+        echo.kill()
+        echo.wait(10)
+
+
+def test_a_relayed_link_adds_the_set_delay_and_reshape_changes_it(
+    relayed: EmulatedHosts,
+) -> None:
+    clean, _ = _rtt_s(relayed)
+    # host 0 sends with 50 ms of delay, host 1 with none: the round trip gains 50 ms
+    relayed.reshape(0, LinkShape.parse("40mbit", "50ms"))
+    try:
+        low, _ = _rtt_s(relayed)
+        assert low >= 0.050, low
+        # the relay's own cost is well under a millisecond; 20 ms of slack for a busy machine
+        assert low < 0.050 + clean + 0.020, (low, clean)
+        relayed.reshape(1, LinkShape.parse("40mbit", "25ms"))
+        both, _ = _rtt_s(relayed, 3)
+        assert 0.075 <= both < 0.075 + clean + 0.020, both
+    finally:
+        relayed.reshape(0, LinkShape.parse("40mbit"))
+        relayed.reshape(1, LinkShape.parse("40mbit"))
+    assert _rtt_s(relayed, 3)[0] < 0.050
+
+
+def _late_frames(hosts: EmulatedHosts, n: int) -> tuple[int, int]:
+    """Sends ``n`` numbered datagrams 0 -> 1; returns (received, arrived after a later one)."""
+    sink = hosts[1].popen(
+        [sys.executable, "-c", SEQ_SINK + "print(got, late)", hosts[1].address, str(PORT), str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        out = hosts[0].run([sys.executable, "-c", SEQ_SOURCE, hosts[1].address, str(PORT), str(n)])
+        assert out.returncode == 0, out.stderr
+        hosts[0].run(
+            [
+                sys.executable,
+                "-c",
+                SEQ_SOURCE.replace('b"%08d" % i + bytes(56)', 'b"end"'),
+                hosts[1].address,
+                str(PORT),
+                "1",
+            ]
+        )
+        got, late = (int(x) for x in sink.stdout.readline().split())
+        return got, late
+    finally:
+        sink.kill()
+        sink.wait(10)
+
+
+def test_reordering_happens_at_the_set_rate_and_not_without_it(relayed: EmulatedHosts) -> None:
+    n = 2000
+    relayed.reshape(0, LinkShape.parse("40mbit", "2ms"))
+    try:
+        got, late = _late_frames(relayed, n)
+        assert got > 0.9 * n and late == 0, (got, late)  # a delay alone keeps the order
+        relayed.reshape(0, LinkShape.parse("40mbit", "2ms", reorder=0.05))
+        got, late = _late_frames(relayed, n)
+        # ~100 expected (binomial sd ~10); held frames at the very end may pass nothing
+        assert got > 0.9 * n and 50 <= late <= 150, (got, late)
+    finally:
+        relayed.reshape(0, LinkShape.parse("40mbit"))
+
+
+def test_loss_works_through_the_relay(relayed: EmulatedHosts) -> None:
+    relayed.reshape(0, LinkShape.parse("40mbit", "1ms", 0.3))
+    try:
+        got, _ = _late_frames(relayed, 1000)
+        assert 0.55 * 1000 < got < 0.85 * 1000, got
+    finally:
+        relayed.reshape(0, LinkShape.parse("40mbit"))
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_relays_and_taps_go_at_close_and_when_the_harness_is_killed() -> None:
+    made = EmulatedHosts(1, LinkShape.parse("40mbit", "1ms"), prefix="cftest")
+    pid = made.relay_pid(0)
+    assert pid is not None and not _pid_gone(pid)
+    made.close()
+    assert _pid_gone(pid)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    assert "cv" + made._tag not in links
+    script = (
+        "import os, signal\n"
+        "from clusterflow.testing import EmulatedHosts, LinkShape\n"
+        "h = EmulatedHosts(1, LinkShape.parse('40mbit', '1ms'), prefix='cftest')\n"
+        "print(h[0].netns, h.relay_pid(0), h[0].veth, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    netns, relay, tap = out.stdout.split()
+    # the relay dies with its parent (PR_SET_PDEATHSIG), and its TAPs with it
+    wait_until(lambda: _pid_gone(int(relay)), 10, "the orphaned relay's death")
+    assert sweep_stale() >= 2
+    wait_until(lambda: netns not in _netns_names(), 10, "the sweep")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    assert tap not in links

@@ -15,6 +15,12 @@ Cleanup always happens: ``close`` kills every process left in the namespaces (al
 them started here), deletes the namespaces (their veths go with them) and the bridge; it
 runs from ``__exit__``, from ``atexit``, and is idempotent.
 
+A host whose link needs delay, jitter or reordering (``LinkShape.needs_relay``, or
+``relay=True``) gets two TAP devices instead of the veth pair, held by a relay process
+inside its namespace (``relay.py``: this kernel has no ``sch_netem``); its ``eth0`` and
+bridge-side end are shaped by the same tc tree, and ``reshape`` hands new delay settings
+to the running relay. The relay dies with the namespace's other processes.
+
 Needs root and iproute2 (``ip``, ``tc``); ``available()`` says whether both are present.
 """
 
@@ -26,9 +32,11 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +54,7 @@ SUBNET = "10.77.0.0/16"
 """The hosts' private range; nothing outside the harness's bridge ever sees it."""
 MAX_HOSTS = 250 * 250
 _COMMAND_TIMEOUT_S = 30.0
+_RELAY_START_S = 30.0
 _NAME = re.compile(r"^([a-z][a-z0-9]{0,11})-(\d+)-([0-9a-f]{6})-(\d+)$")
 _ALIAS = re.compile(r"^clusterflow-testing-(\d+)$")
 
@@ -90,7 +99,9 @@ _netem: list[bool] = []
 
 
 def netem_available() -> bool:
-    """Whether the kernel has ``sch_netem`` (a delay needs it); probed once, on a veth."""
+    """Whether the kernel has ``sch_netem``; probed once, on a veth. Nothing here needs it
+    any more (delays run through ``relay.py``); it tells whether figures could be
+    cross-checked against netem on another kernel."""
     if not _netem:
         ns = f"cfprobe-{os.getpid()}-{secrets.token_hex(3)}-0"
         _run(["ip", "netns", "add", ns])
@@ -195,7 +206,14 @@ class EmulatedHosts:
     one host's link while traffic flows.
     """
 
-    def __init__(self, n: int, shape: LinkShape | None = None, *, prefix: str = "cf") -> None:
+    def __init__(
+        self,
+        n: int,
+        shape: LinkShape | None = None,
+        *,
+        prefix: str = "cf",
+        relay: bool | None = None,
+    ) -> None:
         if not 1 <= n <= MAX_HOSTS:
             raise ConfigError(f"n={n}: the harness makes 1 to {MAX_HOSTS} hosts")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", prefix):
@@ -212,7 +230,9 @@ class EmulatedHosts:
         self._cut_all: set[int] = set()
         self._cut_pairs: set[tuple[int, int]] = set()
         self.hosts: list[Host] = []
-        self._netem = netem_available() if self._shape0.delay_s > 0 else False
+        self._relayed = self._shape0.needs_relay if relay is None else relay
+        """Every host's link runs through a relay (delays possible), or none does."""
+        self._relays: dict[int, subprocess.Popen[bytes]] = {}
         sweep_stale()
         atexit.register(self.close)
         try:
@@ -243,11 +263,17 @@ class EmulatedHosts:
             )
             _run(["ip", "netns", "add", host.netns])
             self.hosts.append(host)
+            if self._relayed:
+                self._start_relay(host)
+                link = [f"link set dev {host.veth} netns {pid}"]
+                _batch("ip", host.netns, link)
+            else:
+                link = [f"link add {host.veth} type veth peer name eth0 netns {host.netns}"]
+                _batch("ip", None, link)
             _batch(
                 "ip",
                 None,
                 [
-                    f"link add {host.veth} type veth peer name eth0 netns {host.netns}",
                     f"link set dev {host.veth} master {self._bridge}",
                     # no IPv6 link-local address: no router solicitations on the switch
                     f"link set dev {host.veth} addrgenmode none",
@@ -267,10 +293,54 @@ class EmulatedHosts:
             self._apply(host, self._shape0)
         log.info("emulated %d hosts on bridge %s (%s)", n, self._bridge, self._shape0)
 
+    def _start_relay(self, host: Host) -> None:
+        """Starts the relay in ``host``: it makes TAPs ``eth0`` and ``host.veth`` there."""
+        proc = subprocess.Popen(
+            host.argv(
+                [
+                    sys.executable,
+                    "-m",
+                    "clusterflow.testing.relay",
+                    "eth0",
+                    host.veth,
+                    str(host.index),
+                ]
+            ),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._relays[host.index] = proc
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], _RELAY_START_S)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            raise HarnessError(f"the relay of {host.netns} did not start (exit {proc.poll()})")
+
     def _apply(self, host: Host, shape: LinkShape) -> None:
-        _batch("tc", host.netns, tc.root_lines("eth0", shape, netem=self._netem))
-        _batch("tc", None, tc.root_lines(host.veth, shape, netem=self._netem))
+        self._check_relay(shape)
+        _batch("tc", host.netns, tc.root_lines("eth0", shape))
+        _batch("tc", None, tc.root_lines(host.veth, shape))
+        self._tell_relay(host, shape)
         self._shapes[host.index] = shape
+
+    def _check_relay(self, shape: LinkShape) -> None:
+        if shape.needs_relay and not self._relayed:
+            raise ConfigError(
+                f"delay {shape.delay_s * 1e3:g}ms/jitter {shape.jitter_s * 1e3:g}ms/"
+                f"reorder {shape.reorder:g} needs the relay (this kernel has no sch_netem): "
+                "make the hosts with a delayed shape or relay=True"
+            )
+
+    def _tell_relay(self, host: Host, shape: LinkShape) -> None:
+        proc = self._relays.get(host.index)
+        if proc is None:
+            return
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(f"{shape.delay_s!r} {shape.jitter_s!r} {shape.reorder!r}\n".encode())
+            proc.stdin.flush()
+        except BrokenPipeError as exc:
+            raise HarnessError(f"the relay of {host.netns} is gone") from exc
 
     # -- access --------------------------------------------------------------------
 
@@ -283,6 +353,11 @@ class EmulatedHosts:
     def shape_of(self, i: int) -> LinkShape:
         return self._shapes[i]
 
+    def relay_pid(self, i: int) -> int | None:
+        """The pid of host ``i``'s relay (None when its link is a plain veth)."""
+        proc = self._relays.get(i)
+        return proc.pid if proc is not None else None
+
     # -- shaping and partitions ----------------------------------------------------
 
     def reshape(self, i: int, shape: LinkShape) -> None:
@@ -290,10 +365,10 @@ class EmulatedHosts:
         host = self.hosts[i]
         with self._lock:
             old = self._shapes[i]
-            netem = self._netem or (shape.delay_s > 0 and netem_available())
-            self._netem = netem
-            _batch("tc", host.netns, tc.change_lines("eth0", old, shape, netem=netem))
-            _batch("tc", None, tc.change_lines(host.veth, old, shape, netem=netem))
+            self._check_relay(shape)
+            _batch("tc", host.netns, tc.change_lines("eth0", old, shape))
+            _batch("tc", None, tc.change_lines(host.veth, old, shape))
+            self._tell_relay(host, shape)
             self._shapes[i] = shape
 
     def cut(self, i: int, peer: int | None = None) -> None:
@@ -364,6 +439,14 @@ class EmulatedHosts:
             self._closed = True
         for host in self.hosts:
             _kill_netns_processes(host.netns)
+        for proc in self._relays.values():  # killed above (they run in the namespaces)
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(10)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         # Deleting a namespace frees its veth later, from a kernel work queue; deleting the
         # veths first makes them gone when close returns.
         lines = [f"link del {host.veth}" for host in self.hosts]

@@ -4,18 +4,19 @@ Each direction of a host's link (its own ``eth0`` egress inside the namespace, a
 bridge-side veth egress toward it) carries the same tree::
 
     htb 1:  (default 1:10)
-      class 1:10  rate R ceil R           <- all traffic; netem below it for a delay
+      class 1:10  rate R ceil R           <- all traffic
       class 1:20  rate 8bit, pfifo limit 0 <- a black hole: whatever is sent here is lost
     filters on 1:  prio 10  cBPF "random < loss" -> 1:20     (random loss)
                    prio 100+ u32 "dst == peer"   -> 1:20     (a cut to one peer)
                    prio 99   u32 "everything"    -> 1:20     (the host cut off)
 
-Why htb and a classic-BPF filter, not only ``netem``: netem (rate, delay, loss in one
-qdisc) is a module many kernels leave out (this project's CI kernel among them), while
-htb, u32, cls_bpf and pfifo are built in nearly everywhere. The loss filter is four
-classic BPF instructions (``ld rand; jge``), which ``tc`` loads from its ``bytecode``
-text without a compiler. A delay still needs netem; ``tc.netem_available`` says whether
-the kernel has it, and asking for a delay without it is a clear error.
+Why htb and a classic-BPF filter, not ``netem``: netem (rate, delay, loss in one qdisc)
+is a module many kernels leave out (this project's kernel among them, and ``sch_fq``
+too), while htb, u32, cls_bpf and pfifo are built in nearly everywhere. The loss filter
+is four classic BPF instructions (``ld rand; jge``), which ``tc`` loads from its
+``bytecode`` text without a compiler. Delay, jitter and reordering are not tc's job
+here: a link that needs them runs through a userspace relay (``relay.py``) between two
+TAP devices, and this tree shapes those TAPs as it shapes a veth.
 
 Everything here returns argv lists or ``tc -batch`` lines; ``netns.py`` runs them.
 """
@@ -46,7 +47,12 @@ class LinkShape:
     rate_bit: int = 10_000_000_000
     """Line rate in bits per second, each direction (10 Gbit/s by default)."""
     delay_s: float = 0.0
-    """One-way delay added on each direction; needs the kernel's ``sch_netem``."""
+    """Delay of every frame the host sends (its egress, like netem on its ``eth0``), so
+    host-to-host one-way delay is the sender's; done by the relay (``relay.py``)."""
+    jitter_s: float = 0.0
+    """Each sent frame's delay varies uniformly by up to this much (frames may reorder)."""
+    reorder: float = 0.0
+    """Fraction of sent frames held back one more delay (>= 1 ms), so later ones pass."""
     loss: float = 0.0
     """Fraction of packets dropped on each direction, at random (0 <= loss < 1)."""
 
@@ -55,13 +61,36 @@ class LinkShape:
             raise ConfigError(f"rate_bit={self.rate_bit}: a link needs at least 8 kbit/s")
         if not 0.0 <= self.delay_s < 10.0:
             raise ConfigError(f"delay_s={self.delay_s}: must be in [0, 10) seconds")
+        if not 0.0 <= self.jitter_s < 10.0:
+            raise ConfigError(f"jitter_s={self.jitter_s}: must be in [0, 10) seconds")
         if not 0.0 <= self.loss < 1.0:
             raise ConfigError(f"loss={self.loss}: must be in [0, 1)")
+        if not 0.0 <= self.reorder < 1.0:
+            raise ConfigError(f"reorder={self.reorder}: must be in [0, 1)")
+
+    @property
+    def needs_relay(self) -> bool:
+        """Whether this shape needs the userspace relay (delay, jitter or reordering)."""
+        return self.delay_s > 0 or self.jitter_s > 0 or self.reorder > 0
 
     @classmethod
-    def parse(cls, rate: str = "10gbit", delay: str = "0us", loss: float = 0.0) -> LinkShape:
-        """From ``tc``-style text: ``rate="25gbit"``, ``delay="50us"``."""
-        return cls(rate_bit=parse_rate(rate), delay_s=parse_time(delay), loss=loss)
+    def parse(
+        cls,
+        rate: str = "10gbit",
+        delay: str = "0us",
+        loss: float = 0.0,
+        *,
+        jitter: str = "0us",
+        reorder: float = 0.0,
+    ) -> LinkShape:
+        """From ``tc``-style text: ``rate="25gbit"``, ``delay="50ms"``, ``jitter="1ms"``."""
+        return cls(
+            rate_bit=parse_rate(rate),
+            delay_s=parse_time(delay),
+            jitter_s=parse_time(jitter),
+            loss=loss,
+            reorder=reorder,
+        )
 
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -102,7 +131,7 @@ def burst_bytes(rate_bit: int) -> int:
     return max(64 * 1024, rate_bit // 8 // 1000)
 
 
-def root_lines(dev: str, shape: LinkShape, *, netem: bool) -> list[str]:
+def root_lines(dev: str, shape: LinkShape) -> list[str]:
     """``tc -batch`` lines that build the tree of the module docstring on ``dev``."""
     burst = burst_bytes(shape.rate_bit)
     rate = f"{shape.rate_bit}bit"
@@ -115,21 +144,11 @@ def root_lines(dev: str, shape: LinkShape, *, netem: bool) -> list[str]:
         f"class replace dev {dev} parent 1: classid {DROP_CLASS} htb rate 8bit ceil 8bit",
         f"qdisc replace dev {dev} parent {DROP_CLASS} handle 20: pfifo limit 0",
     ]
-    if shape.delay_s > 0:
-        if not netem:
-            raise ConfigError(
-                f"delay {shape.delay_s * 1e6:.0f}us needs the kernel's sch_netem, "
-                "which this kernel lacks (rate, loss and cuts work without it)"
-            )
-        lines.append(
-            f"qdisc replace dev {dev} parent {DEFAULT_CLASS} handle 10: netem "
-            f"delay {shape.delay_s * 1e6:.0f}us limit 100000"
-        )
     lines += loss_lines(dev, shape.loss)
     return lines
 
 
-def change_lines(dev: str, old: LinkShape, new: LinkShape, *, netem: bool) -> list[str]:
+def change_lines(dev: str, old: LinkShape, new: LinkShape) -> list[str]:
     """Lines that move ``dev`` from ``old`` to ``new`` without dropping its cut filters."""
     lines: list[str] = []
     if new.rate_bit != old.rate_bit:
@@ -139,19 +158,6 @@ def change_lines(dev: str, old: LinkShape, new: LinkShape, *, netem: bool) -> li
             f"class change dev {dev} parent 1: classid {DEFAULT_CLASS} htb rate {rate} "
             f"ceil {rate} burst {burst} cburst {burst} quantum 65536"
         )
-    if new.delay_s != old.delay_s:
-        if new.delay_s > 0 and not netem:
-            raise ConfigError(
-                f"delay {new.delay_s * 1e6:.0f}us needs the kernel's sch_netem, "
-                "which this kernel lacks"
-            )
-        if new.delay_s > 0:
-            lines.append(
-                f"qdisc replace dev {dev} parent {DEFAULT_CLASS} handle 10: netem "
-                f"delay {new.delay_s * 1e6:.0f}us limit 100000"
-            )
-        else:
-            lines.append(f"qdisc del dev {dev} parent {DEFAULT_CLASS} handle 10:")
     if new.loss != old.loss:
         if old.loss > 0:
             lines.append(f"filter del dev {dev} parent 1: prio {LOSS_PRIO}")
