@@ -4,8 +4,10 @@ One process holds the ps (a real ``PSService`` on a loopback ``RpcServer``) and 
 worker (an ``RpcClient``); the phases are timed by wrapping the functions that run them,
 on the thread that runs them. Rounds alternate the ps replying from snapshots (as
 before ``ps/loans.py``) and from its lent live variables, and the raw-TCP round trip of
-the same bytes (an echo process, as in ``benchmarks.ps``) is the floor. Each phase
-prints as its median ms per call over the rounds.
+the same bytes (an echo process, as in ``benchmarks.ps``) is the floor. A ZeroMQ echo
+of the same 16 frames of 4 MiB (ROUTER and DEALER, zero-copy, no decode, no auth)
+says what the transport alone costs above raw TCP. Each phase prints as its median ms
+per call over the rounds.
 
     python -m benchmarks._ps_phases [--rounds N]
 """
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import zmq
 
 from benchmarks.ps import PAYLOAD_BYTES, _raw_tcp_echo, _start
 from clusterflow.ps import store as store_module
@@ -49,6 +52,20 @@ def _timing(name: str, fn: Callable[..., Any], per_side: bool = False) -> Callab
     return timed
 
 
+def _zmq_echo(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+    """Sends every message back as it came, frame for frame, without copying."""
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(address)
+    try:
+        while True:
+            frames = router.recv_multipart(copy=False)
+            router.send_multipart(frames, copy=False)
+            del frames
+    except zmq.ContextTerminated:
+        router.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=9)
@@ -75,6 +92,23 @@ def main() -> None:
     sock = socket.create_connection(("127.0.0.1", raw_port))
     out = memoryview(bytearray(PAYLOAD_BYTES))
     back = memoryview(bytearray(PAYLOAD_BYTES))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    echo_port = socket.socket()
+    echo_port.bind(("127.0.0.1", 0))
+    echo_address = f"tcp://127.0.0.1:{echo_port.getsockname()[1]}"
+    echo_port.close()
+    threading.Thread(target=_zmq_echo, args=(ctx, echo_address), daemon=True).start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(echo_address)
+    chunks = [out[i : i + codec.FRAME_BYTES] for i in range(0, PAYLOAD_BYTES, codec.FRAME_BYTES)]
+
+    def zmq_echo() -> float:
+        start = time.perf_counter()
+        dealer.send_multipart([b"", *chunks], copy=False)
+        dealer.recv_multipart(copy=False)
+        return time.perf_counter() - start
+
     n = PAYLOAD_BYTES // 4
     config = {"mode": "async", "num_replicas": 1}
     decl = [{"name": "w", "shape": [n], "dtype": "float32"}]
@@ -107,10 +141,12 @@ def main() -> None:
 
     per_round: dict[str, list[dict[str, float]]] = {"snapshot": [], "lent": []}
     floor: list[float] = []
+    transport: list[float] = []
     try:
         for _ in range(2):  # warm the pools and the connection
             push()
             raw()
+            zmq_echo()
         for r in range(args.rounds):
             order = ("snapshot", "lent") if r % 2 == 0 else ("lent", "snapshot")
             for kind in order:
@@ -123,7 +159,10 @@ def main() -> None:
                 phases["total round trip"] = total * 1e3
                 per_round[kind].append(phases)
             floor.append(raw() * 1e3)
+            transport.append(zmq_echo() * 1e3)
     finally:
+        dealer.close()
+        ctx.term()
         client.close()
         sock.close()
         server.stop()
@@ -138,6 +177,12 @@ def main() -> None:
         ]
         print(f"{name:44} {cells[0]:9.1f} {cells[1]:9.1f}")
     print(f"{'raw TCP round trip (the floor)':44} {statistics.median(floor):9.1f}")
+    print(f"{'ZeroMQ echo, same frames (the transport)':44} {statistics.median(transport):9.1f}")
+    ratios = [f / t for f, t in zip(floor, transport, strict=True)]
+    print(
+        f"ratio raw/ZeroMQ echo: median {statistics.median(ratios):.3f} "
+        f"({min(ratios):.3f}-{max(ratios):.3f})"
+    )
     for kind in ("snapshot", "lent"):
         ratios = [f / p["total round trip"] for f, p in zip(floor, per_round[kind], strict=True)]
         print(
