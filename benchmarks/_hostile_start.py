@@ -29,6 +29,7 @@ failure that long) against the bound docs/failure-semantics.md gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -212,10 +213,14 @@ def run(workdir: Path, scenarios: tuple[str, ...] = SCENARIOS) -> Run:
             _wait(cluster.ended, "the end of the run")
         finally:
             if not cluster.ended():
-                subprocess.run(
-                    [sys.executable, "-m", "clusterflow.cli.main", "stop", cluster.id],
-                    env=env, cwd=ROOT, capture_output=True, timeout=60, check=False,
-                )  # fmt: skip
+                # If it does not answer in time, closing the hosts kills it (and its tasks).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subprocess.run(  # from the manager's host: only there is it reachable
+                        placement.manager_argv(
+                            [sys.executable, "-m", "clusterflow.cli.main", "stop", cluster.id]
+                        ),
+                        env=env, cwd=ROOT, capture_output=True, timeout=60, check=False,
+                    )  # fmt: skip
             result.status = cluster.state().get("status", "")
             log = cluster.path / "output.log"
             result.output = log.read_text()[-200_000:] if log.exists() else ""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -367,4 +368,4 @@ def run() -> dict[str, float]:
         manager.join(30)
         if manager.is_alive():
             manager.kill()
-        _ = Path(home)
+        shutil.rmtree(home, ignore_errors=True)  # the manager's cluster folder

@@ -113,3 +113,23 @@ def test_a_bad_placement_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not a placement file"):
         Placement.read(str(tmp_path / "p.json"))
+
+
+def test_start_backend_hosts_without_a_placement_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CLUSTERFLOW_HOSTS"}
+    env["CLUSTERFLOW_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "clusterflow.cli.main", "start", "--detach", "--backend", "hosts",
+         "--workers", "1", "--", sys.executable, "-c", "pass"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --backend hosts needs CLUSTERFLOW_HOSTS=<placement file> "
+        "(clusterflow.testing.hosts_backend.Placement.write)"
+    ]
+    assert not (tmp_path / "clusters").exists() or not any((tmp_path / "clusters").iterdir())

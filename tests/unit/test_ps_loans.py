@@ -175,7 +175,7 @@ def test_a_push_while_a_large_reply_is_in_flight_leaves_that_reply_whole(
             body = {"worker": "worker:1", "version": 0, "want_values": True}
             replies.append(relayed.call("ps.push", body, {"g/w": torch.ones(N)}))
 
-    thread = threading.Thread(target=call)
+    thread = threading.Thread(target=call, daemon=True)
     thread.start()
     try:
         assert relay.held.wait(30), "the reply never reached the relay"
