@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -191,3 +192,19 @@ def test_a_push_while_a_large_reply_is_in_flight_leaves_that_reply_whole(
     assert reply.body["version"] == int(before)
     assert torch.equal(reply.tensors["w"], torch.full((N,), -float(before)))
     assert service.store.snapshot_stats()["copied_on_write"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_that_left_returns_its_loan_and_the_next_push_is_in_place(
+    ps: tuple[Any, RpcClient, RpcClient, _Relay],
+) -> None:
+    service, direct, _, _ = ps
+    pulled = direct.call("ps.pull", {"names": ["w"]})
+    assert torch.equal(pulled.tensors["w"], torch.zeros(N))
+    deadline = time.monotonic() + 30
+    while service.store.lent("w"):  # ZeroMQ lets go of the frames on its own threads
+        assert time.monotonic() < deadline, "the reply's loan never came back"
+        time.sleep(0.01)
+    body = {"worker": "worker:0", "version": 0}
+    assert direct.call("ps.push", body, {"g/w": torch.ones(N)}).body["applied"]
+    assert "copied_on_write" not in service.store.snapshot_stats()

@@ -318,6 +318,11 @@ class VariableStore:
                 )
         return dict(buffers)
 
+    def lent(self, name: str) -> bool:
+        """Whether a reply in flight may still read variable ``name``'s memory."""
+        with self._cond:
+            return self._loans.out(name)
+
     def _writable(self, name: str) -> None:
         """Before an in-place write of ``name`` (the lock is held): see ``ps/loans.py``."""
         if self._loans.make_writable(name, self.vars[name]):
