@@ -10,6 +10,10 @@ record applied twice counts 2 and a lost one 0.
 
 One run, the cuts in turn (``SCENARIOS``), each lasting until the manager has acted:
 
+* ``worker_ps``: ``worker:0``'s host from ``ps:0``'s, longer than the workers' ps
+  deadline. Its next ps call raises ``DeadlineExceeded`` and the job exits; the manager
+  respawns it (on the standby's host) and gives its leases back; healed once the
+  replacement trained.
 * ``worker_manager``: host 4 (``worker:1``) from the manager's host. Its supervisor
   misses heartbeats for ``CLUSTERFLOW_MANAGER_TIMEOUT`` and stops its job; the manager
   respawns ``worker:1`` (on the standby's host) and gives its leases back; healed once
@@ -25,6 +29,7 @@ failure that long) against the bound docs/failure-semantics.md gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -42,7 +47,13 @@ SPLIT = 10
 CHECKPOINT_EVERY = 3
 STEP_S = 0.2
 """A step's compute, emulated (a sleep): the run outlasts both cuts."""
-SCENARIOS = ("worker_manager", "ps_manager")
+CUTS = {
+    "worker_ps": ("worker:0", "ps:0", "task_respawned"),
+    "worker_manager": ("worker:1", "manager", "task_respawned"),
+    "ps_manager": ("ps:0", "manager", "cluster_restarted"),
+}
+"""Each scenario: the task whose host is cut, from whose host, and the manager's answer."""
+SCENARIOS = tuple(CUTS)
 HOSTS = {"manager": 0, "ps:0": 1, "chief:0": 2, "worker:0": 3, "worker:1": 4, "spare": 5}
 MANAGER_TIMEOUT_S = 3.0
 """``CLUSTERFLOW_MANAGER_TIMEOUT`` of the supervisors (15 s by default)."""
@@ -55,6 +66,9 @@ SUPERVISOR_GRACE_S = 10.0
 EXIT_MARGIN_S = 5.0
 """From the signal to the exit the manager reads (interpreter teardown, its poll)."""
 STALL_BOUND_S = MANAGER_TIMEOUT_S + HEARTBEAT_ROUND_S + SUPERVISOR_GRACE_S + EXIT_MARGIN_S
+PS_DEADLINE_S = 10.0
+"""The workers' ps deadline (``ParameterServerStrategy(deadline_s=...)``, 120 s by default)."""
+PS_STALL_BOUND_S = PS_DEADLINE_S + EXIT_MARGIN_S
 TIMEOUT_S = 240.0
 
 
@@ -199,13 +213,17 @@ def run(workdir: Path, scenarios: tuple[str, ...] = SCENARIOS) -> Run:
             _wait(cluster.ended, "the end of the run")
         finally:
             if not cluster.ended():
-                subprocess.run(
-                    [sys.executable, "-m", "clusterflow.cli.main", "stop", cluster.id],
-                    env=env, cwd=ROOT, capture_output=True, timeout=60, check=False,
-                )  # fmt: skip
+                # If it does not answer in time, closing the hosts kills it (and its tasks).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subprocess.run(  # from the manager's host: only there is it reachable
+                        placement.manager_argv(
+                            [sys.executable, "-m", "clusterflow.cli.main", "stop", cluster.id]
+                        ),
+                        env=env, cwd=ROOT, capture_output=True, timeout=60, check=False,
+                    )  # fmt: skip
             result.status = cluster.state().get("status", "")
             log = cluster.path / "output.log"
-            result.output = log.read_text()[-4000:] if log.exists() else ""
+            result.output = log.read_text()[-200_000:] if log.exists() else ""
     final = out / "final.json"
     if final.exists():
         counts = json.loads(final.read_text())
@@ -216,41 +234,47 @@ def run(workdir: Path, scenarios: tuple[str, ...] = SCENARIOS) -> Run:
     return result
 
 
+def _host_of(hosts: Any, cluster: _Cluster, task: str) -> int:
+    """The host ``task`` runs on now (a respawn may have moved it to the spare host)."""
+    job, index = task.split(":")
+    address = (cluster.state().get("spec") or {})[job][int(index)].rsplit(":", 1)[0]
+    return next(h.index for h in hosts.hosts if h.address == address)
+
+
 def _cut(hosts: Any, cluster: _Cluster, scenario: str) -> Cut | None:
-    """Cuts a task's host from the manager's until the manager has acted, then heals."""
-    task = "worker:1" if scenario == "worker_manager" else "ps:0"
-    recovery = "task_respawned" if scenario == "worker_manager" else "cluster_restarted"
-    # A checkpoint's worth of progress since the last recovery.
-    since = time.time()
+    """Cuts a task's host from its peer's until the manager has acted, then heals."""
+    task, peer, recovery = CUTS[scenario]
+    since = time.time()  # a checkpoint's worth of progress since the last recovery
     _wait(
         lambda: cluster.steps(since) >= 2 * CHECKPOINT_EVERY or cluster.ended(),
         f"progress before {scenario}",
     )
     if cluster.ended():
         return None
-    manager, far = HOSTS["manager"], HOSTS[task]
+    far = _host_of(hosts, cluster, task)
+    near = HOSTS["manager"] if peer == "manager" else _host_of(hosts, cluster, peer)
     cut_at = time.time()
-    hosts.cut(far, manager)
+    hosts.cut(far, near)
     try:
         _wait(lambda: cluster.event(recovery, task, cut_at), f"{recovery} of {task}")
-        if scenario == "worker_manager":
+        if recovery == "task_respawned":
             # The run goes on without the cut-off host: the replacement trains.
             respawned = cluster.event(recovery, task, cut_at)
             assert respawned is not None
             _wait(lambda: cluster.steps(respawned["time"]) >= 3, "progress after the respawn")
         healed_at = time.time()
     finally:
-        hosts.heal(far, manager)
+        hosts.heal(far, near)
     exited = cluster.event("task_exited", task, cut_at)
     stall = (exited["time"] if exited else healed_at) - cut_at
-    if scenario == "ps_manager":
+    if recovery == "cluster_restarted":
         # Healed, the restarted ps registers and the run resumes.
         _wait(lambda: cluster.steps(healed_at) >= 3 or cluster.ended(), "progress after heal")
     return Cut(
         scenario=scenario,
         task=task,
         stall_s=round(stall, 2),
-        stall_bound_s=STALL_BOUND_S,
+        stall_bound_s=PS_STALL_BOUND_S if peer.startswith("ps") else STALL_BOUND_S,
         ended_before_heal=exited is not None and exited["time"] <= healed_at,
         recovery=recovery,
     )
@@ -279,7 +303,7 @@ def _job(out: Path, path: str) -> None:
             time.sleep(STEP_S)  # a step's compute (emulated: no CPU)
             return self.counts[ids]
 
-    strategy = ParameterServerStrategy(mode="async", deadline_s=30.0)
+    strategy = ParameterServerStrategy(mode="async", deadline_s=PS_DEADLINE_S)
     with strategy.scope():
         model = Counter()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -14,13 +14,20 @@ clusterflow's wire format (``rpc/codec.py``) without torch. They:
   offered, ten times a real cluster's 1 s interval), whose reply latency gives
   ``heartbeat_p99_ms``;
 * take leases (``data.lease``, acking the previous one on the same call, as the data
-  service's simple mode does), one in flight per task: ``dispatcher_leases_per_s``.
+  service's simple mode does), one in flight per task: ``dispatcher_leases_per_s``;
+  then ``LEASES_PER_CALL`` splits per call (``count``), each acked on the next call,
+  counted per lease: ``dispatcher_leases_batched_per_s``.
+
+Each phase also reports the CPU seconds the manager (and, within it, its ZeroMQ I/O
+thread) and the generator spent, and per call: the generator shares the machine's two
+cores with the manager, so its share says how much of the rate it held back.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -361,4 +368,4 @@ def run() -> dict[str, float]:
         manager.join(30)
         if manager.is_alive():
             manager.kill()
-        _ = Path(home)
+        shutil.rmtree(home, ignore_errors=True)  # the manager's cluster folder

@@ -8,7 +8,8 @@
   got none; ``fuzz_internal``: answers of code ``internal`` (a handler raised on bad
   input). ``fuzz_rss_growth_mib``: the larger growth of the two processes.
 * ``partition_runs``, ``lost``, ``duplicated``, ``max_stall_s``, ``stall_bound_s``:
-  partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``); records
+  partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``, and cuts
+  from the manager under ``clusterflow start``, ``benchmarks/_hostile_start.py``); records
   lost and applied twice over all of them (the counter model), and the longest time a
   task sat without progress or failure against its documented bound. ``zombies_fenced``:
   zombie launches that ended by ``TaskFenced`` rather than by their own deadline (goal:
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -168,18 +170,47 @@ def partitions(workdir: Path) -> dict[str, float]:
             flush=True,
         )
         outcomes.append(outcome)
-    worst = max(outcomes, key=lambda o: o.stall_s / o.stall_bound_s)
+    start = start_partitions(workdir / "start")
+    stalls = [(o.stall_s, o.stall_bound_s) for o in outcomes] + start.pop("stalls")
+    worst = max(stalls, key=lambda s: s[0] / s[1])
     zombies = [o for o in outcomes if o.scenario.startswith("zombie")]
     return {
-        "partition_runs": len(outcomes),
-        "lost": sum(o.lost for o in outcomes),
-        "duplicated": sum(o.duplicated for o in outcomes),
-        "max_stall_s": worst.stall_s,
-        "stall_bound_s": worst.stall_bound_s,
-        "stalls_within_bound": sum(o.stall_s <= o.stall_bound_s for o in outcomes),
+        "partition_runs": len(stalls),
+        "lost": sum(o.lost for o in outcomes) + start["lost"],
+        "duplicated": sum(o.duplicated for o in outcomes) + start["duplicated"],
+        "max_stall_s": worst[0],
+        "stall_bound_s": worst[1],
+        "stalls_within_bound": sum(stall <= bound for stall, bound in stalls),
         "zombies_fenced": sum(o.fenced for o in zombies),
         "zombie_served_after_fence": sum(o.served_after_fence for o in zombies),
         "zombie_ended_after_heal_s": max((o.ended_after_heal_s for o in zombies), default=0.0),
+    }
+
+
+def start_partitions(workdir: Path) -> dict[str, Any]:
+    """Cuts from the manager under ``clusterflow start`` (``_hostile_start``): one run,
+    each cut a partition scenario; its stalls (cut to the cut-off task's exit) and bounds."""
+    from benchmarks._hostile_start import RECORDS, run
+
+    result = run(workdir)
+    for cut in result.cuts:
+        print(
+            f"partition {cut.scenario} (clusterflow start): {cut.task} ended "
+            f"{cut.stall_s:.1f}s after the cut (bound {cut.stall_bound_s:.1f}s), "
+            f"{'before' if cut.ended_before_heal else 'AFTER'} the heal; the manager: "
+            f"{cut.recovery}",
+            flush=True,
+        )
+    print(
+        f"partitions under clusterflow start: run {result.status}, lost {result.lost}, "
+        f"duplicated {result.duplicated} of {RECORDS} records",
+        flush=True,
+    )
+    failed = result.status != "succeeded"
+    return {
+        "lost": RECORDS if failed else result.lost,
+        "duplicated": result.duplicated,
+        "stalls": [(c.stall_s, c.stall_bound_s) for c in result.cuts],
     }
 
 

@@ -13,11 +13,13 @@
   ratio. Every process runs torch on one thread, as two workers on two cores should.
 
 Each ratio prints as ``key=median key_min=... key_max=...`` over the rounds.
+``--bandwidth-only`` runs the first part alone (about a minute); ``benchmarks._ps_phases``
+splits its round trip into phases on both ends.
 
 TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
 installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
 
-    python -m benchmarks.ps [--quick] [--rounds N] [--verbose]
+    python -m benchmarks.ps [--quick] [--rounds N] [--verbose] [--bandwidth-only]
 """
 
 from __future__ import annotations
@@ -161,6 +163,10 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
             rounds,
             verbose=verbose,
         )
+        # Replies send the ps's live values (ps/loans.py); a push that met the previous
+        # reply still in flight paid a copy instead. Here each push waits for its reply.
+        stats = client.call("ps.stats").body
+        print(f"ps: {stats.get('copied_on_write', 0)} copies on write in {stats['applied']} pushes")
     finally:
         client.close()
         sock.close()
@@ -378,12 +384,14 @@ def training(hidden: int, steps: int, rounds: int, verbose: bool) -> dict[str, l
 
 
 def main() -> None:
-    args = parser("ps", __doc__).parse_args()
+    p = parser("ps", __doc__)
+    p.add_argument("--bandwidth-only", action="store_true", help="the 64 MiB push+pull alone")
+    args = p.parse_args()
     one_thread_per_process()
     load = MachineLoad()
     rounds = args.rounds or (7 if args.quick else 15)
     figures: dict[str, Spread] = {"bandwidth_ratio": bandwidth(rounds + 2, args.verbose)}
-    sizes = [512] if args.quick else [512, 4096]
+    sizes = [] if args.bandwidth_only else [512] if args.quick else [512, 4096]
     for hidden in sizes:
         steps = 30 if hidden == 512 else 3
         rates = training(hidden, steps, rounds, args.verbose)

@@ -2,9 +2,10 @@
 
 One real cluster (``--chief --ps 1 --workers 2``, the counter model through ``fit()``),
 the manager and every task each inside an emulated host (``start --backend hosts``),
-runs once for the module (``benchmarks/_hostile_start.py``): first ``worker:1``'s host
-is cut from the manager's until the manager has respawned it and the replacement
-trained, then ``ps:0``'s until the manager has restarted every task; each link heals.
+runs once for the module (``benchmarks/_hostile_start.py``): first ``worker:0``'s host
+is cut from ``ps:0``'s, then ``worker:1``'s from the manager's, each until the manager
+has respawned the task and the replacement trained, then ``ps:0``'s from the manager's
+until the manager has restarted every task; each link heals.
 The run must succeed with every record applied exactly once.
 """
 
@@ -50,10 +51,22 @@ def test_every_task_runs_in_its_host_at_its_address_with_curve(run: scenario.Run
 
 
 @pytest.mark.timeout(300)
+def test_a_worker_cut_from_its_ps_raises_at_its_deadline_and_is_respawned_before_the_heal(
+    run: scenario.Run,
+) -> None:
+    cut = next((c for c in run.cuts if c.scenario == "worker_ps"), None)
+    assert cut is not None, _detail(run)
+    assert cut.recovery == "task_respawned", _detail(run)
+    assert cut.ended_before_heal, _detail(run)
+    assert "DeadlineExceeded" in run.output, _detail(run)
+
+
+@pytest.mark.timeout(300)
 def test_a_worker_cut_from_the_manager_stops_and_is_respawned_before_the_heal(
     run: scenario.Run,
 ) -> None:
-    cut = next(c for c in run.cuts if c.scenario == "worker_manager")
+    cut = next((c for c in run.cuts if c.scenario == "worker_manager"), None)
+    assert cut is not None, _detail(run)
     assert cut.recovery == "task_respawned", _detail(run)
     # Its supervisor gave up on the manager and stopped it while the link was still cut.
     assert cut.ended_before_heal, _detail(run)
@@ -100,3 +113,23 @@ def test_a_bad_placement_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not a placement file"):
         Placement.read(str(tmp_path / "p.json"))
+
+
+def test_start_backend_hosts_without_a_placement_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CLUSTERFLOW_HOSTS"}
+    env["CLUSTERFLOW_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "clusterflow.cli.main", "start", "--detach", "--backend", "hosts",
+         "--workers", "1", "--", sys.executable, "-c", "pass"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --backend hosts needs CLUSTERFLOW_HOSTS=<placement file> "
+        "(clusterflow.testing.hosts_backend.Placement.write)"
+    ]
+    assert not (tmp_path / "clusters").exists() or not any((tmp_path / "clusters").iterdir())

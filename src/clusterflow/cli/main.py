@@ -220,6 +220,10 @@ def start(
         {k: v for k, v in flags.items() if v is not None},
     )
     config = cache_placement(config) if config.cache else config  # cli/cache.py
+    if config.backend == "hosts":  # its placement checked before anything starts
+        from clusterflow.testing.hosts_backend import for_run
+
+        for_run(config)
 
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)

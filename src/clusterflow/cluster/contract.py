@@ -34,6 +34,7 @@ ENV_STANDBY: Final = "CLUSTERFLOW_STANDBY"
 ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
 ENV_HOME: Final = "CLUSTERFLOW_HOME"
 ENV_UI_TOKEN: Final = "CLUSTERFLOW_UI_TOKEN"
+ENV_HOSTS: Final = "CLUSTERFLOW_HOSTS"
 
 # The job command's environment (from the manager's registration reply) --------------------
 
@@ -87,6 +88,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_ZYGOTE_READY_FD: EnvVar("supervisor", "the pipe a zygote says it is warm on"),
         ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
         ENV_UI_TOKEN: EnvVar("user", "`clusterflow ui`: its token, instead of a fresh one"),
+        ENV_HOSTS: EnvVar("user", "`--backend hosts`: the emulated hosts' placement file"),
         ENV_LISTEN_FD: EnvVar("job", "the reserved, bound socket of the task's port"),
         ENV_JOB: EnvVar("job", "this task's job name"),
         ENV_TASK_INDEX: EnvVar("job", "this task's index in its job"),

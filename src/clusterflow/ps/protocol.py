@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from clusterflow.ps.api import MalformedRequest, PSConfig
+from clusterflow.ps.loans import Loan
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
@@ -425,11 +426,11 @@ class PSHandler:
     def optimizer(self, request: OptimizerRequest) -> None:
         self.store.set_optimizer(request.spec, request.group_of)
 
-    def pull(self, request: PullRequest) -> PullReply:
-        version, values = self.store.pull(request.names, request.min_version, request.timeout)
+    def pull(self, request: PullRequest, lend: Loan | None = None) -> PullReply:
+        version, values = self.store.pull(request.names, request.min_version, request.timeout, lend)
         return PullReply(version=version, values=wire_cast(values, request.dtype))
 
-    def push(self, request: PushRequest) -> PushReply:
+    def push(self, request: PushRequest, lend: Loan | None = None) -> PushReply:
         result = self.store.push(
             worker=request.worker,
             version=request.version,
@@ -440,6 +441,7 @@ class PSHandler:
             commit=request.commit,
             want_values=request.want_values,
             timeout=request.timeout,
+            lend=lend,
         )
         if result.commit is not None:
             self._commit(result.commit)
@@ -498,8 +500,12 @@ class PSHandler:
         finally:
             self.store.end_fanout()
 
-    def dispatch(self, method: str, body: Any, tensors: Tensors) -> Wire:
+    def dispatch(self, method: str, body: Any, tensors: Tensors, lend: Loan | None = None) -> Wire:
         """Serves one request as it travels (``method`` without the ``ps.`` prefix).
+
+        ``lend``: a pull's or a push's reply may carry the live variables under this
+        loan, whose ``sent`` the caller must hand the reply's tracker (``ps/loans.py``);
+        without it, they are snapshots.
 
         Raises:
             MalformedRequest: an unknown method, or a body the contract does not allow.
@@ -511,9 +517,9 @@ class PSHandler:
             self.optimizer(OptimizerRequest.from_wire(body, tensors))
             return None, {}
         if method == "pull":
-            return self.pull(PullRequest.from_wire(body, tensors)).to_wire()
+            return self.pull(PullRequest.from_wire(body, tensors), lend).to_wire()
         if method == "push":
-            return self.push(PushRequest.from_wire(body, tensors)).to_wire()
+            return self.push(PushRequest.from_wire(body, tensors), lend).to_wire()
         if method == "apply":
             return {"version": self.apply(ApplyRequest.from_wire(body, tensors))}, {}
         if method == "wait_version":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from clusterflow.cluster import ClusterSpec
+from clusterflow.ps.loans import Loan
 from clusterflow.ps.protocol import METHODS, ApplyRequest, PSHandler
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, Request, Response, RpcClient
@@ -53,8 +54,11 @@ class PSService:
 
     def _serve(self, method: str) -> Handler:
         def serve(request: Request) -> Response:
-            body, tensors = self.handler.dispatch(method, request.body, request.tensors)
-            return Response(body, tensors)
+            # Replies send the live variables; a push applying while one is still in
+            # flight moves the variable to a copy first (ps/loans.py).
+            loan = Loan()
+            body, tensors = self.handler.dispatch(method, request.body, request.tensors, loan)
+            return Response(body, tensors, on_sent=loan.sent if tensors else None)
 
         return serve
 

@@ -27,9 +27,9 @@ import torch
 from clusterflow.ps import optimizer as optim_bridge
 from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
 from clusterflow.ps.applied import AppliedKeys, Key
+from clusterflow.ps.loans import Loan, LoanBook, pooled_copy
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.rpc.codec import DTYPES
-from clusterflow.rpc.pool import RECEIVE_POOL
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,6 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy in a recycled buffer: fresh pages cost more than the copy (rpc/pool.py)."""
-    if tensor.numel() * tensor.element_size() < (1 << 20):
-        return tensor.clone()
-    out = RECEIVE_POOL.take(tensor.numel() * tensor.element_size())
-    copy = out.view(tensor.dtype).view(tensor.shape)
-    copy.copy_(tensor)
-    return copy
-
-
 class VariableStore:
     """Shards of variables held by one ps task."""
 
@@ -100,6 +90,8 @@ class VariableStore:
         self._held = False
         self._busy = 0
         self._departed: set[str] = set()
+        self._loans = LoanBook()
+        """Variables that replies in flight still read (``ps/loans.py``)."""
 
     # Set-up -----------------------------------------------------------------------
 
@@ -178,11 +170,16 @@ class VariableStore:
     # Reads ------------------------------------------------------------------------
 
     def pull(
-        self, names: list[str] | None, min_version: int = 0, timeout: float = 60.0
+        self,
+        names: list[str] | None,
+        min_version: int = 0,
+        timeout: float = 60.0,
+        lend: Loan | None = None,
     ) -> tuple[int, dict[str, torch.Tensor]]:
         """A consistent copy of the variables once ``version >= min_version``.
 
-        Blocks until then, at most ``timeout`` seconds.
+        Blocks until then, at most ``timeout`` seconds. With ``lend``, the live
+        variables instead, lent under that loan until it is sent (``ps/loans.py``).
 
         Raises:
             PSError: unknown variable names.
@@ -196,16 +193,21 @@ class VariableStore:
                         f"ps:{self.ps_index} is at version {self.version}; version "
                         f"{min_version} did not come within {timeout:g}s"
                     )
-            return self.version, self._copy(names)
+            return self.version, self._copy(names, lend)
 
-    def _copy(self, names: list[str] | None) -> dict[str, torch.Tensor]:
-        """Snapshots to send: the variables change under the next push while ZeroMQ sends."""
+    def _copy(self, names: list[str] | None, lend: Loan | None) -> dict[str, torch.Tensor]:
+        """Values to send: snapshots, or the variables lent under ``lend`` (the lock is held)."""
         if names is None:
-            return {n: _snapshot(t) for n, t in self.vars.items()}
+            names = list(self.vars)
         unknown = [n for n in names if n not in self.vars]
         if unknown:
             raise PSError(f"ps:{self.ps_index} holds no variable {unknown[0]!r}")
-        return {n: _snapshot(self.vars[n]) for n in names}
+        if lend is None:
+            return {n: pooled_copy(self.vars[n]) for n in names}
+        self._loans.lend(names, lend)
+        # New tensor objects over the variables' memory: a writer that moves a variable
+        # to a copy (``Tensor.set_``) must not move the reply with it.
+        return {n: self.vars[n].detach() for n in names}
 
     def wait_version(self, version: int, timeout: float) -> int:
         """Blocks until this shard reached ``version`` (warm-up, tests); returns it."""
@@ -226,12 +228,14 @@ class VariableStore:
         commit: bool = False,
         want_values: bool = False,
         timeout: float = 60.0,
+        lend: Loan | None = None,
     ) -> PushResult:
         """Applies (async) or buffers and maybe commits (sync) one worker's gradients.
 
         ``keys`` are the ``(dataset, epoch, split)`` keys of the splits the push
         completes. A push naming a key this shard applied before is not applied again:
-        the result lists those keys in ``duplicates``.
+        the result lists those keys in ``duplicates``. ``lend``: as for ``pull``, for
+        the values an async push sends back.
 
         Raises:
             PushRejected: an unknown variable, a wrong shape or dtype, or a non-finite
@@ -255,9 +259,13 @@ class VariableStore:
             if duplicates and config.mode == "async":
                 return PushResult(False, self.version, "duplicate", duplicates=duplicates)
             for name, value in checked_buffers.items():
+                self._writable(name)
                 self.vars[name].copy_(value)
             if config.mode == "async":
-                return self._apply_async(config, version, checked, keyed, hyper, want_values)
+                values = self._apply_async(config, version, checked, keyed, hyper)
+                if values.applied and want_values:
+                    values.values = self._copy(None, lend)
+                return values
             if duplicates:  # an empty part: the step neither waits for it nor applies it
                 checked, keyed = {}, []
             result = self._buffer_sync(config, worker, version, checked, keyed, hyper, commit)
@@ -310,6 +318,16 @@ class VariableStore:
                 )
         return dict(buffers)
 
+    def lent(self, name: str) -> bool:
+        """Whether a reply in flight may still read variable ``name``'s memory."""
+        with self._cond:
+            return self._loans.out(name)
+
+    def _writable(self, name: str) -> None:
+        """Before an in-place write of ``name`` (the lock is held): see ``ps/loans.py``."""
+        if self._loans.make_writable(name, self.vars[name]):
+            self.stats["copied_on_write"] += 1
+
     def _step(
         self, grads: Mapping[str, torch.Tensor], hyper: list[dict[str, Any]] | None, lr_scale: float
     ) -> None:
@@ -327,6 +345,7 @@ class VariableStore:
             for g in opt.param_groups:
                 g["lr"] = g["lr"] * lr_scale
         for name, grad in grads.items():
+            self._writable(name)
             self.vars[name].grad = grad
         try:
             opt.step()
@@ -344,7 +363,6 @@ class VariableStore:
         grads: dict[str, torch.Tensor],
         keys: list[Key],
         hyper: list[dict[str, Any]] | None,
-        want_values: bool,
     ) -> PushResult:
         staleness = max(0, self.version - version)
         if config.too_stale(staleness):
@@ -357,8 +375,7 @@ class VariableStore:
         self.version += 1
         self.stats["applied"] += 1
         self._cond.notify_all()
-        values = self._copy(None) if want_values else {}
-        return PushResult(True, self.version, "", staleness, values=values)
+        return PushResult(True, self.version, "", staleness)
 
     def _buffer_sync(
         self,
@@ -536,6 +553,7 @@ class VariableStore:
         with self._cond:
             self.config = PSConfig.from_dict(meta["config"]) if meta.get("config") else None
             self.vars = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("var/")}
+            self._loans = LoanBook()  # new tensors: replies in flight read the old ones
             self.trainable = {str(k): bool(v) for k, v in meta["trainable"].items()}
             self.version = int(meta["version"])
             self.applied = AppliedKeys.from_state(meta.get("applied_keys"))

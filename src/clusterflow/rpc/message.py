@@ -35,6 +35,12 @@ class Response:
 
     body: Any = None
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    on_sent: Callable[[Any], None] | None = None
+    """Called with a ``zmq.MessageTracker`` over the reply's tensor frames once they are
+    handed to ZeroMQ; it is ``done`` when ZeroMQ released their memory. A handler may
+    then reply from memory it will modify later, if it writes there only after that
+    (the ps replies from its live variables: ``ps/loans.py``). Never called when no
+    reply leaves (a one-way call, a failed handler, a stopped server)."""
 
 
 Handler = Callable[[Request], "Response | Any"]

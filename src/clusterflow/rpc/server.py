@@ -287,6 +287,9 @@ class RpcServer:
                     if len(frames) == 1 and frames[0].bytes == _STOP:
                         return
                     router.send_multipart(frames, copy=False)
+                    # Held frames would keep a tracked reply's memory "in use"
+                    # (Response.on_sent) until the next reply came.
+                    del frames
                 for _ in range(BATCH):
                     if not _readable(router):
                         break
@@ -416,9 +419,12 @@ class RpcServer:
             return None
         response = result if isinstance(result, Response) else Response(body=result)
         try:
-            return codec.encode(
+            frames = codec.encode(
                 codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
             )
+            if response.on_sent is not None:
+                frames = _tracked(frames, response.on_sent)
+            return frames
         except Exception as exc:
             # The handler returned what cannot travel (a set, a complex tensor, a list
             # where a tensor belongs): a fault of this side, not the caller's.
@@ -468,6 +474,18 @@ def _error_frames(request_id: int, method: str, code: str, error: object) -> lis
     return codec.encode(
         codec.KIND_ERROR, request_id, method, str(error), None, c=code, e=error_type
     )
+
+
+def _tracked(frames: list[Any], on_sent: Callable[[Any], None]) -> list[Any]:
+    """``frames`` with the tensor frames as tracked zero-copy ``zmq.Frame``s.
+
+    The tracker is done once ZeroMQ dropped every reference to the tensors' memory:
+    their bytes left (or the peer went away). Frames under ZeroMQ's copy threshold are
+    copied at once and count as done.
+    """
+    tensor_frames = [zmq.Frame(f, track=True) for f in frames[1:]]
+    on_sent(zmq.MessageTracker(*tensor_frames))
+    return [frames[0], *tensor_frames]
 
 
 def _recv_request(router: zmq.Socket[bytes]) -> list[Any]:

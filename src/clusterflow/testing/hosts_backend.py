@@ -33,11 +33,9 @@ from typing import Any
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.local import SUPERVISOR_MODULE, LocalBackend, LocalProcess
 from clusterflow.cluster import TaskId
-from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_STANDBY
+from clusterflow.cluster.contract import ENV_BIND_HOST, ENV_HOSTS, ENV_STANDBY
 from clusterflow.errors import ConfigError
 
-ENV_HOSTS = "CLUSTERFLOW_HOSTS"
-"""The placement file of ``--backend hosts`` (JSON, written by ``Placement.write``)."""
 _NETNS = re.compile(r"^[a-z][a-z0-9]{0,11}-\d+-[0-9a-f]{6}-\d+$")
 _ADDRESS = re.compile(r"^10\.77\.\d{1,3}\.\d{1,3}$")
 _LIMITS = ("heartbeat_timeout_s", "register_timeout_s", "grace_s")
