@@ -151,7 +151,9 @@ class RayNodes:
         out = self.run([sys.executable, "-c", PROBE, self.address], timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"probing the Ray cluster failed: {out.stderr[-2000:]}")
-        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+        # Ray's driver may print after it (a node it saw die: "raylet has lagging ...").
+        lines = out.stdout.strip().splitlines()
+        return dict(json.loads(next(x for x in reversed(lines) if x.startswith('{"actors"'))))
 
     def close(self) -> None:
         """Kills every node and what runs on it, removes the hosts and the files."""
