@@ -21,8 +21,11 @@ settings arrive on stdin, one line ``delay_s jitter_s reorder``; stdin closed en
 
 What the relay itself adds: a UDP round trip between two relayed hosts (four relay hops)
 measured 50-140 us minimum on this loaded 2-core machine (not a quiet slot), against
-tens of microseconds on plain veths; its top frame rate is not measured yet. Treat
-delays under about 0.1 ms as the relay's, not the network's.
+tens of microseconds on plain veths. Its top frame rate: 64-byte UDP datagrams sent at
+99 k/s arrive at 99 k/s over veths and at 48 k/s through two relays (27% dropped), so
+about 48 k frames/s, some 580 Mbit/s of 1500-byte frames (loaded machine, not a quiet
+slot). Treat delays under about 0.1 ms and rates above a few hundred Mbit/s as the
+relay's, not the network's.
 
 Run as ``python -m clusterflow.testing.relay HOST_TAP BRIDGE_TAP SEED``.
 """
