@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from clusterflow.backends.api import Backend, TaskLaunch
+from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
     ENV_CLUSTER_ID,
@@ -320,9 +320,11 @@ class Controller:
         """Starts ``task``'s supervisor (again), following its output into its log."""
         task.restore = restore
         if task.respawnable:
-            process = self.standby.hand(str(task.id))
-            if process is not None:
+
+            def assign(process: TaskProcess) -> None:
                 task.process = process
+
+            if self.standby.hand(str(task.id), assign) is not None:
                 return
         task.process = self.backend.launch(TaskLaunch(task=task.id, env=self._task_env(task.id)))
         if task.process.output is not None:

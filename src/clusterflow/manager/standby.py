@@ -97,12 +97,19 @@ class StandbyPool:
         log.info("standby supervisor started (pid %d)", process.pid)
         self._on_change()
 
-    def hand(self, task: str) -> TaskProcess | None:
-        """Gives ``task`` to the standby, if one runs; returns its process, or None."""
+    def hand(self, task: str, assign: Callable[[TaskProcess], None]) -> TaskProcess | None:
+        """Gives ``task`` to the standby, if one runs; returns its process, or None.
+
+        ``assign`` makes the process the task's before the standby is woken: the standby
+        registers at once, and the manager refuses a registration from a pid that is not
+        the task's current process (on Ray, ``adopt`` below took long enough for the
+        standby to be refused).
+        """
         with self._cond:
             standby = self._standby
             if standby is None or standby.process.poll() is not None:
                 return None
+            assign(standby.process)
             # Even a standby still warming up beats a cold start: it has a head start.
             standby.task = task
             standby.waiting = False
