@@ -355,7 +355,7 @@ def _late_frames(hosts: EmulatedHosts, n: int) -> tuple[int, int]:
                 SEQ_SOURCE.replace('b"%08d" % i + bytes(56)', 'b"end"'),
                 hosts[1].address,
                 str(PORT),
-                "1",
+                "20",  # the marker may be lost too: sent 20 times
             ]
         )
         got, late = (int(x) for x in sink.stdout.readline().split())
