@@ -10,8 +10,9 @@
 * ``partition_runs``, ``lost``, ``duplicated``, ``max_stall_s``, ``stall_bound_s``:
   partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``, and cuts
   from the manager under ``clusterflow start``, ``benchmarks/_hostile_start.py``); records
-  lost and applied twice over all of them (the counter model), and the longest time a
-  task sat without progress or failure against its documented bound. ``zombies_fenced``:
+  lost and applied twice over all of them (the counter model), and, of the times a task
+  sat without progress or failure, the one nearest its documented bound (the largest
+  stall / bound) with that bound; ``stalls_within_bound`` counts the runs within theirs. ``zombies_fenced``:
   zombie launches that ended by ``TaskFenced`` rather than by their own deadline (goal:
   every zombie scenario); ``zombie_served_after_fence``: their requests a ps or the
   dispatcher served after the fence was raised (goal 0); ``zombie_ended_after_heal_s``:
