@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,10 +161,16 @@ class Sweep:
         self.workers = agents[:max_workers]
         self.ps = agents[max_workers:]
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool) -> None:
+        """Stops the agents and the hosts; the agents' logs are kept (and said where)
+        after a failure or with ``--verbose``, else removed."""
         for agent in self.workers + self.ps:
             agent.close()
         self.hosts.close()
+        if keep_logs:
+            print(f"host agents' logs: {self.log_dir}", flush=True)
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # one size ------------------------------------------------------------------------
 
@@ -302,8 +309,10 @@ def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
                 + ", ".join(f"{side} {ms:.0f} ms" for side, ms in cpu_ms.items()),
                 flush=True,
             )
-    finally:
-        sweep.close()
+    except BaseException:
+        sweep.close(keep_logs=True)
+        raise
+    sweep.close(keep_logs=verbose)
     return figures
 
 

@@ -12,11 +12,11 @@
   from the manager under ``clusterflow start``, ``benchmarks/_hostile_start.py``); records
   lost and applied twice over all of them (the counter model), and, of the times a task
   sat without progress or failure, the one nearest its documented bound (the largest
-  stall / bound) with that bound; ``stalls_within_bound`` counts the runs within theirs. ``zombies_fenced``:
-  zombie launches that ended by ``TaskFenced`` rather than by their own deadline (goal:
-  every zombie scenario); ``zombie_served_after_fence``: their requests a ps or the
-  dispatcher served after the fence was raised (goal 0); ``zombie_ended_after_heal_s``:
-  the longest from the heal to a zombie's exit.
+  stall / bound) with that bound; ``stalls_within_bound`` counts the runs within theirs.
+  ``zombies_fenced``: zombie launches that ended by ``TaskFenced`` rather than by their
+  own deadline (goal: every zombie scenario); ``zombie_served_after_fence``: their
+  requests a ps or the dispatcher served after the fence was raised (goal 0);
+  ``zombie_ended_after_heal_s``: the longest from the heal to a zombie's exit.
 * ``lossy_max_param_diff``, ``lossy_throughput_ratio``: sync ps training on a clean and
   on a slow, lossy link (``benchmarks/_hostile_lossy.py``): the largest difference of
   the final parameters (goal 0) and steps/s lossy / clean.
