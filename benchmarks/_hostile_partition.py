@@ -36,10 +36,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import wait_for
 from clusterflow.testing.netns import EmulatedHosts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,15 +108,8 @@ def _progress(workdir: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _wait(predicate: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:g}s")
-        time.sleep(0.05)
+def _wait(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
+    return wait_for(predicate, what, timeout, poll_s=0.05)
 
 
 def run(scenario: str, workdir: Path, *, cut_s: float = 14.0, prefix: str = "hostile") -> Outcome:

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = 3000
 EPOCHS = 1
@@ -105,14 +107,7 @@ class Run:
 
 
 def _wait(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:g}s")
-        time.sleep(0.1)
+    return wait_for(predicate, what, timeout, poll_s=0.1)
 
 
 class _Cluster:

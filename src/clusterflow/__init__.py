@@ -33,10 +33,8 @@ if TYPE_CHECKING:
         Strategy,
         TFConfigClusterResolver,
     )
-    from clusterflow.strategies.parameter_server import (
-        CentralStorageStrategy,
-        ParameterServerStrategy,
-    )
+    from clusterflow.strategies.central_storage import CentralStorageStrategy
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
     from clusterflow.strategies.pipeline import PipelineStrategy
     from clusterflow.strategies.variables import Variable, device
     from clusterflow.train import (
@@ -68,7 +66,7 @@ _LAZY = {
     "ClusterCoordinator": "clusterflow.strategies",
     "RemoteValue": "clusterflow.strategies",
     "ParameterServerStrategy": "clusterflow.strategies.parameter_server",
-    "CentralStorageStrategy": "clusterflow.strategies.parameter_server",
+    "CentralStorageStrategy": "clusterflow.strategies.central_storage",
     "PipelineStrategy": "clusterflow.strategies.pipeline",
     "Variable": "clusterflow.strategies.variables",
     "device": "clusterflow.strategies.variables",

@@ -15,7 +15,8 @@ from clusterflow.ps.client import LocalPS
 from clusterflow.ps.restore import restore_shard
 from clusterflow.ps.store import VariableStore
 from clusterflow.strategies import SimpleClusterResolver
-from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.strategies.central_storage import CentralStorageStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.train.cut import Checkpointer
 
 

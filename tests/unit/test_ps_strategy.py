@@ -14,7 +14,8 @@ from clusterflow.errors import ConfigError
 from clusterflow.ps.client import LocalPS
 from clusterflow.ps.placement import MinSizePartitioner
 from clusterflow.strategies import SimpleClusterResolver, StrategyError
-from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.strategies.central_storage import CentralStorageStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.strategies.variables import Variable, device
 
 STEPS = 5

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from clusterflow.ps.client import LocalPS
 from clusterflow.strategies import MultiWorkerMirroredStrategy, SimpleClusterResolver
 from clusterflow.strategies.api import Replicas
-from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.strategies.central_storage import CentralStorageStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.train import (
     Hook,
     StopAtStep,

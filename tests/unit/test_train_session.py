@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from clusterflow.strategies import Strategy
-from clusterflow.strategies.parameter_server import CentralStorageStrategy
+from clusterflow.strategies.central_storage import CentralStorageStrategy
 from clusterflow.train import (
     Hook,
     StepInfo,

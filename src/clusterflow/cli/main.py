@@ -23,6 +23,7 @@ import click
 from clusterflow import __version__
 from clusterflow.cli import follow
 from clusterflow.cli.cache import cache_group, cache_placement
+from clusterflow.cli.secret import secret
 from clusterflow.cli.tune import make_tune
 from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -565,28 +566,10 @@ def server(
     srv.join()
 
 
-@cli.command(context_settings=CONTEXT)
-@click.argument("path")
-def secret(path: str) -> None:
-    """Write a new cluster secret to PATH (mode 0600) for manual-mode servers."""
-    from clusterflow.rpc import Credentials
-
-    if os.path.lexists(path):
-        raise ConfigError(f"{path!r} exists; refusing to overwrite a secret")
-    try:
-        # Created exclusively first, so a file that appears meanwhile is not clobbered.
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        Credentials.generate().to_file(path)
-    except FileExistsError as exc:
-        raise ConfigError(f"{path!r} exists; refusing to overwrite a secret") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot write secret {path!r}: {exc.strerror or exc}") from exc
-    click.echo(path)
-
-
 cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's options, per trial
 cli.add_command(cache_group)  # `clusterflow cache` (cli/cache.py)
 cli.add_command(ui)  # `clusterflow ui` (cli/ui.py): the dashboard
+cli.add_command(secret)  # `clusterflow secret` (cli/secret.py)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ from clusterflow.ps.api import (
     Shard,
     VariableSpec,
 )
-from clusterflow.ps.client import LocalPS, PSConnection, RemotePS
+from clusterflow.ps.client import PSConnection, RemotePS
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
 from clusterflow.server.manager_link import ManagerLink
@@ -586,21 +586,3 @@ class ParameterServerStrategy(Strategy):
         self.last_push_applied = applied
         if not applied:
             self.dropped_pushes += 1
-
-
-class CentralStorageStrategy(ParameterServerStrategy):
-    """One local ps holding the variables, synchronous updates (TensorFlow's name).
-
-    The variables and the optimizer's slots live in an in-process store rather than in
-    the module itself, exactly as on a ps task; nothing crosses a socket.
-    """
-
-    def __init__(self, *, reject_nonfinite: bool = True) -> None:
-        from clusterflow.strategies.resolver import SimpleClusterResolver
-
-        super().__init__(
-            SimpleClusterResolver({"chief": ["127.0.0.1:1"]}, task_type="chief", task_id=0),
-            mode="sync",
-            reject_nonfinite=reject_nonfinite,
-            _connection=LocalPS(),
-        )

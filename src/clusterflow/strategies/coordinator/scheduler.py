@@ -21,6 +21,7 @@ from typing import Any
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials
 from clusterflow.server.manager_link import ManagerLink
+from clusterflow.strategies.central_storage import CentralStorageStrategy
 from clusterflow.strategies.coordinator.api import (
     CoordinatorClosed,
     CoordinatorError,
@@ -42,7 +43,7 @@ from clusterflow.strategies.coordinator.dispatch import (
 )
 from clusterflow.strategies.coordinator.graph import DependencyGraph
 from clusterflow.strategies.coordinator.pickling import Packer
-from clusterflow.strategies.parameter_server import CentralStorageStrategy, ParameterServerStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 
