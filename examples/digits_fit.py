@@ -73,10 +73,8 @@ def make_strategy(name: str) -> Strategy | None:
         from clusterflow.strategies import MultiWorkerMirroredStrategy
 
         return MultiWorkerMirroredStrategy()
-    from clusterflow.strategies.parameter_server import (
-        CentralStorageStrategy,
-        ParameterServerStrategy,
-    )
+    from clusterflow.strategies.central_storage import CentralStorageStrategy
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
     if name == "central":
         return CentralStorageStrategy()

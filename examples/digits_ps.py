@@ -24,10 +24,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from clusterflow.strategies.parameter_server import (
-    CentralStorageStrategy,
-    ParameterServerStrategy,
-)
+from clusterflow.strategies.central_storage import CentralStorageStrategy
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
 
 def parse_args() -> argparse.Namespace:
