@@ -455,6 +455,41 @@ def test_descriptors_not_matching_the_frames_get_bad_request(
 
 
 @integration
+def test_a_server_that_takes_no_tensors_refuses_them_without_importing_torch() -> None:
+    # The manager's server (``tensors=False``): a peer sending tensor frames must not make
+    # a process that never moves tensors import torch, nor be served as if they were not there.
+    result = run_python(
+        """
+        import sys
+        import msgpack, zmq
+        from clusterflow.rpc import PROTOCOL_VERSION, Credentials, RpcClient, RpcServer
+
+        credentials = Credentials.generate()
+        server = RpcServer(credentials, tensors=False, name="plain")
+        server.register("echo", lambda request: request.body)
+        server.start()
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.linger = 0
+        credentials.apply_client(dealer, "127.0.0.1")
+        dealer.connect(server.endpoint)
+        header = {"v": PROTOCOL_VERSION, "k": "req", "id": 7, "m": "echo", "b": 1,
+                  "t": [["x", "float32", [2], 8]]}
+        dealer.send_multipart([msgpack.packb(header), bytes(8)])
+        assert dealer.poll(10000)
+        reply = msgpack.unpackb(dealer.recv_multipart()[0], raw=False)
+        print(reply["c"], reply["id"], "takes no tensors" in reply["b"])
+        with RpcClient(server.address, credentials, deadline=10) as client:
+            print(client.call("echo", "served on").body)
+        print("torch" in sys.modules)
+        server.stop()
+        """,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["bad_request 7 True", "served on", "False"]
+
+
+@integration
 def test_raw_peer_with_the_right_credentials_is_served(
     server: RpcServer, raw_dealer: Callable[..., zmq.Socket[bytes]]
 ) -> None:

@@ -583,4 +583,5 @@ def _manager_server(cluster: ClusterDir, config: RunConfig, tasks: int) -> RpcSe
         port=0,
         name="manager",
         workers=tasks * max(1, config.replicas_per_host) + 16,
+        tensors=False,
     )

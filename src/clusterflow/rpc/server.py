@@ -152,6 +152,10 @@ class RpcServer:
         max_message_bytes: a request larger than this gets a ``too_large`` error reply.
         workers: threads for ``blocking`` handlers.
         name: used in thread names and logs.
+        tensors: whether any handler here takes tensors. A server that takes none (the
+            manager's) answers a request carrying tensor frames with ``bad_request``
+            before decoding them, so a stray or hostile peer cannot make a process that
+            never moves tensors import torch (~2.5 s, 200 MiB) or allocate its frames.
     """
 
     def __init__(
@@ -164,8 +168,10 @@ class RpcServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         workers: int = 8,
         name: str = "rpc",
+        tensors: bool = True,
     ) -> None:
         self._ctx = runtime.context()
+        self._takes_tensors = tensors
         self._handlers: dict[str, _Entry] = {}
         self._max_message_bytes = max_message_bytes
         self._name = name
@@ -386,6 +392,16 @@ class RpcServer:
         if entry is None:
             self._reply_or_log(
                 identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
+            )
+            return
+        if not self._takes_tensors and (header.get("t") or len(frames) > 2):
+            self._reply_or_log(
+                identity,
+                request_id,
+                method,
+                oneway,
+                "bad_request",
+                f"{self._name} takes no tensors; {method!r} came with {len(frames) - 2} frames",
             )
             return
         try:
