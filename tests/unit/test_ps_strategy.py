@@ -433,3 +433,31 @@ def test_a_keyed_step_does_not_wait_for_its_push_under_overlap() -> None:
     connection.hold.set()
     assert s.settled(wait=True).applied == (key,)
     assert connection.store.snapshot_stats()["applied"] == 1
+
+
+def test_final_values_include_the_steps_other_replicas_applied_after_this_ones_last() -> None:
+    # sync: after its last push a replica prefetches the next version; another replica's
+    # later steps (it had splits left) are applied after that prefetch resolved. The
+    # values a replica ends with (``finish``, what ``fit`` leaves in the model) must be
+    # the ps's final ones: with the prefetch's, a chief that wrote its model after fit
+    # lost the other replica's last updates (test_chaos's sync ps counted 4 splits once).
+    connection = LocalPS()
+    strategies = replicas(2, connection, mode="sync", backup_workers=1)
+    models = []
+    for s in strategies:
+        with s.scope():
+            model = make_model()
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    strategies[0].run(step_fn(*models[0]), batch(0, 0))  # step 0 -> version 1
+    strategies[1].pull_values()  # at version 1, so its push counts
+    for step in (1, 2):
+        strategies[1].run(step_fn(*models[1]), batch(step, 1))
+        assert strategies[1].last_push_applied
+    assert connection.store.snapshot_stats()["version"] == 3
+    strategies[1].finish(None, leave=True)
+    strategies[0].finish(None, leave=True)
+    final = [p.detach() for p in models[1][0].parameters()]
+    ended = [p.detach() for p in models[0][0].parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(ended, final, strict=True))
+    initial = [p.detach() for p in make_model().parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(final, initial, strict=True))

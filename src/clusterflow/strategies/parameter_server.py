@@ -423,13 +423,14 @@ class ParameterServerStrategy(Strategy):
         self.pull_values()
 
     def pull_values(self) -> None:
-        """Copies the newest values from the ps into the local model (before evaluating).
-
-        Waits for the step this replica pushed last, if it is not applied yet.
-        """
+        """Waits for this replica's last step, then pulls the ps's current values: others
+        may have applied steps since (sync: the prefetch of the next version is as old as
+        this replica's last step, so one that ran out of data first ended without them)."""
         self.flush()
-        if self._next is None:  # sync: the prefetch already waits for the newest version
-            self._staged = self._pull(self._versions)
+        if self._next is not None:
+            self._versions = self._next.result()[0]
+            self._next = None
+        self._staged = self._pull(self._versions)
         self._load_values()
 
     def leave(self) -> None:
