@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks._scale_hosts import LAYERS
+
 torch.set_num_threads(1)
-LAYERS = 8
 BATCH = 16
 
 
@@ -100,6 +101,11 @@ class Agent:
         from clusterflow.strategies.ps_config import ParameterServerConfig
 
         width = int(opts.pop("width"))
+        split = int(opts.pop("split", 1))
+        if split > 1:  # more shards than layers: each layer in ``split`` equal pieces
+            from clusterflow.ps.placement import MinSizePartitioner
+
+            opts["variable_partitioner"] = MinSizePartitioner(min_shard_bytes=1, max_shards=split)
         resolver = SimpleClusterResolver(
             spec,
             task_type="worker",

@@ -48,6 +48,8 @@ LINK_BIT = 10_000_000_000
 """The emulated line rate of every host: 10 Gbit/s (shaped at LINK_BIT / SCALE)."""
 COMPUTE_S = 0.3
 """Emulated compute per step (a ResNet-50-sized step on one GPU)."""
+LAYERS = 8
+"""The model's square layers: equal variables, so 1/2/4/8 shards split them evenly."""
 WIDTH = 128
 """8 layers of WIDTH x WIDTH fp32: 0.5 MiB, i.e. 100 MiB at full size (ResNet-50's ~25M)."""
 HEAVY_WIDTH = 256
@@ -55,11 +57,19 @@ HEAVY_WIDTH = 256
 BUCKET_BYTES = 25 * 2**20 // SCALE
 """DDP's default 25 MiB bucket, scaled like every other byte."""
 SHARDS = (1, 2, 4, 8)
+WIDE_SHARDS, WIDE_FROM = 16, 32
+"""From 32 workers on, 16 shards too: the measured rule S >= N / 2 (docs/scaling.md). The
+8 layers are then each split in two (``MinSizePartitioner``), one half per shard."""
 SYNC_SHARDS = 4
 STRAGGLER = 1.2
 EXTRAS_FROM = 8
 """The straggler and bf16 sides run at this size and above (and at the largest)."""
 REPLY_TIMEOUT_S = 300.0
+
+
+def shard_counts(n: int) -> tuple[int, ...]:
+    """The async ps's shard counts measured at ``n`` workers."""
+    return (*SHARDS, WIDE_SHARDS) if n >= WIDE_FROM else SHARDS
 
 
 class AgentFailed(SystemExit):
@@ -141,7 +151,8 @@ class Figures:
 
 
 class Sweep:
-    """The emulated cluster: ``max_workers`` worker hosts and ``max(SHARDS)`` ps hosts."""
+    """The emulated cluster: ``max_workers`` worker hosts and as many ps hosts as the
+    most shards measured at that size."""
 
     def __init__(self, max_workers: int, steps: int, rounds: int, verbose: bool) -> None:
         from clusterflow.rpc import Credentials
@@ -152,7 +163,8 @@ class Sweep:
         self.ports = itertools.count(21000)
         self.log_dir = Path(tempfile.mkdtemp(prefix="cf-scale-"))
         shape = LinkShape(rate_bit=LINK_BIT // SCALE)
-        self.hosts = EmulatedHosts(max_workers + max(SHARDS), shape, prefix="cfscale")
+        shards = max(shard_counts(max_workers))
+        self.hosts = EmulatedHosts(max_workers + shards, shape, prefix="cfscale")
         agents = [Agent(h, self.log_dir) for h in self.hosts.hosts]
         for agent in agents:
             agent.recv()  # the greeting: torch imported, ready
@@ -205,8 +217,9 @@ class Sweep:
         each side's CPU per step per worker (ms)."""
         workers = self.workers[:n]
         names: list[str] = []
-        for shards in SHARDS:
-            self._ps_side(f"async{shards}", workers, shards, mode="async", width=WIDTH)
+        for shards in shard_counts(n):
+            split = {"split": shards // LAYERS} if shards > LAYERS else {}
+            self._ps_side(f"async{shards}", workers, shards, mode="async", width=WIDTH, **split)
             names.append(f"async{shards}")
         self._ps_side("sync", workers, SYNC_SHARDS, mode="sync", width=WIDTH)
         names.append("sync")
