@@ -8,19 +8,22 @@ Three parts, one RESULT line (docs/scaling.md explains the model and the figures
   ``MultiWorkerMirroredStrategy`` (gloo ring) and hand-written DDP. Compute is EMULATED
   (a step sleeps its GPU time); communication is real. Links are 10 Gbit/s with bytes
   and rate scaled down together by ``_scale_hosts.SCALE`` (so two cores can move them):
-  transfer times are full-size ones. TensorFlow's ParameterServerStrategy on this
-  harness is not built yet (docs/scaling.md says what it needs); the run says so.
+  transfer times are full-size ones. Then TensorFlow's ParameterServerStrategy on the
+  same hosts, links and model (``_scale_tf.py``), where a Python with TensorFlow is
+  named (``--tf-python`` or ``CLUSTERFLOW_TF_PYTHON``) or this one has it; the
+  benchmark installs nothing.
 * **Control plane** (``_scale_control.py``): one manager, 1,000 simulated registrants.
 * **The ps on loopback**: the 64 MiB push+pull against raw TCP (``benchmarks.ps``).
 
 Keys: ``efficiency_async_ps`` (per-worker steps/s at the largest size over 1 worker, best
 shard count), ``efficiency_allreduce`` (the ring's), ``bf16_vs_fp32_10g`` (ring, a model
 of 4x the bytes per compute), ``async_vs_ddp_10g`` (cluster steps/s, one worker 20%
-slower), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``, ``dispatcher_leases_per_s``,
-``register_1000_s``, ``ps_bandwidth_ratio``.
+slower), ``async_vs_tf_pss_10g`` (per-worker steps/s, 8 shards against TensorFlow's 8 ps,
+where TensorFlow is found), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``,
+``dispatcher_leases_per_s``, ``register_1000_s``, ``ps_bandwidth_ratio``.
 
     python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
-                               [--parts data,control,ps]
+                               [--parts data,control,ps] [--tf-python PATH]
 
 ``--parts`` measures only some of the three (all by default): the keys of the others
 are left out of the RESULT line.
@@ -32,14 +35,16 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from benchmarks import _scale_control, _scale_hosts
+from benchmarks import _scale_control, _scale_hosts, _scale_tf
 from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
 
 EFFICIENT = 0.9
 """Per-worker efficiency a shard count must reach to count as enough shards."""
 
 
-def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tuple[dict, object]:
+def _data_plane(
+    sizes: list[int], steps: int, rounds: int, verbose: bool, tf_python: str | None
+) -> tuple[dict, object]:
     from clusterflow.testing import available
 
     if not available():
@@ -82,7 +87,21 @@ def _data_plane(sizes: list[int], steps: int, rounds: int, verbose: bool) -> tup
     # None measured enough: twice the most measured, the rule's next step.
     most = max(_scale_hosts.shard_counts(largest))
     out["shards_needed_largest"] = float(shards_needed[largest] or 2 * most)
-    print("TensorFlow ParameterServerStrategy: not measured (not built on this harness yet)")
+    try:
+        python = _scale_tf.find_python(tf_python)
+    except _scale_tf.TensorFlowMissing as exc:
+        print(f"TensorFlow ParameterServerStrategy: skipped ({exc})")
+        return out, figures
+    tf_rates = _scale_tf.measure(sizes, steps, rounds, python, verbose)
+    shards = max(_scale_hosts.SHARDS)
+    ours = figures.per_worker[f"async{shards}"]
+    for n in sizes:
+        vs = ours[n].median / tf_rates[n].median
+        print(
+            f"at {n} workers: async ps ({shards} shards) / TensorFlow PSS "
+            f"({_scale_tf.PS_TASKS} ps), per-worker steps/s: {vs:.2f}"
+        )
+    out["async_vs_tf_pss_10g"] = ours[largest].median / tf_rates[largest].median
     return out, figures
 
 
@@ -125,6 +144,11 @@ def main() -> None:
         help="worker counts to measure, 1 first (default 1,2,4,8; 16,32 without --quick)",
     )
     p.add_argument(
+        "--tf-python",
+        help="a Python that has TensorFlow, for its ParameterServerStrategy rows "
+        f"(default ${_scale_tf.ENV_PYTHON}, else this Python if it has TensorFlow)",
+    )
+    p.add_argument(
         "--parts",
         type=_parts,
         default=set(PARTS),
@@ -143,7 +167,11 @@ def main() -> None:
     curves = None
     if "data" in args.parts:
         data, curves = _data_plane(
-            sizes, steps=4 if args.quick else 6, rounds=rounds, verbose=args.verbose
+            sizes,
+            steps=4 if args.quick else 6,
+            rounds=rounds,
+            verbose=args.verbose,
+            tf_python=args.tf_python,
         )
         figures.update(data)
     if "control" in args.parts:
