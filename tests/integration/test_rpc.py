@@ -270,7 +270,7 @@ def test_one_way_message_reaches_the_handler(
 def test_one_way_tensor_may_be_changed_as_soon_as_send_returns(
     server: RpcServer, service: Service, connect: Callable[..., RpcClient]
 ) -> None:
-    tensor = torch.ones(FRAME_BYTES)  # 16 MiB: still being written out when send returns
+    tensor = torch.ones(4 * 1024 * 1024)  # 16 MiB: still being written out when send returns
     connect(server).send("note", None, {"g": tensor})
     tensor.zero_()
     request = service.notes.get(timeout=5)

@@ -151,6 +151,43 @@ def test_large_tensor_travels_as_frames_of_frame_bytes(nbytes: int, frames: int)
     assert torch.equal(out["big"], original)
 
 
+@pytest.mark.parametrize(
+    "cut",
+    [[4 * 1024 * 1024], [1000, 24, 3 * 1024 * 1024], [7] * 12 + [64 * 1024]],
+    ids=["4-MiB-frames-as-earlier-senders-cut", "uneven-frames", "many-small-frames"],
+)
+def test_tensors_decode_whatever_frame_size_the_sender_chose(cut: list[int]) -> None:
+    """The first sizes, then the last size for the rest: any cut a sender may choose."""
+    a = torch.arange(2 * 1024 * 1024 + 5, dtype=torch.float32)  # 8 MiB and 20 bytes
+    b = torch.arange(300, dtype=torch.int16)
+    header = codec.decode_header(codec.encode(codec.KIND_REQUEST, 1, "m", None, {"a": a})[0])
+    header["t"].append(["b", "int16", [300], 600])
+    raw = a.numpy().tobytes()
+    frames, start = [], 0
+    for size in cut[:-1]:
+        frames.append(raw[start : start + size])
+        start += size
+    while start < len(raw):
+        frames.append(raw[start : start + cut[-1]])
+        start += cut[-1]
+    frames.append(b.numpy().tobytes())
+    out = codec.decode_tensors(header, as_received(frames))
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+
+
+def test_a_frame_that_runs_past_its_tensor_is_a_protocol_error() -> None:
+    a, b = torch.ones(4), torch.ones(4)
+    header, _ = encoded_message({"a": a, "b": b})
+    with pytest.raises(ProtocolError, match="frames hold 32 of 16 bytes"):
+        codec.decode_tensors(header, [torch.ones(8).numpy().tobytes()])
+
+
+def test_an_empty_frame_inside_a_tensor_is_a_protocol_error() -> None:
+    header, frames = encoded_message({"a": torch.ones(4)})
+    with pytest.raises(ProtocolError, match="empty frame"):
+        codec.decode_tensors(header, [frames[0][:8], b"", frames[0][8:]])
+
+
 def test_large_bfloat16_tensor_over_several_frames() -> None:
     original = torch.randn(FRAME_BYTES + 1000, dtype=torch.float32).to(torch.bfloat16)
     _, out = roundtrip({"g": original})

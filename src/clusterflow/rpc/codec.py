@@ -5,8 +5,13 @@ frames are memoryviews over the tensor, sent by ZeroMQ without a copy) and, when
 tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the received frame
 (copied only when that frame is misaligned for the dtype: ZeroMQ packs small frames
 back to back in one receive buffer, at any address).
-Large tensors are cut into frames of ``FRAME_BYTES``: measured on this machine, 1-4 MiB
-frames move at about 1.8 GB/s over loopback where one 64 MiB frame moves at 0.8 GB/s.
+Large tensors are cut into frames of ``FRAME_BYTES``. The size was measured: a ZeroMQ
+echo of 64 MiB over loopback takes about 36 ms in 512 KiB frames, 29 ms in 1 MiB ones,
+55 ms in 4 MiB ones and 80 ms in one frame; the ps's 64 MiB push+pull against raw TCP
+(``benchmarks.ps --bandwidth-only``) reads 0.81-0.83 with 512 KiB frames, 0.76-0.84 with
+1 MiB and 0.66 with 4 MiB (2026-11-26). Small frames are received into reused heap
+blocks (``rpc/runtime.py``'s malloc settings) that are likely still in a core's cache when
+they are copied on, where a large one is written and read again from main memory.
 
 torch is imported lazily, so processes that never move tensors (the manager, the CLI,
 task supervisors) start without paying the ~2.5 s import.
@@ -33,8 +38,8 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the header keys or frame layout."""
 
-FRAME_BYTES = 4 * 1024 * 1024
-"""Largest tensor frame: big enough to amortise per-frame cost, small enough to stream."""
+FRAME_BYTES = 512 * 1024
+"""Largest tensor frame: big enough to amortise per-frame cost, small enough to stay in cache."""
 
 KIND_REQUEST = "req"
 KIND_ONEWAY = "one"
@@ -181,12 +186,22 @@ def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str
                 raise ProtocolError(
                     f"tensor {name!r}: shape {shape} of {dtype_name} does not fill {nbytes} bytes"
                 )
-            count = math.ceil(nbytes / FRAME_BYTES)
-            parts = frames[position : position + count]
-            position += count
-            sizes = [len(p.buffer) if hasattr(p, "buffer") else len(p) for p in parts]
-            if len(parts) != count or sum(sizes) != nbytes:
-                raise ProtocolError(f"tensor {name!r}: frames hold {sum(sizes)} of {nbytes} bytes")
+            # A tensor's frames are the next ones whose sizes add up to its bytes: the
+            # sender picks their size (FRAME_BYTES here), so peers that cut differently
+            # still understand each other.
+            parts, sizes, got = [], [], 0
+            while got < nbytes and position < len(frames):
+                part = frames[position]
+                position += 1
+                size = len(part.buffer) if hasattr(part, "buffer") else len(part)
+                if size == 0:
+                    raise ProtocolError(f"tensor {name!r}: an empty frame among its bytes")
+                parts.append(part)
+                sizes.append(size)
+                got += size
+            if got != nbytes:
+                raise ProtocolError(f"tensor {name!r}: frames hold {got} of {nbytes} bytes")
+            count = len(parts)
             if count == 0:
                 out[name] = torch.empty(shape, dtype=dtype)
             elif count == 1:

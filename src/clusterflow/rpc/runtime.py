@@ -53,8 +53,9 @@ TERM_TIMEOUT_S = 5.0
 """Most seconds the exit hook waits for libzmq to release the context."""
 
 MALLOC_MMAP_THRESHOLD = 32 * 1024 * 1024
-"""Blocks below this come from malloc's reusable heap, not fresh mmaps: a few frames
-(``FRAME_BYTES``) above glibc's own ceiling for it, which it reaches only by chance."""
+"""Blocks below this come from malloc's reusable heap, not fresh mmaps: glibc's own
+ceiling for its sliding threshold, which it reaches only by chance, set from the start so
+received frames (``FRAME_BYTES``) reuse warm memory."""
 
 MALLOC_TRIM_THRESHOLD = 256 * 1024 * 1024
 """Free memory a heap keeps before returning it to the kernel: a few large messages."""
