@@ -252,12 +252,21 @@ def scenario_stop(out: Path) -> dict[str, Any]:
     return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
-def scenario_replicas(out: Path) -> dict[str, Any]:
+def scenario_replicas(out: Path, hierarchical: bool = False) -> dict[str, Any]:
     """Under ``--replicas-per-host``: ranks as launched, and training equal to one process."""
-    from clusterflow.strategies import MirroredStrategy, MultiWorkerMirroredStrategy
+    from clusterflow.strategies import (
+        CommunicationOptions,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+    )
 
     one_host = os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"]
-    strategy = MirroredStrategy() if one_host else MultiWorkerMirroredStrategy()
+    options = CommunicationOptions(hierarchical=hierarchical)
+    strategy = (
+        MirroredStrategy(communication_options=options)
+        if one_host
+        else MultiWorkerMirroredStrategy(options)
+    )
     result: dict[str, Any] = {
         "strategy": type(strategy).__name__,
         "rank": strategy.rank,
@@ -288,6 +297,12 @@ def scenario_replicas(out: Path) -> dict[str, Any]:
         diffs.append(_max_diff(model, reference))
     result["step_diffs"] = diffs
     result["local_rows"] = len(mine[1])
+    for state in strategy._hierarchies:
+        result["hierarchy"] = {
+            "hosts": [list(h) for h in state.hosts.ranks],
+            "buckets": state.buckets,
+            "crossed": state.crossed,
+        }
     print(f"rank {strategy.rank} trained", flush=True)
     return result
 
@@ -297,6 +312,7 @@ SCENARIOS = {
     "kill": scenario_kill,
     "stop": scenario_stop,
     "replicas": scenario_replicas,
+    "replicas-hierarchical": lambda out: scenario_replicas(out, hierarchical=True),
 }
 
 
@@ -594,12 +610,12 @@ def test_digits_example_trains_under_clusterflow_start(cf: Clusterflow, tmp_path
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("workers", "replicas"),
-    [("1", 2), ("2", 2)],
-    ids=["mirrored-1x2", "multi-worker-2x2"],
+    ("workers", "replicas", "scenario"),
+    [("1", 2, "replicas"), ("2", 2, "replicas"), ("2", 2, "replicas-hierarchical")],
+    ids=["mirrored-1x2", "multi-worker-2x2", "multi-worker-2x2-hierarchical"],
 )
 def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
-    cf: Clusterflow, tmp_path: Path, workers: str, replicas: int
+    cf: Clusterflow, tmp_path: Path, workers: str, replicas: int, scenario: str
 ) -> None:
     done = cf.run(
         "start",
@@ -610,7 +626,7 @@ def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
         "--",
         PY,
         __file__,
-        "replicas",
+        scenario,
         str(tmp_path),
         timeout=150,
     )
@@ -633,6 +649,16 @@ def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
         assert result["is_chief"] == (rank == 0)
         assert result["local_rows"] == 8 // world
         assert max(result["step_diffs"]) < TOLERANCE, result["step_diffs"]
+        if scenario == "replicas-hierarchical":
+            # Each host's leader (its first rank) took every bucket across hosts; the
+            # others only inside their host. Without the hook, no bucket is counted.
+            hierarchy = result["hierarchy"]
+            assert hierarchy["hosts"] == [[0, 1], [2, 3]]
+            assert hierarchy["buckets"] >= len(result["step_diffs"])  # a bucket or more a step
+            assert hierarchy["buckets"] == results[0]["hierarchy"]["buckets"]
+            assert hierarchy["crossed"] == (hierarchy["buckets"] if replica == 0 else 0)
+        else:
+            assert "hierarchy" not in result
         # Each replica's output is prefixed with its task and replica.
         assert f"[worker:{task}/{replica}] rank {rank} trained" in done.stdout, done.stdout
 

@@ -24,6 +24,7 @@ from clusterflow.collective.group import (
     select_backend,
     select_device,
 )
+from clusterflow.collective.hierarchy import hosts_of
 from clusterflow.collective.liveness import Liveness
 from clusterflow.errors import ConfigError
 
@@ -140,6 +141,45 @@ def test_options_take_tensorflows_names_and_check_values() -> None:
         CommunicationOptions(timeout_seconds=0)
     with pytest.raises(ConfigError, match="bytes_per_pack"):
         CommunicationOptions(bytes_per_pack=-1)
+    with pytest.raises(ConfigError, match="hierarchical must be True or False, got 'yes'"):
+        CommunicationOptions(hierarchical="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="hierarchical=True with compression BF16"):
+        CommunicationOptions(hierarchical=True, compression=Compression.BF16)
+
+
+@pytest.mark.parametrize(
+    ("places", "hosts"),
+    [
+        ([(0, 2), (1, 2), (0, 2), (1, 2)], ((0, 1), (2, 3))),
+        ([(0, 1), (0, 1), (0, 1)], ((0,), (1,), (2,))),
+        ([(0, 3), (1, 3), (2, 3)], ((0, 1, 2),)),
+        ([(0, 2), (1, 2), (0, 1)], ((0, 1), (2,))),  # hosts of different sizes
+    ],
+    ids=["2x2", "3x1", "1x3", "2+1"],
+)
+def test_hosts_come_from_contiguous_local_ranks(
+    places: list[tuple[int, int]], hosts: tuple[tuple[int, ...], ...]
+) -> None:
+    found = hosts_of(places)
+    assert found.ranks == hosts
+    assert found.leaders == tuple(h[0] for h in hosts)
+
+
+@pytest.mark.parametrize(
+    ("places", "message"),
+    [
+        ([(0, 2), (0, 2), (1, 2), (1, 2)], "rank 1 has LOCAL_RANK=0 of LOCAL_WORLD_SIZE=2, but"),
+        ([(1, 2), (0, 2)], "rank 0 has LOCAL_RANK=1"),
+        ([(0, 2), (1, 2), (0, 2)], "rank 2 has LOCAL_RANK=0 of LOCAL_WORLD_SIZE=2; a"),
+        ([(0, 2), (1, 3)], "rank 1 has LOCAL_RANK=1 of LOCAL_WORLD_SIZE=3"),
+    ],
+    ids=["interleaved-hosts", "no-leader-first", "host-past-the-world", "sizes-disagree"],
+)
+def test_hosts_not_laid_out_contiguously_are_refused_naming_the_rank(
+    places: list[tuple[int, int]], message: str
+) -> None:
+    with pytest.raises(MembershipError, match=message):
+        hosts_of(places)
 
 
 def test_backend_per_device_or_forced() -> None:

@@ -73,6 +73,11 @@ class CommunicationOptions:
     load data); longer than a step's wait, since tasks start minutes apart on busy hosts."""
     compression: Compression = Compression.NONE
     """Gradient compression for the all-reduce (not in TensorFlow's options)."""
+    hierarchical: bool = False
+    """Reduce inside each host first, all-reduce across hosts among one replica per host,
+    then broadcast inside each host (``collective/hierarchy.py``): ``2 (H-1)`` ring steps
+    over H hosts instead of ``2 (N-1)`` over N replicas. The hosts are the launcher's
+    (``--replicas-per-host``). Not in TensorFlow's options; uncompressed only."""
 
     def __post_init__(self) -> None:
         for name, enum in (
@@ -90,6 +95,13 @@ class CommunicationOptions:
             raise ConfigError(f"bytes_per_pack must be an integer, got {self.bytes_per_pack!r}")
         if self.bytes_per_pack < 0:
             raise ConfigError(f"bytes_per_pack must be >= 0, got {self.bytes_per_pack}")
+        if not isinstance(self.hierarchical, bool):
+            raise ConfigError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if self.hierarchical and self.compression is not Compression.NONE:
+            raise ConfigError(
+                f"hierarchical=True with compression {self.compression.name}: the "
+                "hierarchical all-reduce moves gradients uncompressed; choose one"
+            )
         _check_seconds("timeout_seconds", self.timeout_seconds, optional=True)
         _check_seconds("rendezvous_timeout_seconds", self.rendezvous_timeout_seconds)
 

@@ -31,9 +31,17 @@ from torch._C._distributed_c10d import GradBucket, ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from clusterflow.collective.api import Compression
+from clusterflow.collective.api import CommunicationOptions, Compression
+from clusterflow.collective.hierarchy import HierarchicalState
 
-__all__ = ["CastState", "bf16_allreduce_hook", "fp16_allreduce_hook", "register_compression"]
+__all__ = [
+    "CastState",
+    "bf16_allreduce_hook",
+    "fp16_allreduce_hook",
+    "hierarchical_allreduce_hook",
+    "register_communication",
+    "register_compression",
+]
 
 
 class CastState:
@@ -113,3 +121,29 @@ def register_compression(
         model.register_comm_hook(CastState(group), bf16_allreduce_hook)
     elif compression is Compression.FP16:
         model.register_comm_hook(group, fp16_allreduce_hook)
+
+
+def hierarchical_allreduce_hook(
+    state: HierarchicalState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduces inside each host, across hosts, then back: see ``collective/hierarchy.py``."""
+    return state.submit(bucket.buffer())
+
+
+def register_communication(
+    model: DistributedDataParallel,
+    options: CommunicationOptions,
+    local_rank: int,
+    local_world_size: int,
+) -> HierarchicalState | None:
+    """Installs the hook ``options`` ask for on ``model``, on every replica at once.
+
+    Returns the hierarchical all-reduce's state where ``options.hierarchical`` asked for
+    one (it forms process groups, so every replica must call this together).
+    """
+    if not options.hierarchical:
+        register_compression(model, options.compression, None)
+        return None
+    state = HierarchicalState(local_rank, local_world_size, options.timeout_seconds)
+    model.register_comm_hook(state, hierarchical_allreduce_hook)
+    return state

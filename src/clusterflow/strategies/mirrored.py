@@ -52,7 +52,8 @@ from clusterflow.collective import (
     MembershipError,
 )
 from clusterflow.collective.group import CollectiveGroup, select_device
-from clusterflow.collective.hooks import register_compression
+from clusterflow.collective.hierarchy import HierarchicalState
+from clusterflow.collective.hooks import register_communication
 from clusterflow.data.api import SplitKey
 from clusterflow.strategies.api import (
     CutRole,
@@ -106,6 +107,7 @@ class CollectiveAllReduceStrategy(Strategy):
         self._group = CollectiveGroup.form(membership, self._options, self._device)
         self._scope_depth = 0
         self._prepared: list[weakref.ref[nn.Module]] = []
+        self._hierarchies: list[HierarchicalState] = []
 
     # Who we are -------------------------------------------------------------------------
 
@@ -198,14 +200,19 @@ class CollectiveAllReduceStrategy(Strategy):
         module.to(self._device)
         wrapper: nn.Module | None = None
         if self.num_replicas_in_sync > 1 and trainable(module):
-            with self._group.guard("broadcasting rank 0's parameters"):
+            with self._group.guard("broadcasting rank 0's parameters and forming groups"):
                 ddp = DistributedDataParallel(
                     module,
                     device_ids=[self._device.index] if self._device.type == "cuda" else None,
                     bucket_cap_mb=self._bucket_cap_mb(),
                     gradient_as_bucket_view=_GRADIENT_AS_BUCKET_VIEW,
                 )
-            register_compression(ddp, self._options.compression, None)
+                place = self._group.membership
+                state = register_communication(
+                    ddp, self._options, place.local_rank, place.local_world_size
+                )
+            if state is not None:
+                self._hierarchies.append(state)
             wrapper = ddp
         prepare_module(module, wrapper)
         self._prepared.append(weakref.ref(module))
@@ -464,6 +471,8 @@ class CollectiveAllReduceStrategy(Strategy):
 
     def shutdown(self) -> None:
         """Stops the heartbeats and leaves the group this strategy formed; idempotent."""
+        while self._hierarchies:
+            self._hierarchies.pop().close()
         self._group.shutdown()
 
 
