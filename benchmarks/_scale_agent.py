@@ -118,15 +118,23 @@ class Agent:
         step = self._step_of(model, width)
         self.sides[name] = ("ps", strategy, lambda: strategy.run(step))
 
-    def dist_init(self, master: str, port: int, rank: int, world: int) -> None:
+    def dist_init(
+        self,
+        master: str,
+        port: int,
+        rank: int,
+        world: int,
+        local_rank: int = 0,
+        local_world: int = 1,
+    ) -> None:
         import torch.distributed as dist
 
         os.environ.update(
             {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(local_world),
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": "eth0",
@@ -142,7 +150,9 @@ class Agent:
         )
         self._store = store
 
-    def ring_join(self, name: str, width: int, bf16: bool, bucket_bytes: int) -> None:
+    def ring_join(
+        self, name: str, width: int, bf16: bool, bucket_bytes: int, hierarchical: bool = False
+    ) -> None:
         """clusterflow's MultiWorkerMirroredStrategy (gloo ring) adopting the group."""
         from clusterflow.strategies import (
             CommunicationOptions,
@@ -153,6 +163,7 @@ class Agent:
         options = CommunicationOptions(
             compression=Compression.BF16 if bf16 else Compression.NONE,
             bytes_per_pack=bucket_bytes,
+            hierarchical=hierarchical,
         )
         strategy = MultiWorkerMirroredStrategy(options)
         with strategy.scope():

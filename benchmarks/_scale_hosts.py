@@ -79,12 +79,12 @@ class AgentFailed(SystemExit):
 class Agent:
     """One host's ``_scale_agent`` process: JSON commands in, JSON answers out."""
 
-    def __init__(self, host: Any, log_dir: Path) -> None:
+    def __init__(self, host: Any, log_dir: Path, replica: int = 0) -> None:
         self.host = host
         self.address: str = host.address
         env = dict(os.environ)
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        self.log = open(log_dir / f"agent-{host.index}.log", "w")  # noqa: SIM115
+        self.log = open(log_dir / f"agent-{host.index}-{replica}.log", "w")  # noqa: SIM115
         self.proc = host.popen(
             [sys.executable, "-m", "benchmarks._scale_agent", self.address],
             stdin=subprocess.PIPE,
