@@ -151,7 +151,7 @@ class Agent:
         self._store = store
 
     def ring_join(
-        self, name: str, width: int, bf16: bool, bucket_bytes: int, hierarchical: bool = False
+        self, name: str, width: int, bf16: bool, bucket_bytes: int, algorithm: str = "backend"
     ) -> None:
         """clusterflow's MultiWorkerMirroredStrategy (gloo ring) adopting the group."""
         from clusterflow.strategies import (
@@ -163,7 +163,7 @@ class Agent:
         options = CommunicationOptions(
             compression=Compression.BF16 if bf16 else Compression.NONE,
             bytes_per_pack=bucket_bytes,
-            hierarchical=hierarchical,
+            algorithm=algorithm,
         )
         strategy = MultiWorkerMirroredStrategy(options)
         with strategy.scope():

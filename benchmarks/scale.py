@@ -14,10 +14,11 @@ Three parts, one RESULT line (docs/scaling.md explains the model and the figures
   benchmark installs nothing.
 * **Control plane** (``_scale_control.py``): one manager, 1,000 simulated registrants.
 * **The ps on loopback**: the 64 MiB push+pull against raw TCP (``benchmarks.ps``).
-* **Hierarchical all-reduce** (``_scale_hier.py``, needs root): the largest size's
+* **All-reduce algorithms** (``_scale_allreduce.py``, needs root): the largest size's
   replicas on hosts of 2 (4 without ``--quick``) that share one 10 Gbit/s link each, as
-  ``--replicas-per-host`` lays them out: flat ring against
-  ``CommunicationOptions(hierarchical=True)``.
+  ``--replicas-per-host`` lays them out, then on hosts of their own: gloo's flat ring
+  against ``CommunicationOptions(algorithm=...)`` ``hierarchical`` and
+  ``halving_doubling``.
 
 Keys: ``efficiency_async_ps`` (per-worker steps/s at the largest size over 1 worker, best
 shard count), ``efficiency_allreduce`` (the ring's), ``bf16_vs_fp32_10g`` (ring, a model
@@ -25,10 +26,11 @@ of 4x the bytes per compute), ``async_vs_ddp_10g`` (cluster steps/s, one worker 
 slower), ``async_vs_tf_pss_10g`` (per-worker steps/s, 8 shards against TensorFlow's 8 ps,
 where TensorFlow is found), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``,
 ``dispatcher_leases_per_s``, ``register_1000_s``, ``ps_bandwidth_ratio``,
-``hier_vs_flat_10g`` (per-replica steps/s, hierarchical over flat all-reduce).
+``hier_vs_flat_10g`` and ``hd_vs_flat_10g`` (per-replica steps/s over the flat ring's,
+on hosts of several replicas), ``hd_vs_flat_own_hosts_10g`` (on hosts of one).
 
     python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
-                               [--parts data,control,ps,hier] [--tf-python PATH]
+                               [--parts data,control,ps,allreduce] [--tf-python PATH]
 
 ``--parts`` measures only some of the four (all by default): the keys of the others
 are left out of the RESULT line.
@@ -40,7 +42,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from benchmarks import _scale_control, _scale_hier, _scale_hosts, _scale_tf
+from benchmarks import _scale_allreduce, _scale_control, _scale_hosts, _scale_tf
 from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
 
 EFFICIENT = 0.9
@@ -122,7 +124,7 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-PARTS = ("data", "control", "ps", "hier")
+PARTS = ("data", "control", "ps", "allreduce")
 
 
 def _parts(text: str) -> set[str]:
@@ -157,7 +159,7 @@ def main() -> None:
         "--parts",
         type=_parts,
         default=set(PARTS),
-        help="which parts to measure: data, control, ps, hier (default all)",
+        help="which parts to measure: data, control, ps, allreduce (default all)",
     )
     args = p.parse_args()
     one_thread_per_process()
@@ -187,15 +189,15 @@ def main() -> None:
         from benchmarks.ps import bandwidth
 
         figures["ps_bandwidth_ratio"] = bandwidth(rounds + 4, args.verbose)
-    if "hier" in args.parts:
-        hier = _scale_hier.run(
-            max(sizes),
-            per_host=2 if args.quick else 4,
-            steps=4 if args.quick else 6,
-            rounds=rounds,
-            verbose=args.verbose,
+    if "allreduce" in args.parts:
+        steps = 4 if args.quick else 6
+        shared = _scale_allreduce.run(
+            max(sizes), 2 if args.quick else 4, steps, rounds, verbose=args.verbose
         )
-        figures["hier_vs_flat_10g"] = hier["hier_vs_flat_10g"]
+        figures["hier_vs_flat_10g"] = shared["hier_vs_flat_10g"]
+        figures["hd_vs_flat_10g"] = shared["hd_vs_flat_10g"]
+        own = _scale_allreduce.run(max(sizes), 1, steps, rounds, verbose=args.verbose)
+        figures["hd_vs_flat_own_hosts_10g"] = own["hd_vs_flat_10g"]
     if args.save is not None and curves is not None:
         _scale_hosts.save(curves, args.save)
     if args.plots is not None and curves is not None:

@@ -252,7 +252,7 @@ def scenario_stop(out: Path) -> dict[str, Any]:
     return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGSTOP))
 
 
-def scenario_replicas(out: Path, hierarchical: bool = False) -> dict[str, Any]:
+def scenario_replicas(out: Path, algorithm: str = "backend") -> dict[str, Any]:
     """Under ``--replicas-per-host``: ranks as launched, and training equal to one process."""
     from clusterflow.strategies import (
         CommunicationOptions,
@@ -261,7 +261,7 @@ def scenario_replicas(out: Path, hierarchical: bool = False) -> dict[str, Any]:
     )
 
     one_host = os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"]
-    options = CommunicationOptions(hierarchical=hierarchical)
+    options = CommunicationOptions(algorithm=algorithm)  # type: ignore[arg-type]
     strategy = (
         MirroredStrategy(communication_options=options)
         if one_host
@@ -297,12 +297,11 @@ def scenario_replicas(out: Path, hierarchical: bool = False) -> dict[str, Any]:
         diffs.append(_max_diff(model, reference))
     result["step_diffs"] = diffs
     result["local_rows"] = len(mine[1])
-    for state in strategy._hierarchies:
-        result["hierarchy"] = {
-            "hosts": [list(h) for h in state.hosts.ranks],
-            "buckets": state.buckets,
-            "crossed": state.crossed,
-        }
+    for worker in strategy._bucket_workers:
+        result["buckets"] = worker.buckets
+        if algorithm == "hierarchical":
+            result["hosts"] = [list(h) for h in worker.reduce.hosts.ranks]  # type: ignore[attr-defined]
+            result["crossed"] = worker.reduce.crossed  # type: ignore[attr-defined]
     print(f"rank {strategy.rank} trained", flush=True)
     return result
 
@@ -312,7 +311,8 @@ SCENARIOS = {
     "kill": scenario_kill,
     "stop": scenario_stop,
     "replicas": scenario_replicas,
-    "replicas-hierarchical": lambda out: scenario_replicas(out, hierarchical=True),
+    "replicas-hierarchical": lambda out: scenario_replicas(out, "hierarchical"),
+    "replicas-halving-doubling": lambda out: scenario_replicas(out, "halving_doubling"),
 }
 
 
@@ -611,8 +611,18 @@ def test_digits_example_trains_under_clusterflow_start(cf: Clusterflow, tmp_path
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("workers", "replicas", "scenario"),
-    [("1", 2, "replicas"), ("2", 2, "replicas"), ("2", 2, "replicas-hierarchical")],
-    ids=["mirrored-1x2", "multi-worker-2x2", "multi-worker-2x2-hierarchical"],
+    [
+        ("1", 2, "replicas"),
+        ("2", 2, "replicas"),
+        ("2", 2, "replicas-hierarchical"),
+        ("2", 2, "replicas-halving-doubling"),
+    ],
+    ids=[
+        "mirrored-1x2",
+        "multi-worker-2x2",
+        "multi-worker-2x2-hierarchical",
+        "multi-worker-2x2-halving-doubling",
+    ],
 )
 def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
     cf: Clusterflow, tmp_path: Path, workers: str, replicas: int, scenario: str
@@ -649,16 +659,17 @@ def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(
         assert result["is_chief"] == (rank == 0)
         assert result["local_rows"] == 8 // world
         assert max(result["step_diffs"]) < TOLERANCE, result["step_diffs"]
+        if scenario == "replicas":
+            assert "buckets" not in result  # the backend's own all-reduce
+        else:
+            # clusterflow's algorithm summed every bucket; without its hook none is counted
+            assert result["buckets"] >= len(result["step_diffs"])  # a bucket or more a step
+            assert result["buckets"] == results[0]["buckets"]
         if scenario == "replicas-hierarchical":
             # Each host's leader (its first rank) took every bucket across hosts; the
-            # others only inside their host. Without the hook, no bucket is counted.
-            hierarchy = result["hierarchy"]
-            assert hierarchy["hosts"] == [[0, 1], [2, 3]]
-            assert hierarchy["buckets"] >= len(result["step_diffs"])  # a bucket or more a step
-            assert hierarchy["buckets"] == results[0]["hierarchy"]["buckets"]
-            assert hierarchy["crossed"] == (hierarchy["buckets"] if replica == 0 else 0)
-        else:
-            assert "hierarchy" not in result
+            # others only inside their host.
+            assert result["hosts"] == [[0, 1], [2, 3]]
+            assert result["crossed"] == (result["buckets"] if replica == 0 else 0)
         # Each replica's output is prefixed with its task and replica.
         assert f"[worker:{task}/{replica}] rank {rank} trained" in done.stdout, done.stdout
 

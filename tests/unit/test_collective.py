@@ -10,6 +10,7 @@ import torch
 
 from clusterflow.cluster import ClusterSpec, TaskId
 from clusterflow.collective import (
+    AllReduceAlgorithm,
     CollectiveError,
     CommunicationImplementation,
     CommunicationOptions,
@@ -141,10 +142,13 @@ def test_options_take_tensorflows_names_and_check_values() -> None:
         CommunicationOptions(timeout_seconds=0)
     with pytest.raises(ConfigError, match="bytes_per_pack"):
         CommunicationOptions(bytes_per_pack=-1)
-    with pytest.raises(ConfigError, match="hierarchical must be True or False, got 'yes'"):
-        CommunicationOptions(hierarchical="yes")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="hierarchical=True with compression BF16"):
-        CommunicationOptions(hierarchical=True, compression=Compression.BF16)
+    assert CommunicationOptions().algorithm is AllReduceAlgorithm.BACKEND
+    options = CommunicationOptions(algorithm="Halving_Doubling")  # type: ignore[arg-type]
+    assert options.algorithm is AllReduceAlgorithm.HALVING_DOUBLING
+    with pytest.raises(ConfigError, match="unknown algorithm 'tree'"):
+        CommunicationOptions(algorithm="tree")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="algorithm HIERARCHICAL with compression BF16"):
+        CommunicationOptions(algorithm=AllReduceAlgorithm.HIERARCHICAL, compression="bf16")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from clusterflow._lazy import lazy_exports
 from clusterflow.collective.api import (
+    AllReduceAlgorithm,
     CollectiveError,
     CommunicationImplementation,
     CommunicationOptions,
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from clusterflow.collective.group import CollectiveGroup, select_backend, select_device
 
 __all__ = [
+    "AllReduceAlgorithm",
     "CollectiveError",
     "CollectiveGroup",
     "CommunicationImplementation",

@@ -17,6 +17,7 @@ from clusterflow.cluster import TaskId
 from clusterflow.errors import ClusterflowError, ConfigError
 
 __all__ = [
+    "AllReduceAlgorithm",
     "CollectiveError",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -35,6 +36,19 @@ class CommunicationImplementation(StrEnum):
     """gloo's ring all-reduce over TCP: the CPU backend (TensorFlow's RING is gRPC rings)."""
     NCCL = "nccl"
     """NCCL; needs every replica on a CUDA device."""
+
+
+class AllReduceAlgorithm(StrEnum):
+    """How a gradient bucket is summed across the replicas (not in TensorFlow's options)."""
+
+    BACKEND = "backend"
+    """The library's own: gloo's ring, NCCL's ring or tree."""
+    HIERARCHICAL = "hierarchical"
+    """Inside each host of ``--replicas-per-host`` first, then across hosts among one
+    replica each, then back inside (``collective/hierarchy.py``)."""
+    HALVING_DOUBLING = "halving_doubling"
+    """Recursive halving-doubling over point-to-point sends: ``2 log2 N`` steps instead of
+    the ring's ``2 (N-1)``, the same bytes (``collective/halving.py``)."""
 
 
 class Compression(StrEnum):
@@ -73,16 +87,16 @@ class CommunicationOptions:
     load data); longer than a step's wait, since tasks start minutes apart on busy hosts."""
     compression: Compression = Compression.NONE
     """Gradient compression for the all-reduce (not in TensorFlow's options)."""
-    hierarchical: bool = False
-    """Reduce inside each host first, all-reduce across hosts among one replica per host,
-    then broadcast inside each host (``collective/hierarchy.py``): ``2 (H-1)`` ring steps
-    over H hosts instead of ``2 (N-1)`` over N replicas. The hosts are the launcher's
-    (``--replicas-per-host``). Not in TensorFlow's options; uncompressed only."""
+    algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND
+    """How a bucket is summed: the backend's own (gloo's ring), ``hierarchical`` over the
+    hosts of ``--replicas-per-host``, or ``halving_doubling``; the last two are
+    clusterflow's, uncompressed only (not in TensorFlow's options)."""
 
     def __post_init__(self) -> None:
         for name, enum in (
             ("implementation", CommunicationImplementation),
             ("compression", Compression),
+            ("algorithm", AllReduceAlgorithm),
         ):
             value = getattr(self, name)
             try:
@@ -95,12 +109,14 @@ class CommunicationOptions:
             raise ConfigError(f"bytes_per_pack must be an integer, got {self.bytes_per_pack!r}")
         if self.bytes_per_pack < 0:
             raise ConfigError(f"bytes_per_pack must be >= 0, got {self.bytes_per_pack}")
-        if not isinstance(self.hierarchical, bool):
-            raise ConfigError(f"hierarchical must be True or False, got {self.hierarchical!r}")
-        if self.hierarchical and self.compression is not Compression.NONE:
+        if (
+            self.algorithm is not AllReduceAlgorithm.BACKEND
+            and self.compression is not Compression.NONE
+        ):
             raise ConfigError(
-                f"hierarchical=True with compression {self.compression.name}: the "
-                "hierarchical all-reduce moves gradients uncompressed; choose one"
+                f"algorithm {self.algorithm.name} with compression {self.compression.name}: "
+                "clusterflow's own all-reduce algorithms move gradients uncompressed; "
+                "choose one"
             )
         _check_seconds("timeout_seconds", self.timeout_seconds, optional=True)
         _check_seconds("rendezvous_timeout_seconds", self.rendezvous_timeout_seconds)

@@ -15,18 +15,13 @@ start --replicas-per-host`` and torchrun set them, each host's replicas on conti
 ranks. Every replica checks that with the others when the groups form, and a world that
 is not so laid out is refused, naming the rank that disagrees.
 
-The three collectives of a bucket run on one thread per model, in the order DDP hands
-buckets over, which is the same on every replica: collectives on a group must be issued
-in one order by all its members, and issuing from completion callbacks would let a host
-whose second bucket reduced first issue them out of order. The backward pass goes on
-while the thread works, as with DDP's own all-reduce.
+A bucket's three collectives run on the model's ``BucketWorker`` thread
+(``collective/bucket_worker.py``), in DDP's bucket order.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,7 +31,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from clusterflow.collective.api import MembershipError
 
-__all__ = ["HierarchicalState", "Hosts", "hosts_of"]
+__all__ = ["HierarchicalSum", "Hosts", "hosts_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -91,8 +86,8 @@ def hosts_of(places: list[tuple[int, int]]) -> Hosts:
     return Hosts(tuple(hosts))
 
 
-class HierarchicalState:
-    """The groups of one world and the thread that runs each bucket's three collectives.
+class HierarchicalSum:
+    """The groups of one world, and the sum of a bucket over them, host by host.
 
     Form it on every replica at once (it creates process groups, which every rank of the
     world must do together), after the default group exists.
@@ -110,7 +105,6 @@ class HierarchicalState:
         dist.all_gather_object(places, (local_rank, local_world_size))
         self.hosts = hosts_of([tuple(p) for p in places])  # type: ignore[arg-type, misc]
         self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
         host = self.hosts.host_of(self.rank)
         self.leader = host[0]
         self.local: ProcessGroup | None = None
@@ -122,16 +116,8 @@ class HierarchicalState:
         self.cross: ProcessGroup | None = None
         if self.rank == self.leader and len(self.hosts.leaders) > 1:
             self.cross = cross
-        self.buckets = 0
-        """Buckets reduced; how many this replica all-reduced across hosts is ``crossed``."""
         self.crossed = 0
-        self._work: queue.SimpleQueue[
-            tuple[torch.Tensor, torch.futures.Future[torch.Tensor]] | None
-        ] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name="clusterflow-hierarchical-allreduce", daemon=True
-        )
-        self._thread.start()
+        """Buckets this replica all-reduced across hosts (a leader's count, else 0)."""
         _log.info(
             "hierarchical all-reduce: %d hosts of %s replicas; this is rank %d, leader %d",
             len(self.hosts.ranks),
@@ -140,33 +126,8 @@ class HierarchicalState:
             self.leader,
         )
 
-    def submit(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Queues ``tensor`` for a hierarchical sum; the future gives it back as the mean."""
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._work.put((tensor, done))
-        return done
-
-    def close(self) -> None:
-        """Stops the thread once the buckets queued before have been reduced."""
-        self._work.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        failed: BaseException | None = None
-        while (item := self._work.get()) is not None:
-            tensor, done = item
-            if failed is not None:  # the groups are broken; fail fast, in order
-                done.set_exception(failed)  # type: ignore[arg-type]  # torch types it as T
-                continue
-            try:
-                self._reduce(tensor)
-            except Exception as exc:
-                failed = exc
-                done.set_exception(exc)  # type: ignore[arg-type]
-            else:
-                done.set_result(tensor)
-
-    def _reduce(self, tensor: torch.Tensor) -> None:
+    def __call__(self, tensor: torch.Tensor) -> None:
+        """Sums ``tensor`` in place over every replica (blocking)."""
         if self.local is not None:
             dist.reduce(tensor, dst=self.leader, group=self.local)
         if self.cross is not None:
@@ -174,5 +135,3 @@ class HierarchicalState:
             self.crossed += 1
         if self.local is not None:
             dist.broadcast(tensor, src=self.leader, group=self.local)
-        tensor.div_(self.world)
-        self.buckets += 1

@@ -31,14 +31,16 @@ from torch._C._distributed_c10d import GradBucket, ProcessGroup
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from clusterflow.collective.api import CommunicationOptions, Compression
-from clusterflow.collective.hierarchy import HierarchicalState
+from clusterflow.collective.api import AllReduceAlgorithm, CommunicationOptions, Compression
+from clusterflow.collective.bucket_worker import BucketWorker
+from clusterflow.collective.halving import HalvingDoublingSum
+from clusterflow.collective.hierarchy import HierarchicalSum
 
 __all__ = [
     "CastState",
     "bf16_allreduce_hook",
+    "bucket_worker_hook",
     "fp16_allreduce_hook",
-    "hierarchical_allreduce_hook",
     "register_communication",
     "register_compression",
 ]
@@ -123,10 +125,10 @@ def register_compression(
         model.register_comm_hook(group, fp16_allreduce_hook)
 
 
-def hierarchical_allreduce_hook(
-    state: HierarchicalState, bucket: GradBucket
+def bucket_worker_hook(
+    state: BucketWorker, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Reduces inside each host, across hosts, then back: see ``collective/hierarchy.py``."""
+    """Hands the bucket to the model's worker thread (``collective/bucket_worker.py``)."""
     return state.submit(bucket.buffer())
 
 
@@ -135,15 +137,21 @@ def register_communication(
     options: CommunicationOptions,
     local_rank: int,
     local_world_size: int,
-) -> HierarchicalState | None:
+) -> BucketWorker | None:
     """Installs the hook ``options`` ask for on ``model``, on every replica at once.
 
-    Returns the hierarchical all-reduce's state where ``options.hierarchical`` asked for
-    one (it forms process groups, so every replica must call this together).
+    Returns the worker thread of clusterflow's own all-reduce algorithms (they form
+    process groups, so every replica must call this together), else None.
     """
-    if not options.hierarchical:
+    algorithm = options.algorithm
+    if algorithm is AllReduceAlgorithm.BACKEND:
         register_compression(model, options.compression, None)
         return None
-    state = HierarchicalState(local_rank, local_world_size, options.timeout_seconds)
-    model.register_comm_hook(state, hierarchical_allreduce_hook)
-    return state
+    reduce: Callable[[torch.Tensor], object]
+    if algorithm is AllReduceAlgorithm.HIERARCHICAL:
+        reduce = HierarchicalSum(local_rank, local_world_size, options.timeout_seconds)
+    else:
+        reduce = HalvingDoublingSum(options.timeout_seconds)
+    worker = BucketWorker(reduce, dist.get_world_size(), f"clusterflow-{algorithm.value}")
+    model.register_comm_hook(worker, bucket_worker_hook)
+    return worker

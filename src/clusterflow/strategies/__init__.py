@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from clusterflow._lazy import lazy_exports
 from clusterflow.collective.api import (
+    AllReduceAlgorithm,
     CollectiveError,
     CommunicationImplementation,
     CommunicationOptions,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "AllReduceAlgorithm",
     "ClusterCoordinator",
     "ClusterResolver",
     "CollectiveAllReduceStrategy",

@@ -51,8 +51,8 @@ from clusterflow.collective import (
     Membership,
     MembershipError,
 )
+from clusterflow.collective.bucket_worker import BucketWorker
 from clusterflow.collective.group import CollectiveGroup, select_device
-from clusterflow.collective.hierarchy import HierarchicalState
 from clusterflow.collective.hooks import register_communication
 from clusterflow.data.api import SplitKey
 from clusterflow.strategies.api import (
@@ -107,7 +107,7 @@ class CollectiveAllReduceStrategy(Strategy):
         self._group = CollectiveGroup.form(membership, self._options, self._device)
         self._scope_depth = 0
         self._prepared: list[weakref.ref[nn.Module]] = []
-        self._hierarchies: list[HierarchicalState] = []
+        self._bucket_workers: list[BucketWorker] = []
 
     # Who we are -------------------------------------------------------------------------
 
@@ -208,11 +208,11 @@ class CollectiveAllReduceStrategy(Strategy):
                     gradient_as_bucket_view=_GRADIENT_AS_BUCKET_VIEW,
                 )
                 place = self._group.membership
-                state = register_communication(
+                worker = register_communication(
                     ddp, self._options, place.local_rank, place.local_world_size
                 )
-            if state is not None:
-                self._hierarchies.append(state)
+            if worker is not None:
+                self._bucket_workers.append(worker)
             wrapper = ddp
         prepare_module(module, wrapper)
         self._prepared.append(weakref.ref(module))
@@ -471,8 +471,8 @@ class CollectiveAllReduceStrategy(Strategy):
 
     def shutdown(self) -> None:
         """Stops the heartbeats and leaves the group this strategy formed; idempotent."""
-        while self._hierarchies:
-            self._hierarchies.pop().close()
+        while self._bucket_workers:
+            self._bucket_workers.pop().close()
         self._group.shutdown()
 
 
