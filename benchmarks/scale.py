@@ -16,9 +16,8 @@ Three parts, one RESULT line (docs/scaling.md explains the model and the figures
 * **The ps on loopback**: the 64 MiB push+pull against raw TCP (``benchmarks.ps``).
 * **All-reduce algorithms** (``_scale_allreduce.py``, needs root): the largest size's
   replicas on hosts of 2 (4 without ``--quick``) that share one 10 Gbit/s link each, as
-  ``--replicas-per-host`` lays them out, then on hosts of their own: gloo's flat ring
-  against ``CommunicationOptions(algorithm=...)`` ``hierarchical`` and
-  ``halving_doubling``.
+  ``--replicas-per-host`` lays them out: gloo's flat ring against
+  ``CommunicationOptions(algorithm="hierarchical")``.
 
 Keys: ``efficiency_async_ps`` (per-worker steps/s at the largest size over 1 worker, best
 shard count), ``efficiency_allreduce`` (the ring's), ``bf16_vs_fp32_10g`` (ring, a model
@@ -26,8 +25,7 @@ of 4x the bytes per compute), ``async_vs_ddp_10g`` (cluster steps/s, one worker 
 slower), ``async_vs_tf_pss_10g`` (per-worker steps/s, 8 shards against TensorFlow's 8 ps,
 where TensorFlow is found), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``,
 ``dispatcher_leases_per_s``, ``register_1000_s``, ``ps_bandwidth_ratio``,
-``hier_vs_flat_10g`` and ``hd_vs_flat_10g`` (per-replica steps/s over the flat ring's,
-on hosts of several replicas), ``hd_vs_flat_own_hosts_10g`` (on hosts of one).
+``hier_vs_flat_10g`` (per-replica steps/s, hierarchical over the flat ring).
 
     python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
                                [--parts data,control,ps,allreduce] [--tf-python PATH]
@@ -190,14 +188,15 @@ def main() -> None:
 
         figures["ps_bandwidth_ratio"] = bandwidth(rounds + 4, args.verbose)
     if "allreduce" in args.parts:
-        steps = 4 if args.quick else 6
-        shared = _scale_allreduce.run(
-            max(sizes), 2 if args.quick else 4, steps, rounds, verbose=args.verbose
-        )
-        figures["hier_vs_flat_10g"] = shared["hier_vs_flat_10g"]
-        figures["hd_vs_flat_10g"] = shared["hd_vs_flat_10g"]
-        own = _scale_allreduce.run(max(sizes), 1, steps, rounds, verbose=args.verbose)
-        figures["hd_vs_flat_own_hosts_10g"] = own["hd_vs_flat_10g"]
+        n = max(sizes)
+        fits = [k for k in ((2,) if args.quick else (4, 2)) if n % k == 0 and n // k >= 2]
+        if fits:
+            shared = _scale_allreduce.run(
+                n, fits[0], 4 if args.quick else 6, rounds, verbose=args.verbose
+            )
+            figures["hier_vs_flat_10g"] = shared["hier_vs_flat_10g"]
+        else:
+            print(f"all-reduce algorithms: skipped ({n} replicas make no two hosts of 2 or 4)")
     if args.save is not None and curves is not None:
         _scale_hosts.save(curves, args.save)
     if args.plots is not None and curves is not None:

@@ -312,7 +312,6 @@ SCENARIOS = {
     "stop": scenario_stop,
     "replicas": scenario_replicas,
     "replicas-hierarchical": lambda out: scenario_replicas(out, "hierarchical"),
-    "replicas-halving-doubling": lambda out: scenario_replicas(out, "halving_doubling"),
 }
 
 
@@ -615,13 +614,11 @@ def test_digits_example_trains_under_clusterflow_start(cf: Clusterflow, tmp_path
         ("1", 2, "replicas"),
         ("2", 2, "replicas"),
         ("2", 2, "replicas-hierarchical"),
-        ("2", 2, "replicas-halving-doubling"),
     ],
     ids=[
         "mirrored-1x2",
         "multi-worker-2x2",
         "multi-worker-2x2-hierarchical",
-        "multi-worker-2x2-halving-doubling",
     ],
 )
 def test_replicas_per_host_launch_ranked_replicas_that_train_as_one_process(

@@ -143,8 +143,8 @@ def test_options_take_tensorflows_names_and_check_values() -> None:
     with pytest.raises(ConfigError, match="bytes_per_pack"):
         CommunicationOptions(bytes_per_pack=-1)
     assert CommunicationOptions().algorithm is AllReduceAlgorithm.BACKEND
-    options = CommunicationOptions(algorithm="Halving_Doubling")  # type: ignore[arg-type]
-    assert options.algorithm is AllReduceAlgorithm.HALVING_DOUBLING
+    options = CommunicationOptions(algorithm="Hierarchical")  # type: ignore[arg-type]
+    assert options.algorithm is AllReduceAlgorithm.HIERARCHICAL
     with pytest.raises(ConfigError, match="unknown algorithm 'tree'"):
         CommunicationOptions(algorithm="tree")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="algorithm HIERARCHICAL with compression BF16"):

@@ -46,9 +46,6 @@ class AllReduceAlgorithm(StrEnum):
     HIERARCHICAL = "hierarchical"
     """Inside each host of ``--replicas-per-host`` first, then across hosts among one
     replica each, then back inside (``collective/hierarchy.py``)."""
-    HALVING_DOUBLING = "halving_doubling"
-    """Recursive halving-doubling over point-to-point sends: ``2 log2 N`` steps instead of
-    the ring's ``2 (N-1)``, the same bytes (``collective/halving.py``)."""
 
 
 class Compression(StrEnum):
@@ -88,9 +85,9 @@ class CommunicationOptions:
     compression: Compression = Compression.NONE
     """Gradient compression for the all-reduce (not in TensorFlow's options)."""
     algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND
-    """How a bucket is summed: the backend's own (gloo's ring), ``hierarchical`` over the
-    hosts of ``--replicas-per-host``, or ``halving_doubling``; the last two are
-    clusterflow's, uncompressed only (not in TensorFlow's options)."""
+    """How a bucket is summed: the backend's own (gloo's ring), or ``hierarchical`` over
+    the hosts of ``--replicas-per-host``, clusterflow's, uncompressed only (not in
+    TensorFlow's options)."""
 
     def __post_init__(self) -> None:
         for name, enum in (

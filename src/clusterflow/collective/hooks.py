@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clusterflow.collective.api import AllReduceAlgorithm, CommunicationOptions, Compression
 from clusterflow.collective.bucket_worker import BucketWorker
-from clusterflow.collective.halving import HalvingDoublingSum
 from clusterflow.collective.hierarchy import HierarchicalSum
 
 __all__ = [
@@ -147,11 +146,7 @@ def register_communication(
     if algorithm is AllReduceAlgorithm.BACKEND:
         register_compression(model, options.compression, None)
         return None
-    reduce: Callable[[torch.Tensor], object]
-    if algorithm is AllReduceAlgorithm.HIERARCHICAL:
-        reduce = HierarchicalSum(local_rank, local_world_size, options.timeout_seconds)
-    else:
-        reduce = HalvingDoublingSum(options.timeout_seconds)
+    reduce = HierarchicalSum(local_rank, local_world_size, options.timeout_seconds)
     worker = BucketWorker(reduce, dist.get_world_size(), f"clusterflow-{algorithm.value}")
     model.register_comm_hook(worker, bucket_worker_hook)
     return worker
