@@ -16,8 +16,8 @@ Each ratio prints as ``key=median key_min=... key_max=...`` over the rounds.
 ``--bandwidth-only`` runs the first part alone (about a minute); ``benchmarks._ps_phases``
 splits its round trip into phases on both ends.
 
-TensorFlow's ParameterServerStrategy is not measured here unless TensorFlow is
-installed (it is not, on this machine: see docs/architecture.md section 8 for its figure).
+TensorFlow's ParameterServerStrategy is not measured here: ``benchmarks.scale`` measures
+it on emulated hosts, where a Python with TensorFlow is named (``--tf-python``).
 
     python -m benchmarks.ps [--quick] [--rounds N] [--verbose] [--bandwidth-only]
 """
