@@ -245,6 +245,17 @@ def scenario_kill(out: Path) -> dict[str, Any]:
     return _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
+def scenario_kill_hierarchical(out: Path) -> dict[str, Any]:
+    """As ``kill``, through the hierarchical all-reduce: both replicas share one host."""
+    from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
+
+    options = CommunicationOptions(timeout_seconds=30, algorithm="hierarchical")  # type: ignore[arg-type]
+    strategy = MultiWorkerMirroredStrategy(options)
+    result = _train_until_lost(strategy, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    result["buckets"] = [w.buckets for w in strategy._bucket_workers]
+    return result
+
+
 def scenario_stop(out: Path) -> dict[str, Any]:
     from clusterflow.strategies import CommunicationOptions, MultiWorkerMirroredStrategy
 
@@ -309,6 +320,7 @@ def scenario_replicas(out: Path, algorithm: str = "backend") -> dict[str, Any]:
 SCENARIOS = {
     "train": scenario_train,
     "kill": scenario_kill,
+    "kill-hierarchical": scenario_kill_hierarchical,
     "stop": scenario_stop,
     "replicas": scenario_replicas,
     "replicas-hierarchical": lambda out: scenario_replicas(out, "hierarchical"),
@@ -550,17 +562,22 @@ def _assert_names_lost_worker(result: dict[str, Any], within_s: float) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario", ["kill", "kill-hierarchical"])
 def test_a_killed_replica_makes_the_other_raise_naming_it(
-    tmp_path: Path, worker_addresses: list[str]
+    tmp_path: Path, worker_addresses: list[str], scenario: str
 ) -> None:
     # TensorFlow's manual mode: TF_CONFIG alone; worker:0's address hosts the store.
+    # Both addresses are this host's, so the hierarchical all-reduce sees one host of two.
     envs = [{"TF_CONFIG": _tf_config(worker_addresses, rank)} for rank in range(WORLD)]
-    replicas = Replicas("kill", tmp_path, envs)
+    replicas = Replicas(scenario, tmp_path, envs)
     try:
         output = replicas.wait(0, 90)
         assert replicas.procs[0].returncode == 0, output
         # Sooner than the 30 s timeout: a dead peer's closed socket fails the step at once.
-        _assert_names_lost_worker(replicas.result(0, output), within_s=30)
+        result = replicas.result(0, output)
+        _assert_names_lost_worker(result, within_s=30)
+        if scenario == "kill-hierarchical":
+            assert result["buckets"][0] >= 3  # the steps before the loss went through it
         replicas.wait(1, 30)
         assert replicas.procs[1].returncode == -signal.SIGKILL
     finally:

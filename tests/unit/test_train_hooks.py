@@ -263,10 +263,14 @@ class Commits:
         self.restores = 0
 
     def commit(self, step: int, final: bool = False) -> None:
+        # The step is loadable before its file appears, as a real commit's manifest is
+        # its last write: an evaluator that sees the file must find the step. (Appended
+        # after the write, a poll between the two restored the step before and took the
+        # file as seen, so the test waited forever for an evaluation.)
+        self.steps.append(step)
         folder = self.directory / f"step-{step}"
         folder.mkdir(parents=True)
         (folder / "manifest.json").write_text("{}")
-        self.steps.append(step)
         if final:
             write_final(str(self.directory), step)
 

@@ -1,13 +1,13 @@
 """One thread per model that runs each gradient bucket's collectives in DDP's order.
 
-An all-reduce built of several collectives (a reduce inside a host, then an all-reduce
-across hosts; or a chain of pairwise swaps) cannot be issued from completion callbacks:
-collectives on a group must be issued in one order by all its members, and callbacks run
-in whatever order the previous phase happened to finish on each replica. DDP hands
-buckets to its comm hook in the same order on every replica, so one thread that takes
-them first in, first out and runs each bucket's phases to the end issues them in one
-order everywhere. The backward pass goes on while the thread works, as with DDP's own
-asynchronous all-reduce.
+An all-reduce built of several collectives (a reduce inside a host, an all-reduce across
+hosts, a broadcast back: ``collective/hierarchy.py``) cannot be issued from completion
+callbacks: collectives on a group must be issued in one order by all its members, and
+callbacks run in whatever order the previous phase happened to finish on each replica.
+DDP hands buckets to its comm hook in the same order on every replica, so one thread
+that takes them first in, first out and runs each bucket's phases to the end issues
+them in one order everywhere. The backward pass goes on while the thread works, as with
+DDP's own asynchronous all-reduce.
 """
 
 from __future__ import annotations
