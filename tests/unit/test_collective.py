@@ -151,6 +151,15 @@ def test_options_take_tensorflows_names_and_check_values() -> None:
         CommunicationOptions(algorithm=AllReduceAlgorithm.HIERARCHICAL, compression="bf16")  # type: ignore[arg-type]
 
 
+def test_clusterflows_own_algorithms_run_over_gloo_only() -> None:
+    from clusterflow.collective.hooks import check_algorithm
+
+    check_algorithm(AllReduceAlgorithm.HIERARCHICAL, "gloo")
+    check_algorithm(AllReduceAlgorithm.BACKEND, "nccl")
+    with pytest.raises(ConfigError, match=r"algorithm='hierarchical'\) runs over gloo, but"):
+        check_algorithm(AllReduceAlgorithm.HIERARCHICAL, "nccl")
+
+
 @pytest.mark.parametrize(
     ("places", "hosts"),
     [

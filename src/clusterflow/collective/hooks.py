@@ -34,11 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from clusterflow.collective.api import AllReduceAlgorithm, CommunicationOptions, Compression
 from clusterflow.collective.bucket_worker import BucketWorker
 from clusterflow.collective.hierarchy import HierarchicalSum
+from clusterflow.errors import ConfigError
 
 __all__ = [
     "CastState",
     "bf16_allreduce_hook",
     "bucket_worker_hook",
+    "check_algorithm",
     "fp16_allreduce_hook",
     "register_communication",
     "register_compression",
@@ -131,6 +133,23 @@ def bucket_worker_hook(
     return state.submit(bucket.buffer())
 
 
+def check_algorithm(algorithm: AllReduceAlgorithm, backend: str) -> None:
+    """Refuses clusterflow's own algorithms on a backend they were not built for.
+
+    Raises:
+        ConfigError: ``algorithm`` is clusterflow's and ``backend`` is not gloo. NCCL
+            already reduces inside a host first, over the GPUs' own links; issuing its
+            collectives from another thread would also need that thread's CUDA stream
+            ordered against the backward pass, which nothing here does.
+    """
+    if algorithm is not AllReduceAlgorithm.BACKEND and backend != "gloo":
+        raise ConfigError(
+            f"CommunicationOptions(algorithm={algorithm.value!r}) runs over gloo, but this "
+            f"group's backend is {backend}; {backend}'s own all-reduce already reduces "
+            "inside each host first: use algorithm='backend'"
+        )
+
+
 def register_communication(
     model: DistributedDataParallel,
     options: CommunicationOptions,
@@ -141,11 +160,15 @@ def register_communication(
 
     Returns the worker thread of clusterflow's own all-reduce algorithms (they form
     process groups, so every replica must call this together), else None.
+
+    Raises:
+        ConfigError: clusterflow's algorithm asked for on a backend other than gloo.
     """
     algorithm = options.algorithm
     if algorithm is AllReduceAlgorithm.BACKEND:
         register_compression(model, options.compression, None)
         return None
+    check_algorithm(algorithm, str(dist.get_backend()))
     reduce = HierarchicalSum(local_rank, local_world_size, options.timeout_seconds)
     worker = BucketWorker(reduce, dist.get_world_size(), f"clusterflow-{algorithm.value}")
     model.register_comm_hook(worker, bucket_worker_hook)
