@@ -1,6 +1,6 @@
 """Scale: per-worker throughput on emulated 10 Gbit/s hosts, and a 1,000-task control plane.
 
-Three parts, one RESULT line (docs/scaling.md explains the model and the figures):
+Four parts, one RESULT line (docs/scaling.md explains the model and the figures):
 
 * **Data plane** (``_scale_hosts.py``, needs root): 1, 2, 4, 8 workers (also 16 and 32
   without ``--quick``), each on its own emulated host (``clusterflow.testing``), for
