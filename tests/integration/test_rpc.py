@@ -27,8 +27,8 @@ import zmq
 import clusterflow
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import (
-    FRAME_BYTES,
     PROTOCOL_VERSION,
+    WHOLE_BYTES,
     AuthenticationError,
     ClientClosed,
     Credentials,
@@ -230,7 +230,7 @@ def test_request_with_body_and_tensors_gets_its_reply(
 ) -> None:
     tensors = {
         "w": torch.arange(12.0).reshape(3, 4),
-        "big": torch.ones(FRAME_BYTES // 4 + 10),  # two frames
+        "big": torch.ones(WHOLE_BYTES // 4 + 10),  # cut into frames
         "half": torch.full((5,), 1.5, dtype=torch.bfloat16),
         "mask": torch.tensor([True, False, True]),
         "scalar": torch.tensor(7, dtype=torch.int64),
@@ -641,7 +641,7 @@ def test_curve_handshake_on_loopback_when_forced(
     creds = Credentials.generate("curve")
     server = make_server(creds)
     assert server.auth_mode == "curve"
-    big = torch.randn(FRAME_BYTES // 4 + 3)
+    big = torch.randn(WHOLE_BYTES // 4 + 3)
     reply = connect(server, creds).call("scale", {"factor": 1}, {"big": big})
     assert torch.equal(reply.tensors["big"], big)
 

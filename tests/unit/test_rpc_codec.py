@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from clusterflow.rpc import FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, codec
+from clusterflow.rpc import FRAME_BYTES, PROTOCOL_VERSION, WHOLE_BYTES, ProtocolError, codec
 
 ALL_DTYPES = [
     torch.float32,
@@ -130,21 +130,28 @@ def test_several_tensors_keep_names_order_and_values() -> None:
         assert torch.equal(out[name], tensor)
 
 
+CUT = WHOLE_BYTES // FRAME_BYTES
+"""Frames of a tensor of WHOLE_BYTES, were it cut."""
+
+
 @pytest.mark.parametrize(
     ("nbytes", "frames"),
     [
-        (FRAME_BYTES, 1),
-        (FRAME_BYTES + 4, 2),
-        (2 * FRAME_BYTES, 2),
-        (2 * FRAME_BYTES + 12, 3),
+        (FRAME_BYTES + 4, 1),
+        (WHOLE_BYTES, 1),
+        (WHOLE_BYTES + 4, CUT + 1),
+        (2 * WHOLE_BYTES, 2 * CUT),
+        (2 * WHOLE_BYTES + 12, 2 * CUT + 1),
     ],
-    ids=["exactly-one-frame", "one-element-over", "exactly-two", "three-frames"],
+    ids=["mid-size-whole", "whole-at-the-limit", "one-element-over", "exactly-cut", "cut-plus-one"],
 )
-def test_large_tensor_travels_as_frames_of_frame_bytes(nbytes: int, frames: int) -> None:
+def test_tensors_up_to_whole_bytes_travel_whole_larger_in_frames_of_frame_bytes(
+    nbytes: int, frames: int
+) -> None:
     original = torch.arange(nbytes // 4, dtype=torch.int32)
     encoded = codec.encode(codec.KIND_REQUEST, 1, "m", None, {"big": original})
     assert len(encoded) == 1 + frames
-    assert all(len(f) <= FRAME_BYTES for f in encoded[1:])
+    assert frames == 1 or all(len(f) <= FRAME_BYTES for f in encoded[1:])
     assert sum(len(f) for f in encoded[1:]) == nbytes
     header = codec.decode_header(encoded[0])
     out = codec.decode_tensors(header, as_received(encoded[1:]))
@@ -189,7 +196,7 @@ def test_an_empty_frame_inside_a_tensor_is_a_protocol_error() -> None:
 
 
 def test_large_bfloat16_tensor_over_several_frames() -> None:
-    original = torch.randn(FRAME_BYTES + 1000, dtype=torch.float32).to(torch.bfloat16)
+    original = torch.randn(WHOLE_BYTES // 2 + 1000, dtype=torch.float32).to(torch.bfloat16)
     _, out = roundtrip({"g": original})
     assert torch.equal(out["g"], original)
 
@@ -220,7 +227,7 @@ def test_frames_received_as_zmq_frames_decode() -> None:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         a.bind("inproc://codec-test")
         b.connect("inproc://codec-test")
-        tensors = {"small": sample(torch.int16), "big": torch.arange(FRAME_BYTES // 2 + 5.0)}
+        tensors = {"small": sample(torch.int16), "big": torch.arange(WHOLE_BYTES // 2 + 5.0)}
         a.send_multipart(codec.encode(codec.KIND_REQUEST, 9, "m", "hi", tensors), copy=False)
         assert b.poll(5000)
         frames = b.recv_multipart(copy=False)
@@ -328,10 +335,10 @@ def test_frame_of_the_wrong_size_is_a_protocol_error() -> None:
 
 
 def test_multi_frame_tensor_missing_its_last_frame_is_a_protocol_error() -> None:
-    header, frames = encoded_message({"big": torch.zeros(FRAME_BYTES // 4 + 1)})
-    assert len(frames) == 2
+    header, frames = encoded_message({"big": torch.zeros(WHOLE_BYTES // 4 + 1)})
+    assert len(frames) == CUT + 1
     with pytest.raises(ProtocolError):
-        codec.decode_tensors(header, frames[:1])
+        codec.decode_tensors(header, frames[:-1])
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from clusterflow.rpc import FRAME_BYTES, codec
+from clusterflow.rpc import WHOLE_BYTES, codec
 from clusterflow.rpc.pool import RECEIVE_POOL, ReceivePool
 
 N = 4096
@@ -102,7 +102,7 @@ def test_buffers_are_kept_by_exact_size() -> None:
 
 
 def test_decoded_multi_frame_tensor_keeps_its_buffer_until_released() -> None:
-    original = torch.arange(FRAME_BYTES // 4 + 3, dtype=torch.float32)
+    original = torch.arange(WHOLE_BYTES // 4 + 3, dtype=torch.float32)
     frames = [bytes(f) for f in codec.encode(codec.KIND_REQUEST, 1, "m", None, {"x": original})]
     nbytes = original.numel() * 4
     header = codec.decode_header(frames[0])

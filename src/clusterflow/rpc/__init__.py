@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from clusterflow.rpc.auth import AuthMode, Credentials, is_loopback
 from clusterflow.rpc.client import DEFAULT_DEADLINE_S, RpcClient, split_endpoint
-from clusterflow.rpc.codec import FRAME_BYTES, PROTOCOL_VERSION
+from clusterflow.rpc.codec import FRAME_BYTES, PROTOCOL_VERSION, WHOLE_BYTES
 from clusterflow.rpc.errors import (
     AuthenticationError,
     ClientClosed,
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "FRAME_BYTES",
     "PROTOCOL_VERSION",
+    "WHOLE_BYTES",
     "AuthMode",
     "AuthenticationError",
     "ClientClosed",

@@ -5,13 +5,18 @@ frames are memoryviews over the tensor, sent by ZeroMQ without a copy) and, when
 tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the received frame
 (copied only when that frame is misaligned for the dtype: ZeroMQ packs small frames
 back to back in one receive buffer, at any address).
-Large tensors are cut into frames of ``FRAME_BYTES``. The size was measured: a ZeroMQ
-echo of 64 MiB over loopback takes about 36 ms in 512 KiB frames, 29 ms in 1 MiB ones,
-55 ms in 4 MiB ones and 80 ms in one frame; the ps's 64 MiB push+pull against raw TCP
-(``benchmarks.ps --bandwidth-only``) reads 0.81-0.83 with 512 KiB frames, 0.76-0.84 with
-1 MiB and 0.66 with 4 MiB (2026-11-26). Small frames are received into reused heap
-blocks (``rpc/runtime.py``'s malloc settings) that are likely still in a core's cache when
-they are copied on, where a large one is written and read again from main memory.
+A tensor of up to ``WHOLE_BYTES`` travels as one frame and arrives without a copy;
+a larger one is cut into frames of ``FRAME_BYTES`` and joined on arrival. Both sizes
+were measured (2026-11-26). A ZeroMQ echo of 64 MiB over loopback takes about 36 ms in
+512 KiB frames, 29 ms in 1 MiB ones, 55 ms in 4 MiB ones and 80 ms in one frame, and the
+ps's 64 MiB push+pull against raw TCP (``benchmarks.ps --bandwidth-only``) reads
+0.81-0.83 with 512 KiB frames, 0.76-0.84 with 1 MiB and 0.66 with 4 MiB: small frames are
+received into reused heap blocks (``rpc/runtime.py``'s malloc settings) that are likely
+still in a core's cache when they are joined, where a large one is written and read
+again from main memory. But cutting a 1.6 MB tensor (the ps training benchmark's largest)
+costs the join it would not need whole: async training read 0.75 of DDP with every tensor
+over 512 KiB cut, 0.82 with 4 MiB frames, and 0.89-0.93 with tensors up to 4 MiB whole
+and larger ones cut.
 
 torch is imported lazily, so processes that never move tensors (the manager, the CLI,
 task supervisors) start without paying the ~2.5 s import.
@@ -39,7 +44,11 @@ PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the header keys or frame layout."""
 
 FRAME_BYTES = 512 * 1024
-"""Largest tensor frame: big enough to amortise per-frame cost, small enough to stay in cache."""
+"""The frames a tensor over ``WHOLE_BYTES`` is cut into: big enough to amortise per-frame
+cost, small enough to stay in cache until joined."""
+
+WHOLE_BYTES = 4 * 1024 * 1024
+"""Tensors up to this travel as one frame, received without a copy; larger ones are cut."""
 
 KIND_REQUEST = "req"
 KIND_ONEWAY = "one"
@@ -91,6 +100,8 @@ def _tensor_frames(tensor: torch.Tensor) -> tuple[list[Any], list[Any]]:
     if nbytes == 0:
         return [dtype, list(t.shape), 0], []
     raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    if nbytes <= WHOLE_BYTES:
+        return [dtype, list(t.shape), nbytes], [raw]
     frames = [raw[i : i + FRAME_BYTES] for i in range(0, nbytes, FRAME_BYTES)]
     return [dtype, list(t.shape), nbytes], frames
 
