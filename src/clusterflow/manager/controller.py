@@ -189,8 +189,14 @@ class Controller:
         return self._conclude(verdict)
 
     def state(self) -> ClusterState:
-        """The cluster as ``state.json`` and ``manager.status`` show it."""
+        """The cluster as ``state.json`` and ``manager.status`` show it.
+
+        The tasks are read before the spec: a respawned task's registration publishes its
+        new address in the spec first and marks the task running second, so this order
+        never shows a task running at an address the spec does not hold yet.
+        """
         me = psutil.Process()
+        tasks = self.tasks.states()
         spec, version = self.rendezvous.current()
         return ClusterState(
             id=self.cluster.id,
@@ -208,7 +214,7 @@ class Controller:
             memory_restarts=self._memory_restarts,
             standby=self.standby.state(),
             checkpoint_dir=self.restore_points.url,
-            tasks=self.tasks.states(),
+            tasks=tasks,
         )
 
     # The loop ----------------------------------------------------------------------
