@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce over the hosts of ``--replicas-per-host``, as a DDP comm hook.
+"""Hierarchical all-reduce over the hosts of ``--replicas-per-host`` (its hook: hooks.py).
 
 A flat ring over N replicas takes ``2 (N-1)`` steps, each paying a link's latency, and
 each step waits for the slowest replica on the ring. Where a host runs k replicas, the

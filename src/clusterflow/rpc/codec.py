@@ -198,8 +198,8 @@ def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str
                     f"tensor {name!r}: shape {shape} of {dtype_name} does not fill {nbytes} bytes"
                 )
             # A tensor's frames are the next ones whose sizes add up to its bytes: the
-            # sender picks their size (FRAME_BYTES here), so peers that cut differently
-            # still understand each other.
+            # sender picks the cut (WHOLE_BYTES and FRAME_BYTES here), so peers that cut
+            # differently still understand each other.
             parts, sizes, got = [], [], 0
             while got < nbytes and position < len(frames):
                 part = frames[position]
