@@ -357,6 +357,43 @@ def test_a_split_is_applied_once_and_settled_as_applied() -> None:
     assert not s.settled()  # each key comes back once
 
 
+def test_another_optimizer_stepped_during_the_step_does_not_settle_its_split_twice() -> None:
+    """The step hook is global: a local optimizer stepped in the same step, or another
+    thread's optimizer stepped meanwhile (as LocalPS's store does when it applies the
+    push in the background), is not this strategy's push; each once settled the split a
+    second time (CI caught the store's race once)."""
+    from clusterflow.data import SplitKey
+
+    connection = LocalPS()
+    s = ParameterServerStrategy(resolver(0, 1), _connection=connection)
+    with s.scope():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    head = torch.nn.Linear(3, 3)  # outside scope(): a local variable
+    head_opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    other = torch.nn.Linear(2, 1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = head.weight.detach().clone()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        F.cross_entropy(head(model(x)), y).backward()
+        opt.step()
+        head_opt.step()
+        other(torch.ones(1, 2)).sum().backward()
+        stepper = threading.Thread(target=other_opt.step)
+        stepper.start()
+        stepper.join(10)
+        opt.zero_grad()
+        head_opt.zero_grad()
+
+    key = SplitKey("ds", 0, 3)
+    s.run(step, batch(0, 0), completes=[key])
+    settled = s.settled(wait=True)
+    assert settled.applied == (key,) and not settled.dropped
+    assert connection.store.snapshot_stats()["version"] == 1
+    assert not torch.equal(head.weight.detach(), before)  # the local optimizer stepped
+
+
 def test_a_stale_push_gives_its_split_back() -> None:
     from clusterflow.data import SplitKey
 

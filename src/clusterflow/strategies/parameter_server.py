@@ -523,7 +523,10 @@ class ParameterServerStrategy(Strategy):
     # Pushing -----------------------------------------------------------------------
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._in_run:
+        # The hook is global: it also fires for a local optimizer stepped in the same
+        # step and for other threads' optimizers (an in-process ps applying this very
+        # push). Taken as this step's, they reset ``_pushed``: its keys settled twice.
+        if not self._in_run or not self._holds(optimizer):
             return
         rows = self._sparse.step(optimizer, [(k.dataset, k.epoch, k.split) for k in self._keys])
         tracked = [
@@ -547,6 +550,14 @@ class ParameterServerStrategy(Strategy):
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
         self._pushed = True
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps a variable of this strategy (ps-held or sparse)."""
+        return any(
+            id(p) in self._by_tensor or self._sparse.owns(p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
 
     def _push(
         self, grads: list[Tensors], held: list[Tensors], hyper: list[Any], rows: list[Any]
