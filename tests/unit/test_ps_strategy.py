@@ -380,7 +380,7 @@ def test_another_optimizer_stepped_during_the_step_does_not_settle_its_split_twi
         opt.step()
         head_opt.step()
         other(torch.ones(1, 2)).sum().backward()
-        stepper = threading.Thread(target=other_opt.step)
+        stepper = threading.Thread(target=other_opt.step, daemon=True)
         stepper.start()
         stepper.join(10)
         opt.zero_grad()
