@@ -188,6 +188,20 @@ def test_dense_allreduce_in_one_process_trains_tables_and_keeps_dense_local() ->
     strategy.close()
 
 
+def test_a_strategy_owns_its_own_tables_not_another_strategys() -> None:
+    """Table weights are meta tensors on every strategy: ownership is by identity, so one
+    strategy's optimizer-step hook does not take another's table optimizer for its own."""
+    first, second = _strategy(1), _strategy(1)
+    with first.scope():
+        mine = Ranker(sparse=False)
+    with second.scope():
+        theirs = Ranker(sparse=False)
+    assert not first.unplaced(mine)
+    assert first.unplaced(theirs) == [n for n, _ in theirs.named_parameters()]
+    first.close()
+    second.close()
+
+
 def test_an_id_out_of_range_names_table_and_id_and_the_ps_keeps_serving() -> None:
     strategy = _strategy(2)
     with strategy.scope():

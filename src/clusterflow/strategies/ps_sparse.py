@@ -92,8 +92,12 @@ class SparseSide:
         return []
 
     def owns(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a table's weight or an all-reduced dense parameter."""
-        return param.is_meta or (self.dense is not None and id(param) in self.dense.ids)
+        """Whether ``param`` is one of this strategy's tables' weights or all-reduced dense
+        parameters (by identity: another strategy's table weight is a meta tensor too)."""
+        tables, dense = self.tables, self.dense
+        return (tables is not None and id(param) in tables.weights) or (
+            dense is not None and id(param) in dense.ids
+        )
 
     def step(
         self, optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, int, int]]
