@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import io
 import json
+import threading
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +121,44 @@ def test_a_model_created_outside_scope_is_refused_inside_run(
         strategy.run(lambda: outside(torch.randn(2, 4)))
     # Outside run() (evaluation code, say) it is the user's business.
     outside(torch.randn(2, 4))
+
+
+def _on_another_thread(fn: Callable[[], Any]) -> list[Any]:
+    """Runs ``fn`` on a thread of its own; its result or its exception."""
+    out: list[Any] = []
+
+    def go() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    return out
+
+
+def test_a_scope_and_a_step_are_their_threads_own(
+    strategy: MultiWorkerMirroredStrategy,
+) -> None:
+    """torch's module hooks are global: a model another thread builds while the scope is
+    open is not mirrored, and another thread's model may run while a step runs (an
+    evaluation thread, say); the step's own checks still hold on its thread."""
+    with strategy.scope():
+        (theirs,) = _on_another_thread(_net)
+        model = _net()
+    assert type(theirs) is nn.Sequential and type(model) is not nn.Sequential
+
+    def step() -> torch.Tensor:
+        (out,) = _on_another_thread(lambda: theirs(torch.randn(2, 4)))
+        assert isinstance(out, torch.Tensor), out  # not a StrategyError
+        return model(torch.randn(2, 4))
+
+    assert strategy.run(step).shape == (2, 2)
+    with pytest.raises(StrategyError, match="was created"):
+        strategy.run(lambda: theirs(torch.randn(2, 4)))
 
 
 def test_a_submodule_called_past_its_model_is_refused(

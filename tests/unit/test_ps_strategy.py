@@ -394,6 +394,20 @@ def test_another_optimizer_stepped_during_the_step_does_not_settle_its_split_twi
     assert not torch.equal(head.weight.detach(), before)  # the local optimizer stepped
 
 
+def test_a_model_another_thread_builds_during_scope_stays_local() -> None:
+    """Variables are recorded by torch's global hooks; only the scope's thread's count."""
+    s = ParameterServerStrategy(resolver(0, 1), _connection=LocalPS())
+    built: list[torch.nn.Module] = []
+    with s.scope():
+        thread = threading.Thread(target=lambda: built.append(make_model()), daemon=True)
+        thread.start()
+        thread.join(30)
+        model = make_model()
+    assert built and s.unplaced(built[0]) == [n for n, _ in built[0].named_parameters()]
+    assert [t for t, _, _ in s.variables()] == list(model.parameters())
+    s.close()
+
+
 def test_a_stale_push_gives_its_split_back() -> None:
     from clusterflow.data import SplitKey
 

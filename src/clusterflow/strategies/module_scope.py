@@ -55,10 +55,16 @@ class ModuleRecorder:
         self._seen: list[weakref.ref[nn.Module]] = []
         self._known: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._thread = threading.get_ident()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Installs torch's global registration hooks for the block; removes them after."""
+        """Installs torch's global registration hooks for the block; removes them after.
+
+        The hooks are global; only modules built on this thread are recorded (a scope is
+        its thread's, as in TensorFlow): another thread's model is not this one's.
+        """
+        self._thread = threading.get_ident()
         handles = [
             module_hooks.register_module_parameter_registration_hook(self._on_parameter),
             module_hooks.register_module_module_registration_hook(self._on_submodule),
@@ -80,9 +86,12 @@ class ModuleRecorder:
             self._seen.append(weakref.ref(module))
 
     def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
-        self._note(module)
+        if threading.get_ident() == self._thread:
+            self._note(module)
 
     def _on_submodule(self, module: nn.Module, name: str, submodule: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         self._note(module)
         if isinstance(submodule, nn.Module):
             self._note(submodule)
@@ -176,7 +185,8 @@ def _restore_plain(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
 
 @contextmanager
 def forward_check(describe: Callable[[nn.Module], str]) -> Iterator[None]:
-    """Within the block, a trainable module must run inside a prepared module's call.
+    """Within the block, a trainable module called on this thread must run inside a
+    prepared module's call.
 
     Args:
         describe: the error message for an offending module (it says what to do).
@@ -185,8 +195,12 @@ def forward_check(describe: Callable[[nn.Module], str]) -> Iterator[None]:
         StrategyError: from the offending module's call, before its forward runs.
     """
 
+    thread = threading.get_ident()
+
     def check(module: nn.Module, args: Any) -> None:
-        if getattr(_ROUTED, "depth", 0) > 0:
+        # The hook is global: another thread's modules (an evaluation thread's, say) are
+        # not this step's.
+        if threading.get_ident() != thread or getattr(_ROUTED, "depth", 0) > 0:
             return
         # Own parameters only: a container (Sequential) is checked through its children.
         if any(p is not None and p.requires_grad for p in module._parameters.values()):
