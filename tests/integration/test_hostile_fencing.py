@@ -122,13 +122,19 @@ def test_a_relaunched_worker_is_fenced_by_the_dispatcher_at_once(
     server = RpcServer(creds, name="dispatcher")
     service.register_on(server)
     server.start()
+    opened: list[RpcClient] = []
+
+    def client() -> DispatcherClient:  # it reads its incarnation when it is built
+        opened.append(RpcClient(server.address, creds, deadline=10))
+        return DispatcherClient(opened[-1])
+
     try:
         spec = DatasetSpec(
             name="d", source="range://64", num_records=64, split_size=8, seed=0, epochs=1
         )
         monkeypatch.setenv(ENV_TASK, "worker:1")
         monkeypatch.setenv(ENV_INCARNATION, "0")
-        zombie = DispatcherClient(RpcClient(server.address, creds, deadline=10))
+        zombie = client()
         zombie.register(spec, [])
         lease_id = zombie.lease("d", "worker:1", None)["lease"][0]
 
@@ -141,9 +147,11 @@ def test_a_relaunched_worker_is_fenced_by_the_dispatcher_at_once(
         assert service.status("d")["live"]["0"]["acked"] == 0
 
         monkeypatch.setenv(ENV_INCARNATION, "1")
-        replacement = DispatcherClient(RpcClient(server.address, creds, deadline=10))
+        replacement = client()
         assert replacement.lease("d", "worker:1", None)["status"] == "lease"
     finally:
+        for rpc in opened:
+            rpc.close()
         server.stop()
 
 

@@ -69,6 +69,7 @@ from clusterflow.strategies.ps_shards import (
     register_optimizer,
     specs_of,
     states,
+    tracked_in,
     wait_for_version,
 )
 from clusterflow.strategies.ps_sparse import SparseSide
@@ -523,18 +524,15 @@ class ParameterServerStrategy(Strategy):
     # Pushing -----------------------------------------------------------------------
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # The hook is global: it also fires for a local optimizer stepped in the same
-        # step and for other threads' optimizers (an in-process ps applying this very
-        # push). Taken as this step's, they reset ``_pushed``: its keys settled twice.
-        if not self._in_run or not self._holds(optimizer):
+        if not self._in_run:
+            return
+        tracked = tracked_in(optimizer, self._by_tensor)
+        # The hook is global: a local optimizer stepped in the same step, or another
+        # thread's (an in-process ps applying this very push), is not this step's push.
+        groups = optimizer.param_groups
+        if not tracked and not any(self._sparse.owns(p) for g in groups for p in g["params"]):
             return
         rows = self._sparse.step(optimizer, [(k.dataset, k.epoch, k.split) for k in self._keys])
-        tracked = [
-            (g, self._by_tensor[id(p)])
-            for g, group in enumerate(optimizer.param_groups)
-            for p in group["params"]
-            if id(p) in self._by_tensor
-        ]
         if not tracked:
             if rows is not None:  # the rows decide the step's keys
                 self._count(self._sparse.settle(self._ledger, self._keys, rows))
@@ -550,14 +548,6 @@ class ParameterServerStrategy(Strategy):
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
         self._pushed = True
-
-    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` steps a variable of this strategy (ps-held or sparse)."""
-        return any(
-            id(p) in self._by_tensor or self._sparse.owns(p)
-            for group in optimizer.param_groups
-            for p in group["params"]
-        )
 
     def _push(
         self, grads: list[Tensors], held: list[Tensors], hyper: list[Any], rows: list[Any]

@@ -172,6 +172,18 @@ def load_into(tracked: Iterable[TrackedVar], values: dict[str, torch.Tensor]) ->
             var.tensor.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
 
 
+def tracked_in(
+    optimizer: torch.optim.Optimizer, by_tensor: dict[int, TrackedVar]
+) -> list[tuple[int, TrackedVar]]:
+    """(group index, variable) of each parameter of ``optimizer`` that is a ps variable."""
+    return [
+        (g, by_tensor[id(p)])
+        for g, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+        if id(p) in by_tensor
+    ]
+
+
 def gradients(
     tracked: Iterable[TrackedVar], num_ps: int, wire_dtype: str
 ) -> list[dict[str, torch.Tensor]]:
