@@ -267,3 +267,72 @@ def test_load_into_fills_a_plain_model_from_a_parameter_server_checkpoint(tmp_pa
     with pytest.raises(CheckpointError, match="build it as the training job did"):
         load_into(other, str(tmp_path))
     assert load_into(make_model(), str(tmp_path / "none")) == 0
+
+
+def _ps_chief(connection: LocalPS) -> tuple[ParameterServerStrategy, torch.nn.Module]:
+    strategy = ParameterServerStrategy(
+        SimpleClusterResolver(
+            {"worker": ["127.0.0.1:1", "127.0.0.1:3"], "ps": ["127.0.0.1:2"]},
+            task_type="worker",
+            task_id=0,  # no chief job: worker 0 leads
+        ),
+        _connection=connection,
+    )
+    with strategy.scope():
+        model = make_model()
+    return strategy, model
+
+
+def test_a_chief_respawned_alone_never_rolls_back_a_live_ps(tmp_path: Path) -> None:
+    """Issue 31: the leading worker of a cluster without a ``chief`` job, respawned alone
+    while the ps lives on, restores the checkpoint without writing it into the ps.
+
+    Pins ``ParameterServerStrategy.restore``'s ``self._ps_fresh()``: without it the
+    respawned chief loads the step-1 shard into the live ps and undoes steps 2 and 3,
+    whose records the data service has acknowledged and will not hand out again.
+    """
+    connection = LocalPS()
+    strategy, model = _ps_chief(connection)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    strategy.run(step_fn, batch(0))
+    Checkpointer(strategy, directory=str(tmp_path)).save(1)
+    for step in (1, 2):
+        strategy.run(step_fn, batch(step))
+    strategy.pull_values()
+    live = flat(model).clone()
+    version = strategy.ps_stats()[0]["version"]
+
+    # The same task again, in a new process: the ps it talks to is the live one.
+    again, model2 = _ps_chief(connection)
+    assert Checkpointer(again, directory=str(tmp_path)).restore() == 1
+    assert again.ps_stats()[0]["version"] == version
+    assert torch.equal(flat(model2), live)
+
+
+def test_a_chief_of_fresh_parameter_servers_loads_the_checkpoint_into_them(
+    tmp_path: Path,
+) -> None:
+    """The other side of the rule above: a cluster without the manager, all of it
+    started again (fresh ps), resumes from the checkpoint the chief loads."""
+    strategy, model = _ps_chief(LocalPS())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    strategy.run(step_fn, batch(0))
+    Checkpointer(strategy, directory=str(tmp_path)).save(1)
+    strategy.pull_values()
+    saved = flat(model).clone()
+    again, model2 = _ps_chief(LocalPS())
+    assert not torch.equal(flat(model2), saved)
+    assert Checkpointer(again, directory=str(tmp_path)).restore() == 1
+    assert torch.equal(flat(model2), saved)

@@ -410,18 +410,29 @@ class ParameterServerStrategy(Strategy):
 
     def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
         """The ps tasks restore their shards as they start; a ps in this process
-        (CentralStorageStrategy) or a cluster without the manager is loaded here."""
+        (CentralStorageStrategy) or a cluster without the manager is loaded here.
+
+        Only the chief loads, only when the manager did not name the checkpoint (then
+        the ps tasks restored it themselves), and only into parameter servers that have
+        applied nothing yet. A live ps is never written: a chief respawned alone (the
+        leading worker of a cluster without a ``chief`` job) would otherwise roll back
+        every update applied since the checkpoint, while the data service, rightly,
+        does not hand those records out again (docs/failure-semantics.md).
+        """
         num_ps = int(meta.get("num_ps", 0))
         if num_ps != self._ps.num_ps:
             raise CheckpointError(
                 f"the checkpoint holds {num_ps} ps shard(s); this cluster has {self._ps.num_ps}"
             )
-        restored = named and any(int(s.get("version", 0)) for s in self.ps_stats())
-        if not restored and self.is_chief:
+        if self.is_chief and not named and self._ps_fresh():
             load_states(self._ps, [read(ps_part(i)) for i in range(num_ps)])
             self._next = self._staged = None
         self._sparse.restore(meta, read)
         self.pull_values()
+
+    def _ps_fresh(self) -> bool:
+        """Whether every ps task has applied nothing (version 0): fresh processes."""
+        return not any(int(s.get("version", 0)) for s in self.ps_stats())
 
     def pull_values(self) -> None:
         """Waits for this replica's last step, then pulls the ps's current values: others
