@@ -205,9 +205,21 @@ class TableCounter(nn.Module):
         return self.table(ids).squeeze(1)
 
 
-def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -> None:
+def fit_counts(
+    out: Path,
+    scenario: str,
+    path: str,
+    records: int,
+    epochs: int,
+    batch_size: int = 10,
+    directory: str | None = None,
+) -> None:
     """``clusterflow.fit`` with a data-service client and a Checkpoint hook, as a user
-    writes it; the chief writes every record's count to ``final.json``."""
+    writes it; the chief writes every record's count to ``final.json``.
+
+    ``batch_size`` above the split size (10) makes every batch span several splits;
+    ``directory`` keeps the checkpoints in a folder of the job's own instead of the
+    cluster's (the manager learns it from the chief)."""
     import clusterflow
     from clusterflow.data import distributed_dataset
     from clusterflow.train import Checkpoint, Hook
@@ -236,7 +248,7 @@ def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     data = distributed_dataset(
         path,
-        batch_size=10,
+        batch_size=batch_size,
         split_size=10,
         seed=7,
         epochs=epochs,
@@ -258,7 +270,7 @@ def fit_counts(out: Path, scenario: str, path: str, records: int, epochs: int) -
         data,
         strategy=strategy,
         epochs=epochs,
-        hooks=[Checkpoint(every_steps=FIT_CHECKPOINT_EVERY), Logged()],
+        hooks=[Checkpoint(directory, every_steps=FIT_CHECKPOINT_EVERY), Logged()],
     )
     data.close()
     if strategy.is_chief:
@@ -285,7 +297,11 @@ def main() -> None:
     elif scenario == "async_ps":
         async_ps(out, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif scenario.startswith("fit_"):
-        fit_counts(out, scenario, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        batch_size = int(sys.argv[6]) if len(sys.argv) > 6 else 10
+        directory = sys.argv[7] if len(sys.argv) > 7 else None
+        fit_counts(
+            out, scenario, sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), batch_size, directory
+        )
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -79,11 +79,15 @@ def _ended(cf: Clusterflow, cluster_id: str) -> bool:
     return cf.state(cluster_id).get("status") in TERMINAL
 
 
-def chaos_seed() -> int:
-    """``CHAOS_SEED`` when set (to replay a run), else a fresh one; printed either way."""
-    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 16)))
-    print(f"CHAOS_SEED={seed}")
-    return seed
+def seeds(fixed: int) -> Any:
+    """The seeds a chaos test runs: its fixed one (CI covers the same kills every run;
+    ``kill_schedule`` kills every target of the shape at least once, whatever the
+    seed), plus a fresh random one when ``CHAOS_RANDOM=1``. ``CHAOS_SEED`` replays one
+    seed in place of the fixed one. Each run prints its seed."""
+    chosen = [int(os.environ.get("CHAOS_SEED", fixed))]
+    if os.environ.get("CHAOS_RANDOM") == "1":
+        chosen.append(random.randrange(1 << 16))
+    return pytest.mark.parametrize("seed", chosen, ids=[f"seed{s}" for s in chosen])
 
 
 def kill_schedule(seed: int, targets: list[str], every: int) -> list[tuple[int, str]]:
@@ -168,10 +172,11 @@ def _records(out: Path, records: int) -> Path:
 
 
 @pytest.mark.timeout(420)
+@seeds(101)
 def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
-    seed = chaos_seed()
+    print(f"CHAOS_SEED={seed}")
     cluster_id, kills = run_with_chaos(
         cf,
         tmp_path,
@@ -192,10 +197,11 @@ def test_sync_ps_killed_at_random_ends_with_the_uninterrupted_parameters(
 
 
 @pytest.mark.timeout(420)
+@seeds(102)
 def test_allreduce_killed_at_random_ends_with_the_uninterrupted_parameters(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
-    seed = chaos_seed()
+    print(f"CHAOS_SEED={seed}")
     _, kills = run_with_chaos(
         cf,
         tmp_path,
@@ -212,10 +218,11 @@ def test_allreduce_killed_at_random_ends_with_the_uninterrupted_parameters(
 
 
 @pytest.mark.timeout(420)
+@seeds(103)
 def test_async_ps_with_worker_kills_applies_every_record_once_per_epoch_on_every_shard(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
-    seed = chaos_seed()
+    print(f"CHAOS_SEED={seed}")
     records, epochs = 600, 2
     path = _records(tmp_path, records)
     _, kills = run_with_chaos(
@@ -243,18 +250,33 @@ FIT_RECORDS, FIT_EPOCHS = 600, 2
 
 
 def run_fit_with_chaos(
-    cf: Clusterflow, tmp_path: Path, scenario: str, targets: list[str], cluster_args: list[str]
+    cf: Clusterflow,
+    tmp_path: Path,
+    scenario: str,
+    targets: list[str],
+    cluster_args: list[str],
+    *,
+    seed: int,
+    batch_size: int = 10,
+    own_directory: bool = False,
 ) -> tuple[str, str]:
     """Runs ``chaos_job.fit_counts`` under kills; asserts every record's update was
-    applied exactly once per epoch (its counter is the number of epochs)."""
-    seed = chaos_seed()
+    applied exactly once per epoch (its counter is the number of epochs).
+
+    ``batch_size`` over 10 (the split size) makes each batch, and so each push, carry
+    several splits; ``own_directory`` keeps the checkpoints in a folder of the job's
+    own, which the manager learns from the chief."""
+    print(f"CHAOS_SEED={seed}")
     path = _records(tmp_path, FIT_RECORDS)
+    job = [scenario, str(tmp_path), str(path), str(FIT_RECORDS), str(FIT_EPOCHS), str(batch_size)]
+    if own_directory:
+        job.append(str(tmp_path / "own-checkpoints"))
     cluster_id, kills = run_with_chaos(
         cf,
         tmp_path,
         targets,
         cluster_args,
-        [scenario, str(tmp_path), str(path), str(FIT_RECORDS), str(FIT_EPOCHS)],
+        job,
         seed=seed,
         every=2 * chaos_job.FIT_CHECKPOINT_EVERY + 2,
     )
@@ -266,8 +288,9 @@ def run_fit_with_chaos(
 
 
 @pytest.mark.timeout(420)
+@seeds(104)
 def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
     cluster_id, detail = run_fit_with_chaos(
         cf,
@@ -275,14 +298,16 @@ def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
         "fit_async_ps",
         ["chief:0", "worker:0", "worker:1", "ps:0"],
         ["--chief", "--ps", "1", "--workers", "2"],
+        seed=seed,
     )
     kinds = _events(cf, cluster_id)
     assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
 
 
 @pytest.mark.timeout(420)
+@seeds(105)
 def test_fit_embedding_table_on_two_ps_under_kills_applies_every_record_once_per_epoch(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
     """Issue 21: the counters are the rows of an ``nn.Embedding`` sharded over two ps
     tasks; worker kills (respawns) and ps or chief kills (restarts from a checkpoint of
@@ -293,14 +318,16 @@ def test_fit_embedding_table_on_two_ps_under_kills_applies_every_record_once_per
         "fit_embedding_ps",
         ["chief:0", "worker:0", "ps:0", "ps:1"],
         ["--chief", "--ps", "2", "--workers", "1"],
+        seed=seed,
     )
     kinds = _events(cf, cluster_id)
     assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
 
 
 @pytest.mark.timeout(420)
+@seeds(106)
 def test_fit_sync_ps_with_a_backup_worker_under_kills_applies_every_record_once_per_epoch(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
     cluster_id, detail = run_fit_with_chaos(
         cf,
@@ -308,16 +335,87 @@ def test_fit_sync_ps_with_a_backup_worker_under_kills_applies_every_record_once_
         "fit_sync_ps",
         ["chief:0", "worker:0", "ps:0"],
         ["--chief", "--ps", "1", "--workers", "1"],
+        seed=seed,
     )
     kinds = _events(cf, cluster_id)
     assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
 
 
 @pytest.mark.timeout(420)
+@seeds(107)
 def test_fit_allreduce_under_kills_applies_every_record_once_per_epoch(
-    cf: Clusterflow, tmp_path: Path
+    cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
     cluster_id, detail = run_fit_with_chaos(
-        cf, tmp_path, "fit_allreduce", ["worker:0", "worker:1"], ["--workers", "2"]
+        cf, tmp_path, "fit_allreduce", ["worker:0", "worker:1"], ["--workers", "2"], seed=seed
     )
     assert "cluster_restarted" in _events(cf, cluster_id), detail
+
+
+# Without a chief job: worker 0 leads (it cuts the checkpoints) and is respawned alone ----
+
+
+@pytest.mark.timeout(420)
+@seeds(108)
+def test_fit_async_ps_without_a_chief_under_kills_of_the_leading_worker_applies_every_record_once(
+    cf: Clusterflow, tmp_path: Path, seed: int
+) -> None:
+    """Issue 31's shape: no ``chief`` job, so ``worker:0`` leads and is respawned alone
+    while the ps lives on; three workers, two ps, batches of two splits, checkpoints in
+    the job's own folder. A respawned leader that reloaded its last checkpoint into the
+    live ps undid every update since (``ParameterServerStrategy.restore``), and a ps
+    kill restarted the ps and the data cursor afresh while the chief reloaded its own
+    folder (``Checkpointer`` telling the manager, ``manager.checkpoints``)."""
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_async_ps",
+        ["worker:0", "worker:1", "worker:2", "ps:0", "ps:1"],
+        ["--ps", "2", "--workers", "3"],
+        seed=seed,
+        batch_size=20,
+        own_directory=True,
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted", "checkpoints_moved"} <= kinds, f"{detail}"
+
+
+@pytest.mark.timeout(420)
+@seeds(109)
+def test_fit_sync_ps_without_a_chief_under_kills_applies_every_record_once(
+    cf: Clusterflow, tmp_path: Path, seed: int
+) -> None:
+    """Sync, no ``chief`` job, two workers each pushing batches of two splits (a push
+    whose keys are part applied, part new, is refused whole), the job's own folder."""
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_sync_ps",
+        ["worker:0", "worker:1", "ps:0"],
+        ["--ps", "1", "--workers", "2"],
+        seed=seed,
+        batch_size=20,
+        own_directory=True,
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"
+
+
+@pytest.mark.timeout(420)
+@seeds(110)
+def test_fit_embedding_table_without_a_chief_one_worker_under_kills_applies_every_record_once(
+    cf: Clusterflow, tmp_path: Path, seed: int
+) -> None:
+    """An embedding table on two ps, one worker that leads (no ``chief`` job), batches
+    of two splits: the rows count every record once per epoch."""
+    cluster_id, detail = run_fit_with_chaos(
+        cf,
+        tmp_path,
+        "fit_embedding_ps",
+        ["worker:0", "ps:0", "ps:1"],
+        ["--ps", "2", "--workers", "1"],
+        seed=seed,
+        batch_size=20,
+    )
+    kinds = _events(cf, cluster_id)
+    assert {"task_respawned", "cluster_restarted"} <= kinds, f"{detail}: {kinds}"

@@ -148,6 +148,9 @@ class ManagerMethod:
     """The cluster's state as ``state.json`` holds it."""
     DECLARE: Final = "manager.declare"
     """A job says whether its task may be respawned alone."""
+    CHECKPOINTS: Final = "manager.checkpoints"
+    """The chief says where its checkpoints live, when not in the cluster's folder: the
+    manager restores from there (docs/failure-semantics.md)."""
     STANDBY: Final = "manager.standby"
     """A standby supervisor waits (bounded rounds) for a task to take over."""
     SPEC: Final = "manager.spec"

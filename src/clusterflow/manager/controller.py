@@ -19,6 +19,8 @@ final status in ``state.json`` also sees every line in the logs.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -38,6 +40,8 @@ from clusterflow.cluster.contract import (
     ManagerMethod,
 )
 from clusterflow.data.dispatcher import DispatcherService
+from clusterflow.errors import ClusterflowError
+from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.fences import fence_ps_tasks
 from clusterflow.manager.job_env import (
@@ -59,6 +63,7 @@ from clusterflow.manager.store_host import StoreHost
 from clusterflow.manager.tasks import TaskRecord, TaskTable
 from clusterflow.manager.trial_reports import TrialReports
 from clusterflow.rpc import Credentials, Request, RpcServer
+from clusterflow.rpc.errors import ProtocolError
 from clusterflow.rpc.message import map_body
 
 log = logging.getLogger(__name__)
@@ -149,6 +154,7 @@ class Controller:
             (ManagerMethod.STOP, self._on_stop, False),
             (ManagerMethod.STATUS, lambda request: self.state().to_dict(), False),
             (ManagerMethod.DECLARE, self._on_declare, False),
+            (ManagerMethod.CHECKPOINTS, self._on_checkpoints, False),
             (ManagerMethod.STANDBY, self._on_standby, True),
             (ManagerMethod.SPEC, self._on_spec, False),
             (ManagerMethod.REPORT, self._on_report, False),
@@ -534,6 +540,34 @@ class Controller:
             self.tasks.find(body.get("task")), respawnable=bool(body.get("respawnable"))
         )
         return {"max_restarts": self.config.max_restarts}
+
+    def _on_checkpoints(self, request: Request) -> dict[str, Any]:
+        """The chief's checkpoints live at ``{"url"}``: restarts restore from there.
+
+        A job may keep its checkpoints outside the cluster's folder (``fit``'s
+        ``Checkpoint(directory)``). Unless the manager restores from that same place, a
+        whole restart would start the ps tasks and the data cursor afresh while the
+        chief reloads its own checkpoint, and records would be applied twice; and a
+        respawned task would not be told which checkpoint the others continue from.
+        The new place is kept in the cluster's config, so ``start --resume`` finds it.
+        """
+        body = request.body or {}
+        task = self.tasks.find(body.get("task"))
+        url = body.get("url")
+        if not isinstance(url, str) or not url:
+            raise ProtocolError(
+                f"{task.id}: a checkpoint url must be a non-empty string, got {url!r}"
+            )
+        if url != self.restore_points.url:
+            self.restore_points = RestorePoints(url)
+            self.place = dataclasses.replace(self.place, checkpoint_url=url)
+            self.cluster.append_event("checkpoints_moved", task=str(task.id), url=url)
+            with contextlib.suppress(ClusterflowError, OSError):
+                settings = self.cluster.read_config()
+                settings["checkpoint_dir"] = url
+                registry.write_json_atomic(self.cluster.config_file, settings)
+            log.info("%s keeps its checkpoints at %s: restarts restore from there", task.id, url)
+        return {"url": url}
 
     def _on_spec(self, request: Request) -> dict[str, Any]:
         spec, version = self.rendezvous.current()

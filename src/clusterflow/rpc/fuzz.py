@@ -51,6 +51,7 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     "data.state_dict": (),
     ManagerMethod.HEARTBEAT: ("task",),
     ManagerMethod.DECLARE: ("task", "respawnable"),
+    ManagerMethod.CHECKPOINTS: ("task", "url"),
     ManagerMethod.EXITED: ("task", "code", "summary"),
     ManagerMethod.REGISTER: ("task", "pid", "address"),
     ManagerMethod.STATUS: (),

@@ -68,6 +68,12 @@ class ManagerLink:
         """Whether the manager may relaunch this task alone when it dies (never raises)."""
         self._quiet(ManagerMethod.DECLARE, {"task": self.task, "respawnable": respawnable})
 
+    def checkpoints_at(self, url: str) -> bool:
+        """Tells the manager that this job's checkpoints live at ``url`` (the chief's
+        own ``--checkpoint-dir``), so a whole restart restores every task, the ps tasks
+        and the data cursor from there. Whether the manager took it (never raises)."""
+        return self._quiet(ManagerMethod.CHECKPOINTS, {"task": self.task, "url": url}) is not None
+
     def spec(self) -> dict[str, Any] | None:
         """The newest cluster spec and its version (a respawned task may have moved).
 

@@ -105,13 +105,16 @@ def shard_of(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
 def declare(
     ps: PSConnection, placement: Placement, tracked: Sequence[TrackedVar], config: PSConfig
 ) -> None:
-    """Creates every shard on its ps task with the local initial value (first one wins)."""
+    """Creates every shard on its ps task with the local initial value (first one wins).
+
+    A ps task that holds no shard (more ps tasks than variables) is created empty all
+    the same: every push goes to every ps task, and an empty one answers it (its
+    version and the split keys it settled) instead of refusing it.
+    """
     by_name = {v.spec.name: v for v in tracked}
 
     def create(index: int) -> None:
         shards = placement.on_ps(index)
-        if not shards:
-            return
         decl = [
             {
                 "name": s.name,

@@ -57,6 +57,7 @@ from clusterflow.checkpoint.names import (
 )
 from clusterflow.errors import ConfigError
 from clusterflow.ps.tables import join_tables
+from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
     CheckpointParticipant,
     SoloParticipant,
@@ -138,6 +139,8 @@ class Checkpointer:
         self.data = data
         self.is_chief = strategy.is_chief if strategy is not None else True
         self.rank, self.replicas = self.role.rank, self.role.replicas
+        if self.is_chief:
+            _tell_the_manager(self.directory)
         self.last_saved_step: int | None = None
         self._last_save_time = time.monotonic()
 
@@ -473,6 +476,27 @@ def _get_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         "rng/numpy": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).copy()),
     }
     return meta, tensors
+
+
+def _tell_the_manager(directory: str) -> None:
+    """Under ``clusterflow start``, a chief whose checkpoints live outside the cluster's
+    checkpoint folder says where: the manager restores a whole restart (every task, the
+    ps tasks' shards and the data cursor) from there, so they all come from one cut."""
+    if directory == os.environ.get(ENV_CHECKPOINT_DIR):
+        return
+    link = ManagerLink.from_env()
+    if link is None:
+        return
+    try:
+        url = directory if "://" in directory else os.path.abspath(directory)
+        if not link.checkpoints_at(url):
+            log.warning(
+                "the manager did not learn that checkpoints live at %s: a whole restart "
+                "will not restore from them",
+                url,
+            )
+    finally:
+        link.close()
 
 
 def _set_rng(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
