@@ -129,6 +129,27 @@ def run_with_chaos(
         "--max-restarts", "20", *cluster_args, "--", PY, str(HERE / "chaos_job.py"), *job_args
     )
     kills: list[str] = []
+    try:
+        _kill_on_schedule(cf, cluster_id, out, schedule, kills, seed)
+    except AssertionError as exc:  # a wait ran out: what the cluster said is the clue
+        raise AssertionError(f"{exc}; kills {kills}\n{cf.output(cluster_id)}") from None
+    state = cf.state(cluster_id)
+    detail = f"seed {seed}, kills {kills}, state {state.get('summary')}\n{cf.output(cluster_id)}"
+    assert len(kills) == KILLS, f"the run ended after {len(kills)} kills; {detail}"
+    assert state["status"] == "succeeded", detail
+    assert _handled(cf, cluster_id) >= KILLS, detail
+    return cluster_id, kills
+
+
+def _kill_on_schedule(
+    cf: Clusterflow,
+    cluster_id: str,
+    out: Path,
+    schedule: list[tuple[int, str]],
+    kills: list[str],
+    seed: int,
+) -> None:
+    """Kills as ``schedule`` says (see ``run_with_chaos``), then waits for the end."""
     for at, task in schedule:
         cf.wait_until(
             lambda at=at: _steps(out) >= at or _ended(cf, cluster_id),
@@ -153,12 +174,6 @@ def run_with_chaos(
         )
     cf.wait_until(lambda: _ended(cf, cluster_id), 240, f"the end of the run (seed {seed})")
     cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
-    state = cf.state(cluster_id)
-    detail = f"seed {seed}, kills {kills}, state {state.get('summary')}\n{cf.output(cluster_id)}"
-    assert len(kills) == KILLS, f"the run ended after {len(kills)} kills; {detail}"
-    assert state["status"] == "succeeded", detail
-    assert _handled(cf, cluster_id) >= KILLS, detail
-    return cluster_id, kills
 
 
 def _events(cf: Clusterflow, cluster_id: str) -> set[str]:
