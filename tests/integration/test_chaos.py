@@ -393,6 +393,15 @@ def test_fit_async_ps_without_a_chief_under_kills_of_the_leading_worker_applies_
     )
     kinds = _events(cf, cluster_id)
     assert {"task_respawned", "cluster_restarted", "checkpoints_moved"} <= kinds, f"{detail}"
+    # Every kill comes after a checkpoint: each whole restart restored one, from the
+    # job's folder the manager learnt (else it restarted from nothing: the run only
+    # stayed exactly-once because the chief reloaded the ps's applied keys itself).
+    restarts = [
+        json.loads(line)
+        for line in (cf.path(cluster_id) / "events.jsonl").open()
+        if json.loads(line)["event"] == "cluster_restarted"
+    ]
+    assert all(r.get("checkpoint") for r in restarts), f"{detail}: {restarts}"
 
 
 @pytest.mark.timeout(420)

@@ -7,13 +7,16 @@ and ps 0 may fan a sync step out to the other shards.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
 
 from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.loans import Loan
 from clusterflow.ps.protocol import METHODS, ApplyRequest, PSHandler
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, Request, Response, RpcClient
-from clusterflow.rpc.fencing import FenceBook
+from clusterflow.rpc.fencing import FENCE_KEY, FenceBook
 from clusterflow.rpc.message import Handler
 from clusterflow.server import Server
 
@@ -48,9 +51,50 @@ class PSService:
         fan_out = self._fan_out if len(self._peer_addresses) > 1 else None
         self.handler = PSHandler(self.store, fan_out)
         self.fences = FenceBook()  # rpc/fencing.py: a replaced worker's requests are refused
+        self._holder: tuple[str, int] | None = None
+        """The task and incarnation that quiesced this ps (a chief cutting a checkpoint)."""
+        self._holder_lock = threading.Lock()
         for name in METHODS:
-            server.register(f"ps.{name}", self.fences.guard(self._serve(name)), blocking=True)
+            handler = self.fences.guard(self._serve(name))
+            if name in ("quiesce", "resume"):
+                handler = self._tracking_holder(name, handler)
+            server.register(f"ps.{name}", handler, blocking=True)
         self.fences.register_on(server, "ps")  # ps.fence: the manager's relaunches
+        self.fences.on_raise(self._release_a_replaced_holder)
+
+    def _tracking_holder(self, method: str, handler: Handler) -> Handler:
+        """Remembers who quiesced this ps (from the request's fence), until it resumes."""
+
+        def tracked(request: Request) -> Any:
+            body = request.body
+            raw = body.get(FENCE_KEY) if isinstance(body, Mapping) else None
+            reply = handler(request)  # a malformed fence was refused in there
+            holder = (str(raw[0]), int(raw[1])) if isinstance(raw, list | tuple) else None
+            with self._holder_lock:
+                self._holder = holder if method == "quiesce" else None
+            return reply
+
+        return tracked
+
+    def _release_a_replaced_holder(self, task: str, incarnation: int) -> None:
+        """A chief that dies while it holds the ps still (mid-checkpoint) never resumes
+        it. When it is a respawnable chief (worker 0 of a cluster without a ``chief``
+        job), the manager replaces it alone and the ps lives on: the hold would stop
+        every push for good. Its replacement's fence ends the hold; the checkpoint the
+        dead chief was writing is never committed (its manifest is the last write)."""
+        with self._holder_lock:
+            holder = self._holder
+            if holder is None or holder[0] != task or holder[1] >= incarnation:
+                return
+            self._holder = None
+        log.warning(
+            "ps:%d: %s (incarnation %d) held this ps for a checkpoint and was replaced; "
+            "resuming pushes",
+            self.store.ps_index,
+            task,
+            holder[1],
+        )
+        self.handler.resume()
 
     def _serve(self, method: str) -> Handler:
         def serve(request: Request) -> Response:

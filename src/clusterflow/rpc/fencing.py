@@ -123,6 +123,13 @@ class FenceBook:
         self._active: Counter[tuple[str, int]] = Counter()
         self._admitted: Counter[tuple[str, int]] = Counter()
         self._refused: Counter[tuple[str, int]] = Counter()
+        self._listeners: list[Callable[[str, int], None]] = []
+
+    def on_raise(self, listener: Callable[[str, int], None]) -> None:
+        """Calls ``listener(task, incarnation)`` whenever a newer incarnation of a task
+        is heard of, after the book refuses the older ones (e.g. the ps drops a hold the
+        replaced task took)."""
+        self._listeners.append(listener)
 
     def raise_to(self, task: str, incarnation: int, wait_s: float = 0.0) -> int:
         """A newer incarnation exists (the manager relaunched ``task``).
@@ -133,6 +140,9 @@ class FenceBook:
         with self._lock:
             if incarnation > self._highest.get(task, -1):
                 self._highest[task] = incarnation
+        for listener in self._listeners:
+            listener(task, incarnation)
+        with self._lock:
             self._lock.wait_for(lambda: not self._older_active(task, incarnation), wait_s)
             return self._older_active(task, incarnation)
 
