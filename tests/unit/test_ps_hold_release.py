@@ -82,3 +82,17 @@ def test_another_tasks_fence_or_the_holders_own_leaves_the_hold(
         _push(other, timeout=0.2, incarnation=1)
     chief.call("ps.resume", {"fence": ["worker:0", 0]})
     assert _push(other, timeout=5.0, incarnation=1) == 1
+
+
+def test_a_replacements_first_request_ends_the_hold_when_the_fence_was_missed(
+    ps: tuple[RpcClient, RpcClient],
+) -> None:
+    """The manager could not reach this ps while fencing (``fence_missed``): the
+    replacement's own first request carries its newer incarnation and ends the hold
+    (``FenceBook._serving`` tells the listeners). Pins that call: without it the
+    replacement's push waits out the hold."""
+    chief, other = ps
+    chief.call("ps.quiesce", {"timeout": 5.0, "fence": ["worker:0", 0]})
+    body = {"worker": "worker:0", "version": 0, "timeout": 5.0, "fence": ["worker:0", 1]}
+    reply = other.call("ps.push", body, {"g/w": torch.ones(2)})
+    assert int(reply.body["version"]) == 1

@@ -210,9 +210,9 @@ class FenceBook:
 
     # -------------------------------------------------------------------------------
 
-    def _check(self, task: str, incarnation: int) -> None:
-        """Refuses an older incarnation, or records ``incarnation`` as the highest.
-        Holds ``_lock``."""
+    def _check(self, task: str, incarnation: int) -> bool:
+        """Refuses an older incarnation, or records ``incarnation`` as the highest;
+        whether it is newer than any heard of before. Holds ``_lock``."""
         highest = self._highest.get(task, -1)
         if incarnation < highest:
             self._refused[task, incarnation] += 1
@@ -220,6 +220,7 @@ class FenceBook:
                 f"{task} incarnation {incarnation} is fenced: incarnation {highest} replaced it"
             )
         self._highest[task] = incarnation
+        return incarnation > highest >= 0
 
     def _older_active(self, task: str, incarnation: int) -> int:
         return sum(n for (t, i), n in self._active.items() if t == task and i < incarnation)
@@ -227,9 +228,12 @@ class FenceBook:
     @contextmanager
     def _serving(self, fence: tuple[str, int]) -> Iterator[None]:
         with self._lock:
-            self._check(*fence)
+            newer = self._check(*fence)
             self._admitted[fence] += 1
             self._active[fence] += 1
+        if newer:  # the replacement came first: the manager's announcement was missed
+            for listener in self._listeners:
+                listener(*fence)
         try:
             yield
         finally:
