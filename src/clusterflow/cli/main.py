@@ -374,13 +374,9 @@ def _task_summary(state: ClusterState) -> str:
 
 
 def _figures(state: ClusterState) -> tuple[str, str]:
-    """The cluster's live figures: the furthest step any task reported, and the summed
-    samples/s of the tasks still running."""
-    steps = [t.step for t in state.tasks if t.step is not None]
-    rates = [
-        t.samples_per_s for t in state.tasks if t.exit_code is None and t.samples_per_s is not None
-    ]
-    return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
+    """The cluster's live figures (``ClusterState.figures``) as ``ps`` prints them."""
+    step, rate = state.figures()
+    return ("-" if step is None else str(step), "-" if rate is None else f"{rate:.0f}")
 
 
 def _task_figures(task: TaskState) -> str:
