@@ -12,10 +12,13 @@ call trains them; the same file runs alone and on every task of a cluster:
 
 ``--data-service`` feeds the training set from a Parquet file through the data service
 (the manager's dispatcher in a cluster, an in-process one alone): each replica reads the
-splits the dispatcher lends it. ``--checkpoint-dir`` makes the run resumable (run it
-again: it continues where it stopped), and with ``clusterflow start --evaluator`` the
-evaluator task evaluates each checkpoint while the others train. ``--log-dir`` writes
-TensorBoard summaries (chief only).
+splits the dispatcher lends it. Every epoch is checkpointed: under ``clusterflow start``
+into the cluster's checkpoint folder (``CLUSTERFLOW_CHECKPOINT_DIR``, which
+``--max-restarts`` and ``start --resume`` recover from), alone only with
+``--checkpoint-dir`` (run it again: it continues where it stopped; a finished run prints
+its final figures again). With ``clusterflow start --evaluator`` the evaluator task
+evaluates each checkpoint while the others train. ``--log-dir`` writes TensorBoard
+summaries (chief only).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ from clusterflow.train import (
 )
 
 STRATEGIES = ("none", "mirrored", "ps-async", "ps-sync", "central")
+FIGURES = (("loss", "loss"), ("test_accuracy", "val_accuracy"))
+"""The final line's figures: the name printed, and fit's History key."""
+ENV_CHECKPOINT_DIR = "CLUSTERFLOW_CHECKPOINT_DIR"
+"""Set by ``clusterflow start`` on every task: the cluster's checkpoint folder."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,7 +67,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--seed", type=int, default=0, help="initial weights and shuffling")
     p.add_argument("--log-dir", help="TensorBoard summaries (written by the chief)")
-    p.add_argument("--checkpoint-dir", help="save every epoch; resume from the newest")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="save every epoch; resume from the newest [default: $CLUSTERFLOW_CHECKPOINT_DIR, "
+        "the cluster's folder under clusterflow start; alone: none]",
+    )
     p.add_argument("--data-service", action="store_true", help="read Parquet via leases")
     return p.parse_args()
 
@@ -98,9 +109,12 @@ def main() -> None:
     hooks: list[Hook] = [Progress(every_steps=steps_per_epoch)]
     if args.log_dir:
         hooks.append(Summary(args.log_dir, every_steps=5))
-    if args.checkpoint_dir:
-        hooks.append(Checkpoint(args.checkpoint_dir, every_steps=steps_per_epoch))
-        hooks.append(Evaluate(lambda m: test_accuracy(m, test), directory=args.checkpoint_dir))
+    # In a cluster the manager names a checkpoint folder: saving there by default is what
+    # lets --max-restarts and `start --resume` recover a run instead of starting it over.
+    checkpoints = args.checkpoint_dir or os.environ.get(ENV_CHECKPOINT_DIR)
+    if checkpoints:
+        hooks.append(Checkpoint(checkpoints, every_steps=steps_per_epoch))
+        hooks.append(Evaluate(lambda m: test_accuracy(m, test), directory=checkpoints))
 
     with contextlib.ExitStack() as stack:
         data: Any = train
@@ -125,11 +139,10 @@ def main() -> None:
             print(f"evaluated step {step} test_accuracy {value:.4f}", flush=True)
     elif strategy is None or strategy.is_chief:
         last = history.last()
-        print(
-            f"final loss {last.get('loss', float('nan')):.4f} "
-            f"test_accuracy {last.get('val_accuracy', float('nan')):.4f} step {history.step}",
-            flush=True,
-        )
+        # A figure fit could not compute (a resumed run of the data service that had
+        # nothing left to read has no training loss) is left out, never printed as nan.
+        shown = [f"{name} {last[key]:.4f}" for name, key in FIGURES if key in last]
+        print(f"final {' '.join(shown)} step {history.step}", flush=True)
 
 
 def open_data_service(train: TensorDataset, args: argparse.Namespace) -> DataClient:

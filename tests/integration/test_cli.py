@@ -423,17 +423,77 @@ def test_resume_continues_a_failed_run_from_its_last_checkpoint(cf: Clusterflow)
     assert first.returncode == 3, first.stdout + first.stderr
     assert "[worker:0] restored 0" in first.stdout.splitlines()
     old = cf.only_id()
-    assert cf.state(old)["checkpoint_dir"] == str(cf.path(old) / "checkpoints")
+    folder = str(cf.path(old) / "checkpoints")
+    assert cf.state(old)["checkpoint_dir"] == folder
+    assert f"checkpoints: {folder} (newest step 10)" in cf.run("describe", old).stdout
+    # --fresh would be restored over by the tasks anyway: refused, naming the step.
+    refused = cf.run("start", "--resume", old, "--fresh")
+    assert refused.returncode == 2 and "checkpoint at step 10" in refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and cf.ids() == [old]
 
     second = cf.run("start", "--resume", old)
 
     assert second.returncode == 0, second.stdout + second.stderr
+    assert f"clusterflow: resuming cluster {old} from step 10" in second.stderr
     lines = second.stdout.splitlines()
     assert "[worker:0] restored 10" in lines  # the first run's checkpoint, not a fresh start
     assert "[worker:0] done 20" in lines
     new = next(i for i in cf.ids() if i != old)
     assert cf.state(new)["checkpoint_dir"] == cf.state(old)["checkpoint_dir"]
     assert cf.state(new)["command"] == cf.state(old)["command"]
+
+
+NO_CHECKPOINT_SCRIPT = """
+import os, sys
+print("started at step 0", flush=True)
+if not os.path.exists(sys.argv[1]):
+    open(sys.argv[1], "w").close()
+    sys.exit(3)  # the first run dies having saved nothing
+"""
+
+
+@pytest.mark.timeout(90)
+def test_resume_of_a_run_that_left_no_checkpoint_says_so_and_asks_for_fresh(
+    cf: Clusterflow,
+) -> None:
+    """``--resume`` of a run that committed no checkpoint once started it over at step 0
+    without a word. Pins ``_resumed_settings``'s check (``newest_committed``): one line
+    naming the cluster and ``--fresh``, exit 2, no cluster made; ``--fresh`` then starts
+    the same settings over. And ``describe`` (``_checkpoint_line``) names no folder that
+    holds no committed checkpoint."""
+    script = cf.script("nothing_saved.py", NO_CHECKPOINT_SCRIPT)
+    marker = cf.workdir / "failed-once"
+    first = cf.run("start", "--", PY, str(script), str(marker))
+    assert first.returncode == 3, first.stdout + first.stderr
+    old = cf.only_id()
+    (cf.path(old) / "checkpoints" / "ckpt-000000000005").mkdir(parents=True)  # torn: no manifest
+    described = cf.run("describe", old).stdout
+    assert "checkpoints: none committed" in described
+    assert str(cf.path(old) / "checkpoints") not in described
+
+    refused = cf.run("start", "--resume", old)
+
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith(f"error: cluster {old} committed no checkpoint in ")
+    assert "--fresh" in line
+    assert cf.ids() == [old]  # nothing was started
+
+    again = cf.run("start", "--resume", old, "--fresh")
+
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"clusterflow: cluster {old} left no checkpoint; starting over" in again.stderr
+    assert "[worker:0] started at step 0" in again.stdout.splitlines()
+    new = next(i for i in cf.ids() if i != old)
+    assert cf.state(new)["command"] == cf.state(old)["command"]
+    assert cf.state(new)["checkpoint_dir"] == str(cf.path(new) / "checkpoints")
+
+
+@pytest.mark.timeout(30)
+def test_fresh_without_resume_is_one_line(cf: Clusterflow) -> None:
+    done = cf.run("start", "--fresh", "--", PY, "-c", "pass")
+    assert done.returncode == 2 and cf.ids() == []
+    assert done.stderr.startswith("error: --fresh goes with --resume")
 
 
 @pytest.mark.timeout(30)

@@ -221,6 +221,62 @@ def test_the_page_holds_the_tasks_and_its_chart_moves_as_training_advances(
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
+MISALIGNED = """() => [...document.querySelectorAll("table.grid")].flatMap((table) => {
+  const heads = [...table.querySelectorAll("thead th")];
+  return [...table.querySelectorAll("tbody tr")]
+    .filter((tr) => tr.children.length === heads.length)
+    .flatMap((tr) => [...tr.children].map((td, i) => {
+      const [cell, head] = [getComputedStyle(td).textAlign, getComputedStyle(heads[i]).textAlign];
+      return cell === head ? null : `${table.id}/${heads[i].textContent}: ${cell} under ${head}`;
+    }).filter(Boolean));
+})"""
+"""Every cell whose alignment differs from its column header's, as ``table/header``."""
+
+TICKS = """async () => {
+  const box = document.createElement("div");
+  document.body.appendChild(box);
+  const xs = [...Array(20).keys()];
+  const plot = new uPlot({ width: 400, height: 200, series: [{}, { stroke: "red" }],
+    scales: { x: { time: false } }, axes: [{}, cf.yAxis("loss")] },
+    [xs, xs.map((i) => 2.329 + i * 0.00001)], box);
+  while (!plot.axes[1]._values) await new Promise((r) => requestAnimationFrame(r));
+  const labels = plot.axes[1]._values;
+  plot.destroy();
+  box.remove();
+  return labels;
+}"""
+"""The loss axis's tick labels for a loss between 2.32900 and 2.32919 (uPlot's own
+default showed ``2.329`` on every tick)."""
+
+
+def test_counts_and_numbers_mean_what_their_headers_say(site: Site, page: Any) -> None:
+    """Pins the ``num`` class on number headers (dashboard.css: a number column's
+    header is right-aligned as its cells are), the data row's counts
+    (``data_progress._row``: acknowledged + leased + pending = the epoch's splits), the
+    loss axis's ``tickLabels`` (no label twice), and the checkpoint folder left unnamed
+    while it holds no committed checkpoint (this job saves none)."""
+    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    page.goto(f"{site.base}/clusters/{site.cluster_id}")
+    page.wait_for_function(
+        "document.querySelectorAll('#data tbody tr td').length >= 7", timeout=20_000
+    )
+    page.wait_for_selector("#tasks tbody tr[data-task]")
+    assert page.evaluate(MISALIGNED) == []
+    heads = page.eval_on_selector_all("#data thead th", "hs => hs.map(h => h.textContent)")
+    cells = page.eval_on_selector_all("#data tbody tr td", "cs => cs.map(c => c.textContent)")
+    row = dict(zip(heads, cells, strict=True))
+    assert int(row["acknowledged"]) + int(row["leased"]) + int(row["pending"]) == int(
+        row["splits"]
+    ), row
+    labels = page.evaluate(TICKS)
+    assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+    assert page.text_content("#checkpoint-dir") == "- (no checkpoint committed yet)"
+
+    page.goto(site.base + "/")
+    page.wait_for_selector(f"#clusters a[href='/clusters/{site.cluster_id}']")
+    assert page.evaluate(MISALIGNED) == []
+
+
 def test_the_list_page_shows_the_cluster(site: Site, page: Any) -> None:
     page.goto(site.base + "/")
     page.wait_for_selector(f"#clusters a[href='/clusters/{site.cluster_id}']")
@@ -321,7 +377,7 @@ def cache_name(site: Site) -> Iterator[str]:
         )
 
 
-def test_studies_and_caches_have_pages(site: Site, cache_name: str) -> None:
+def test_studies_and_caches_have_pages(site: Site, cache_name: str, page: Any) -> None:
     import optuna
 
     study = optuna.create_study(
@@ -348,6 +404,9 @@ def test_studies_and_caches_have_pages(site: Site, cache_name: str) -> None:
     assert code == 200 and len(ranges) == 2  # the two partitions, tiling the 400 records
     assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 400
     assert site.get("/caches/no-such-cache")[0] == 404
+    for path in ("/studies", "/studies/dash-study", "/caches", f"/caches/{cache_name}"):
+        page.goto(site.base + path)
+        assert page.evaluate(MISALIGNED) == [], path
 
 
 def test_the_stop_button_stops_the_cluster_and_the_page_shows_it(site: Site, page: Any) -> None:

@@ -24,6 +24,7 @@ PY = sys.executable
 DIGITS_FIT = str(ROOT / "examples" / "digits_fit.py")
 CUSTOM_LOOP = str(ROOT / "examples" / "custom_loop_session.py")
 FINAL = re.compile(r"final loss ([0-9.]+) test_accuracy ([0-9.]+) step (\d+)")
+CHECKPOINTS = re.compile(r"^checkpoints: (\S+) \(newest step (\d+)\)$", re.MULTILINE)
 
 
 def _alone(*args: str, cwd: Path) -> str:
@@ -84,6 +85,40 @@ def test_digits_fit_in_a_cluster(
     assert len(lines) == 1 and lines[0].startswith(f"[{chief}]"), done.stdout[-3000:]
     match = FINAL.search(lines[0])
     assert match and float(match.group(2)) >= least
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_fault_tolerance_run_checkpoints_and_a_resume_prints_its_figures(
+    cf: Clusterflow,
+) -> None:
+    """The README's fault-tolerance command (one epoch, one ps) checkpoints with no
+    ``--checkpoint-dir``: digits_fit saves into the cluster's folder
+    (``CLUSTERFLOW_CHECKPOINT_DIR``), so ``--max-restarts`` and ``--resume`` have
+    something to recover. Resuming the finished run restores its last checkpoint and
+    prints the final figures again (``fit``'s ``_restored_figures``), never ``nan``."""
+    done = cf.run(
+        "start", "--ps", "1", "--workers", "2", "--max-restarts", "5", "--",
+        PY, DIGITS_FIT, "--strategy", "ps-sync", "--epochs", "1", timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = _final_lines(done.stdout)
+    first = FINAL.search(line)
+    assert first and line.startswith("[worker:0]")
+    old = cf.only_id()
+    found = CHECKPOINTS.search(cf.run("describe", old).stdout)
+    assert found and found.group(1) == str(cf.path(old) / "checkpoints")
+    assert found.group(2) == first.group(3)  # the last step is committed
+
+    again = cf.run("start", "--resume", old, timeout=240)
+
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming cluster {old} from step {first.group(3)}" in again.stderr
+    assert "nan" not in again.stdout
+    (line,) = _final_lines(again.stdout)
+    resumed = FINAL.search(line)
+    assert resumed and resumed.group(3) == first.group(3)  # no step taken
+    # The same model: its test accuracy is the one the run ended with.
+    assert resumed.group(2) == first.group(2)
 
 
 @pytest.mark.timeout(200)

@@ -78,6 +78,9 @@ def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path
         seen.append(max(r["metrics"]["alive"] for r in reports))
         assert {r["metrics"]["gpu"] for r in reports} <= {5.0, 7.0}
         assert not any(r["metrics"]["shared"] for r in reports)  # never another's GPU
+        # The job saves nothing: no checkpoint folder is named (StudyRunner._tell asks
+        # for a committed one; an empty folder once sent users looking).
+        assert "checkpoint" not in t.user_attrs
     assert max(seen) == 2, seen  # two trials saw each other alive ...
     assert all(n <= 2 for n in seen), seen  # ... and never more than --parallel
     listing = cf.run("ps", "--all")

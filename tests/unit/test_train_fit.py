@@ -294,6 +294,71 @@ def test_a_resumed_fit_continues_on_the_same_global_batches(stop: int) -> None:
     torch.testing.assert_close(flat(resumed), flat(expected), rtol=0, atol=0)
 
 
+def test_a_fit_resumed_after_its_last_step_gives_the_restored_models_figures() -> None:
+    """A finished run run again (``start --resume``, or the script with its checkpoint
+    folder) has no step left; ``fit`` must still return the restored model's figures,
+    never an empty History (the example then printed ``final loss nan``). Pins
+    ``_Loop._restored_figures``: the training loss over every batch with no update,
+    the same figures ``evaluate`` gives, and the validation figures."""
+    model, _ = reference(epochs=2)
+    before = flat(model).clone()
+    history = fit(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        make_data(),
+        epochs=2,
+        global_batch_size=32,
+        metrics=["accuracy"],
+        seed=3,
+        validation_data=make_data(40),
+        hooks=[_Resume(2 * 7)],
+    )
+    assert history.step == 14 and history.epoch == [1]
+    torch.testing.assert_close(flat(model), before, rtol=0, atol=0)  # nothing trained
+    x, y = make_data()
+    vx, vy = make_data(40)
+    with torch.no_grad():
+        want_loss = float(nn.CrossEntropyLoss(reduction="sum")(model(x), y)) / len(y)
+        want_val = float((model(vx).argmax(1) == vy).float().mean())
+    last = history.last()
+    assert set(last) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert last["loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert last["val_accuracy"] == pytest.approx(want_val, rel=1e-6)
+
+
+def test_a_data_service_fit_resumed_after_its_end_gives_the_validation_figures() -> None:
+    """The data service's records are all acked after a finished run, so a resumed
+    ``fit`` reads no batch; it still returns the restored model's validation figures
+    (pins the end of ``_Loop.run_client``)."""
+    from clusterflow.data import distributed_dataset
+
+    x, y = make_data(64)
+    with distributed_dataset(
+        {"x": x.numpy(), "y": y.numpy()},
+        batch_size=16,
+        split_size=32,
+        epochs=1,
+        collate_fn=lambda cols: (torch.as_tensor(cols["x"]), torch.as_tensor(cols["y"])),
+    ) as data:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        first = fit(model, nn.CrossEntropyLoss(), opt, data, epochs=1)
+        assert first.step == 4
+        history = fit(
+            model,
+            nn.CrossEntropyLoss(),
+            opt,
+            data,
+            epochs=1,
+            metrics=["accuracy"],
+            validation_data=make_data(40),
+            hooks=[_Resume(4)],
+        )
+    assert history.epoch == [0] and history.step == 4
+    assert set(history.last()) == {"val_loss", "val_accuracy"}
+
+
 def test_data_service_client_feeds_fit() -> None:
     from clusterflow.data import distributed_dataset
 

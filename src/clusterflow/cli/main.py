@@ -127,6 +127,11 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
     "resume_id",
     help="Continue a stopped or failed cluster from its last checkpoint (same settings).",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="With --resume: the cluster left no checkpoint; start its settings over from step 0.",
+)
 @click.option("--ps-cmd", help="Command of ps tasks (default: the built-in server).")
 @click.option("--untracked", help="Jobs not waited for, comma-separated [default: ps].")
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
@@ -171,6 +176,7 @@ def start(
     checkpoint_dir: str | None,
     stall_timeout: float | None,
     resume_id: str | None,
+    fresh: bool,
     ps_cmd: str | None,
     untracked: str | None,
     detach: bool,
@@ -215,8 +221,10 @@ def start(
         "labels": parse_job_settings(labels_, "labels") if labels_ else None,
         "grace_s": grace,
     }
+    if fresh and not resume_id:
+        raise ConfigError("--fresh goes with --resume ID (a new cluster starts fresh anyway)")
     config = RunConfig.merge(
-        _resumed_settings(resume_id) if resume_id else {},
+        _resumed_settings(resume_id, fresh=fresh, new_dir=checkpoint_dir) if resume_id else {},
         _load_cluster_file(config_file) if config_file else {},
         {k: v for k, v in flags.items() if v is not None},
     )
@@ -239,19 +247,54 @@ def start(
     sys.exit(_run_foreground(cluster, config))
 
 
-def _resumed_settings(cluster_id: str) -> dict[str, Any]:
-    """A finished cluster's settings, writing checkpoints where it wrote them."""
+def _resumed_settings(cluster_id: str, *, fresh: bool, new_dir: str | None) -> dict[str, Any]:
+    """A finished cluster's settings, writing checkpoints where it wrote them.
+
+    A resume that would restore nothing is refused rather than started over without a
+    word: with no committed checkpoint, ``--fresh`` must say that starting over is
+    meant (the new cluster then writes checkpoints in its own folder); with one,
+    ``--fresh`` is refused unless ``--checkpoint-dir`` names another place, since the
+    tasks would restore it anyway.
+    """
     from clusterflow.manager import registry
+    from clusterflow.manager.restore import newest_committed
 
     old = registry.find(cluster_id)
     if registry.effective_status(old.read_state()) not in registry.TERMINAL:
         raise ConfigError(f"cluster {old.id} is still running: stop it before resuming it")
     settings = old.read_config()
-    settings.setdefault("checkpoint_dir", None)
-    if not settings["checkpoint_dir"]:
-        settings["checkpoint_dir"] = str(old.path / "checkpoints")
     settings.pop("grace_s", None)  # --grace always has a value: the option decides
-    return settings
+    url = settings.get("checkpoint_dir") or str(old.path / "checkpoints")
+    if settings.get("backend") == "ray" and "://" not in url and not Path(url).exists():
+        # On its manager's node, which this machine may not see: the tasks look there.
+        click.echo(f"clusterflow: resuming cluster {old.id} from what {url} holds", err=True)
+        return {**settings, "checkpoint_dir": url}
+    try:
+        newest = newest_committed(url)
+    except (ClusterflowError, OSError) as exc:
+        raise ConfigError(
+            f"cannot read the checkpoints of cluster {old.id} at {url}: {exc}"
+        ) from exc
+    if newest is None:
+        if not fresh:
+            raise ConfigError(
+                f"cluster {old.id} committed no checkpoint in {url}, so there is nothing to "
+                "resume; add --fresh to start its settings over from step 0"
+            )
+        click.echo(f"clusterflow: cluster {old.id} left no checkpoint; starting over", err=True)
+        return settings  # its own checkpoint_dir if it named one; else the new cluster's
+    if fresh and not new_dir:
+        raise ConfigError(
+            f"--fresh: cluster {old.id} has a checkpoint at step {newest.step} in {url}, "
+            "which its tasks would restore; drop --fresh to resume from it, or give "
+            "--checkpoint-dir to start over elsewhere"
+        )
+    if not fresh:
+        click.echo(
+            f"clusterflow: resuming cluster {old.id} from step {newest.step} ({newest.directory})",
+            err=True,
+        )
+    return {**settings, "checkpoint_dir": url}
 
 
 def _run_foreground(cluster: Any, config: Any) -> int:
@@ -331,13 +374,9 @@ def _task_summary(state: ClusterState) -> str:
 
 
 def _figures(state: ClusterState) -> tuple[str, str]:
-    """The cluster's live figures: the furthest step any task reported, and the summed
-    samples/s of the tasks still running."""
-    steps = [t.step for t in state.tasks if t.step is not None]
-    rates = [
-        t.samples_per_s for t in state.tasks if t.exit_code is None and t.samples_per_s is not None
-    ]
-    return (str(max(steps)) if steps else "-", f"{sum(rates):.0f}" if rates else "-")
+    """The cluster's live figures (``ClusterState.figures``) as ``ps`` prints them."""
+    step, rate = state.figures()
+    return ("-" if step is None else str(step), "-" if rate is None else f"{rate:.0f}")
 
 
 def _task_figures(task: TaskState) -> str:
@@ -360,6 +399,17 @@ def _task_placement(task: TaskState) -> str:
 
 def _mib(value: float | None) -> str:
     return f"{value / 2**20:.0f}M" if value else "-"
+
+
+def _checkpoint_line(url: str) -> str:
+    """The checkpoint folder, named only once it holds a committed checkpoint: a folder
+    with no manifest has nothing to resume from, and naming it sent users looking."""
+    from clusterflow.manager.restore import committed_or_none
+
+    newest = committed_or_none(url)
+    if newest is None:
+        return "none committed"
+    return f"{url} (newest step {newest.step})"
 
 
 @cli.command(name="ps", context_settings=CONTEXT)
@@ -416,7 +466,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
         click.echo(f"summary:  {state.summary} (exit code {state.exit_code})")
     click.echo(f"state:    {cluster.path}")
     if state.checkpoint_dir:
-        click.echo(f"checkpoints: {state.checkpoint_dir}")
+        click.echo(f"checkpoints: {_checkpoint_line(state.checkpoint_dir)}")
     if state.max_restarts:
         click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
     click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")

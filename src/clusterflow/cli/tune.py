@@ -1,8 +1,8 @@
 """``clusterflow tune``: run a study (each trial a cluster), list studies, describe one.
 
 Parsing and printing only; the study's loop is ``clusterflow.tune.study``. Every option
-of ``start`` (but ``--detach`` and its ``--resume``) is copied from that command, so a
-trial's cluster takes exactly what ``start`` takes.
+of ``start`` (but ``--detach``, ``--resume`` and ``--fresh``) is copied from that
+command, so a trial's cluster takes exactly what ``start`` takes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import click
 from clusterflow.errors import ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-_NOT_FOR_TRIALS = {"detach", "resume_id", "command"}
+_NOT_FOR_TRIALS = {"detach", "resume_id", "fresh", "command"}
 
 
 class _TuneGroup(click.Group):

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from clusterflow.checkpoint import CheckpointStorage
+from clusterflow.checkpoint import CheckpointStorage, Manifest
 from clusterflow.checkpoint.names import DATA_PART
 from clusterflow.errors import ClusterflowError
 
@@ -69,3 +69,29 @@ class RestorePoints:
             return RestorePoint(None, None)
         log.info("tasks restore checkpoint %s (step %d)", manifest.directory, manifest.step)
         return RestorePoint(str(manifest.step), cursor)
+
+
+def newest_committed(url: str) -> Manifest | None:
+    """The newest committed checkpoint under ``url`` (a valid manifest), or None.
+
+    What ``start --resume`` needs before it starts anything, and the one rule by which
+    ``describe``, ``tune describe`` and the dashboard name a checkpoint folder: a
+    folder with no manifest holds nothing a run could restore. Manifests only (a
+    listing and one small read each); the parts are checked by the restore.
+
+    Raises:
+        CheckpointError, OSError: the storage cannot be read.
+    """
+    committed = CheckpointStorage(url).committed()
+    return committed[-1] if committed else None
+
+
+def committed_or_none(url: str | None) -> Manifest | None:
+    """``newest_committed``, with an unreadable storage (or none) as no checkpoint."""
+    if not url:
+        return None
+    try:
+        return newest_committed(url)
+    except (ClusterflowError, OSError, ValueError) as exc:
+        log.debug("cannot read checkpoints at %s: %s", url, exc)
+        return None

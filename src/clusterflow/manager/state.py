@@ -172,6 +172,16 @@ class ClusterState:
     def task(self, name: str) -> TaskState | None:
         return next((t for t in self.tasks if t.task == name), None)
 
+    def figures(self) -> tuple[int | None, float | None]:
+        """The cluster's live figures, as ``ps`` and the dashboard show them: the
+        furthest step any task reported, and the summed samples/s of the tasks not
+        exited; once every task exited, of the last rates every task reported, so an ended run
+        shows the figures it ended on, not nothing."""
+        steps = [t.step for t in self.tasks if t.step is not None]
+        running = [t for t in self.tasks if t.exit_code is None]
+        rates = [t.samples_per_s for t in running or self.tasks if t.samples_per_s is not None]
+        return (max(steps) if steps else None, sum(rates) if rates else None)
+
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "id": self.id,

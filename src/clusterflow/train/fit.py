@@ -95,7 +95,10 @@ def fit(
         replica's samples (``strategy.reduce``), and ``val_*`` figures. Parameter-server
         workers share no collective, so each one's History holds its own replica's
         figures. On an evaluator task (with an ``Evaluate`` hook) it trains nothing and
-        returns each evaluated checkpoint.
+        returns each evaluated checkpoint. A run resumed after its last step trains
+        nothing either and returns one entry: the restored model evaluated on ``data``
+        (not on a data-service client or a one-pass iterator, whose records are spent)
+        and on ``validation_data``.
 
     Raises:
         TrainConfigError: an argument of the wrong kind or value (the message names it),
@@ -202,6 +205,8 @@ class _Loop:
             logs.update(self._validate())
             self.history.append(epoch, logs)
             session.epoch_done(epoch, logs)
+        if start > 0 and not self.history.epoch:
+            self._restored_figures(feeder, min(first, epochs - 1))
 
     # The data service: replicas end epochs (and the run) at their own pace ------------
 
@@ -249,6 +254,11 @@ class _Loop:
         if epoch >= 0:
             sums[epoch] = self._end_client_epoch(session, epoch, totals)
         self._client_history(sums, epochs)
+        if session.step > 0 and not self.history.epoch:
+            # Resumed after its last step: the client's records are all acked, so only
+            # the validation figures of the restored model can be given (the same on
+            # every replica: the reduce above left each one the same empty history).
+            self.history.append(epochs - 1, self._validate())
 
     def _end_client_epoch(
         self, session: TrainingSession, epoch: int, totals: Totals
@@ -294,23 +304,47 @@ class _Loop:
         self.optimizer.step()
         return loss.detach(), _detach(outputs)
 
-    @torch.no_grad()
+    def _restored_figures(self, feeder: Feeder, epoch: int) -> None:
+        """The figures of a run resumed with no step left (it had already finished).
+
+        A caller that runs a finished job again (``start --resume``, or the same script
+        with its checkpoint folder) must still get the model's figures, not an empty
+        History: the restored model is evaluated on the training data (``loss`` and the
+        metrics, summed over the replicas as an epoch's are, with no update) and on the
+        validation data, and recorded as ``epoch``. No hook is told: nothing trained,
+        so nothing is saved again. A one-pass iterator cannot be read again: only its
+        validation figures are given.
+        """
+        _log.info("fit(): resumed after the run's last step; evaluating the restored model")
+        logs: dict[str, float] = {}
+        if not feeder.one_pass:
+            totals = self._evaluate(feeder.epoch(epoch))
+            logs = totals.logs(reduce_sums(self.strategy, totals.local()))
+        logs.update(self._validate())
+        self.history.append(epoch, logs)
+
     def _validate(self) -> dict[str, float]:
         if self.validation is None:
             return {}
+        totals = self._evaluate(self.validation.epoch(0))
+        return totals.logs(totals.local(), prefix="val_")
+
+    @torch.no_grad()
+    def _evaluate(self, feeds: Iterable[Feed]) -> Totals:
+        """This replica's loss and metric sums over ``feeds``, in eval mode, no update."""
         if self.strategy is not None:
             self.strategy.refresh_model()  # a ps replica's model lags the ps
         totals = Totals(self.metrics)
         training = self.model.training
         self.model.eval()
         try:
-            for feed in self.validation.epoch(0):
+            for feed in feeds:
                 outputs = self.model(feed.inputs)
                 loss = _mean_loss(self.loss_fn(outputs, feed.targets))
                 totals.add(loss, outputs, feed.targets, feed.rows)
         finally:
             self.model.train(training)
-        return totals.logs(totals.local(), prefix="val_")
+        return totals
 
 
 def _all_agree(strategy: Strategy | None, mine: bool, count: int) -> bool:

@@ -6,10 +6,16 @@ daemon thread sends the newest ones at most once a second, each call with a shor
 deadline. A manager that is down, slow or too old to know ``task.report`` is logged
 once and otherwise ignored. Outside a cluster (no ``CLUSTERFLOW_MANAGER``) nothing
 happens at all: no thread, no socket.
+
+The rate limit must not cost the last figures: a run shorter than the interval would
+otherwise leave its first report as what ``ps``, ``describe`` and the dashboard show
+for good. ``flush`` sends the newest figures at once; ``fit`` and ``TrainingSession``
+call it when they end, and the process calls it at exit (for loops of one's own).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -21,7 +27,7 @@ from clusterflow.data.env import default_worker_name
 from clusterflow.rpc import Credentials, RemoteError
 from clusterflow.server.manager_link import ManagerLink
 
-__all__ = ["METHOD", "Reporter", "report"]
+__all__ = ["METHOD", "Reporter", "flush", "report"]
 
 _log = logging.getLogger(__name__)
 
@@ -63,6 +69,11 @@ class Reporter:
         self._interval = interval_s
         self._deadline = deadline_s
         self._latest: tuple[int, Any, Any] | None = None
+        self._sent: tuple[int, Any, Any] | None = None
+        # One send at a time, by the thread or by flush: the manager then takes them in
+        # order, and the newest one sent is the one it keeps.
+        self._sending = threading.Lock()
+        self._gone = False  # the manager takes no reports: nothing is sent any more
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._failed = False
@@ -94,6 +105,16 @@ class Reporter:
         self._latest = (step, loss, samples_per_s)
         self._wake.set()
 
+    def flush(self) -> None:
+        """Sends the newest figures now, unless they were sent already.
+
+        Blocks for one answer of the manager (at most ``deadline_s``, after a send
+        already under way). Call once the figures will not change again: at the end
+        of training, where the rate limit would hold the last ones back past the exit.
+        Never raises; after ``close`` it does nothing.
+        """
+        self._send_newest()
+
     def close(self) -> None:
         """Stops the thread (it sends nothing more)."""
         self._stop.set()
@@ -101,20 +122,27 @@ class Reporter:
         self._thread.join(self._deadline + 1.0)
 
     def _run(self) -> None:
-        sent: tuple[int, Any, Any] | None = None
         try:
             while not self._stop.is_set():
                 self._wake.wait()
                 self._wake.clear()
-                latest = self._latest
-                if self._stop.is_set() or latest is None or latest is sent:
-                    continue
-                sent = latest
-                if not self._send(latest):
+                if self._send_newest():
+                    self._stop.wait(self._interval)
+                if self._gone:
                     return
-                self._stop.wait(self._interval)
         finally:
-            self._link.close()
+            with self._sending:
+                self._link.close()
+
+    def _send_newest(self) -> bool:
+        """Sends the newest figures if they are new; whether something was sent."""
+        with self._sending:
+            latest = self._latest
+            if self._stop.is_set() or self._gone or latest is None or latest is self._sent:
+                return False
+            self._sent = latest
+            self._gone = not self._send(latest)
+            return True
 
     def _send(self, figures: tuple[int, Any, Any]) -> bool:
         """Sends one report; False when the manager cannot take reports at all."""
@@ -161,12 +189,28 @@ def report(*, step: int, loss: Any = None, samples_per_s: float | None = None) -
         reporter.offer(step, loss, samples_per_s)
 
 
+def flush() -> None:
+    """Sends this process's newest figures now (see ``Reporter.flush``); never raises.
+
+    ``fit`` and ``TrainingSession`` call it when they end, and it runs at the exit of
+    a process that reported, so the last figures are what the manager keeps however
+    short the run. A no-op where nothing was reported.
+    """
+    reporter = _Process.reporter
+    if reporter is not None and _Process.pid == os.getpid():  # a fork shares no socket
+        try:
+            reporter.flush()
+        except Exception as exc:  # never into training
+            _log.warning("could not send the last live figures: %s", exc)
+
+
 class _Process:
     """The process's one reporter, made on first use from the environment."""
 
     lock = threading.Lock()
     reporter: Reporter | None = None
     resolved = False
+    pid: int | None = None
 
 
 def _current() -> Reporter | None:
@@ -178,5 +222,8 @@ def _current() -> Reporter | None:
                 _Process.reporter = Reporter.from_env(os.environ)
             except Exception as exc:  # never into training
                 _log.warning("live figures off: %s", exc)
+            if _Process.reporter is not None:
+                _Process.pid = os.getpid()
+                atexit.register(flush)  # a loop of one's own: its last step too
             _Process.resolved = True
     return _Process.reporter

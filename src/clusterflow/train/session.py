@@ -46,6 +46,7 @@ from clusterflow.strategies.batches import batch_size_of
 from clusterflow.train.api import Hook, StepInfo, TrainConfigError, TrainError
 from clusterflow.train.evaluate import Evaluate, Evaluation, is_evaluator
 from clusterflow.train.meter import Throughput
+from clusterflow.train.report import flush as flush_report
 from clusterflow.train.report import report
 from clusterflow.train.stop import StopAtStep
 
@@ -349,6 +350,10 @@ class TrainingSession:
             else:
                 _log.warning("could not settle the last steps' data splits: %s", exc)
         self._state = "closed"
+        if self._report:
+            # The rate limit holds back all but one report a second: the last step's
+            # figures are sent now, or a short run would show its first ones for good.
+            flush_report()
         if failure is not None and error is None:
             raise failure
 

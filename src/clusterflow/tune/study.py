@@ -37,6 +37,7 @@ from clusterflow.cluster.trial import (
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
+from clusterflow.manager.restore import committed_or_none
 from clusterflow.tune import launch
 from clusterflow.tune.launch import TrialCluster
 from clusterflow.tune.placement import ENV_VISIBLE, gpus_per_trial, trials_at_once
@@ -354,9 +355,11 @@ class StudyRunner:
         r.gpus = []
         cluster_state = r.launched.cluster.read_state()
         own = r.launched.cluster.path / "checkpoints"
-        checkpoint = cluster_state.checkpoint_dir or (str(own) if own.is_dir() else None)
+        checkpoint = cluster_state.checkpoint_dir or str(own)
         r.trial.set_user_attr("summary", summary)
-        if checkpoint:
+        # Named only when it holds a committed checkpoint (what load_module can open):
+        # a trial that saved nothing, or was pruned before its first save, has none.
+        if committed_or_none(checkpoint) is not None:
             r.trial.set_user_attr("checkpoint", checkpoint)
         if value is not None:
             self.study.tell(r.trial, value)

@@ -38,7 +38,8 @@ class DataProgress:
         self._sizes: dict[str, tuple[float, dict[str, int]]] = {}
 
     def read(self, cluster: ClusterDir, state: ClusterState) -> list[dict[str, Any]]:
-        """One row per dataset: epoch, splits per epoch, leased (outstanding), acked."""
+        """One row per dataset: its oldest live epoch's splits, acked, leased and
+        pending, and the leases of later epochs (``_row``)."""
         address = state.manager.address if state.manager else None
         if not address or state.status not in ("running", "restarting"):
             self._drop(cluster.id)
@@ -97,15 +98,28 @@ def _num_splits(spec: dict[str, Any]) -> int:
 
 
 def _row(name: str, num_splits: int, status: dict[str, Any]) -> dict[str, Any]:
+    """The oldest live epoch's splits, each counted once: acked + leased + pending =
+    splits (``data/leases.py``: a split is in exactly one of the three states).
+
+    The ledger's ``outstanding`` counts the leases of every live epoch, and the next
+    epoch opens while this one still has leases out: shown as this epoch's, it made
+    ``leased 11`` beside 10 of 12 acknowledged. Leases of later epochs are their own
+    figure, ``leased_ahead``.
+    """
     live = status.get("live") or {}
     epoch = int(status.get("epoch", 0))
     current = live.get(str(epoch)) or {}
+    acked, pending = int(current.get("acked", 0)), int(current.get("pending", 0))
+    outstanding = int(status.get("outstanding", 0))
+    finished = bool(status.get("finished"))
+    leased = 0 if finished else max(0, min(outstanding, num_splits - acked - pending))
     return {
         "dataset": name,
         "epoch": epoch,
-        "finished": bool(status.get("finished")),
+        "finished": finished,
         "splits": num_splits,
-        "leased": int(status.get("outstanding", 0)),
-        "acked": int(current.get("acked", 0)),
-        "pending": int(current.get("pending", 0)),
+        "leased": leased,
+        "acked": num_splits if finished else acked,
+        "pending": pending,
+        "leased_ahead": outstanding - leased,
     }

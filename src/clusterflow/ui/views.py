@@ -95,8 +95,7 @@ def _age(state: ClusterState, now: float) -> float | None:
 def cluster_row(cluster: ClusterDir, state: ClusterState, now: float) -> dict[str, Any]:
     """One line of the cluster list (and the head of its page)."""
     live = [t for t in state.tasks if t.exit_code is None and t.status == "running"]
-    steps = [t.step for t in state.tasks if t.step is not None]
-    rates = [t.samples_per_s for t in live if t.samples_per_s is not None]
+    step, rate = state.figures()
     return {
         "id": cluster.id,
         "status": registry.effective_status(state),
@@ -106,8 +105,8 @@ def cluster_row(cluster: ClusterDir, state: ClusterState, now: float) -> dict[st
         "max_restarts": state.max_restarts,
         "age_s": _age(state, now),
         "created": state.created,
-        "step": max(steps) if steps else None,
-        "samples_per_s": sum(rates) if rates else None,
+        "step": step,
+        "samples_per_s": rate,
         "command": shlex.join(state.command),
         "backend": state.backend or "local",
         "summary": state.summary,

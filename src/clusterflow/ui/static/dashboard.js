@@ -91,6 +91,28 @@ const cf = (() => {
   }
 
   // Charts: one per figure, one series per task -------------------------------------
+  // Tick labels with as many decimals as the step between two ticks needs: uPlot's
+  // default keeps three, so a loss between 2.3290 and 2.3292 showed "2.329" on every tick.
+  function tickLabels(u, splits, axisIdx, space, incr) {
+    let step = incr || 0;
+    for (let i = 1; !step && i < splits.length; i++) step = Math.abs(splits[i] - splits[i - 1]);
+    let digits = 0;
+    while (step && digits < 15) {
+      const scaled = step * 10 ** digits;
+      if (Math.abs(Math.round(scaled) - scaled) <= 1e-6 * Math.max(1, scaled)) break;
+      digits++;
+    }
+    const largest = Math.max(...splits.map((v) => Math.abs(v || 0)));
+    return splits.map((v) => {
+      if (v === null || v === undefined) return "";
+      if (digits <= 6) return v.toFixed(digits);
+      // Tiny steps: as many significant digits as the step needs, in exponent form.
+      const lead = largest ? Math.floor(Math.log10(largest)) : 0;
+      return v.toExponential(Math.min(14, Math.max(1, digits + lead)));
+    });
+  }
+  const yAxis = (label) => ({ label, size: 60, values: tickLabels });
+
   const charts = {};
   let lastCheckpoints = [];
   class FigureChart {
@@ -105,7 +127,7 @@ const cf = (() => {
         label: t, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
       })));
       this.plot = new uPlot({ width, height: 200, series, scales: { x: { time: true } },
-        axes: [{}, { label: this.label, size: 60 }] }, this.data, this.box);
+        axes: [{}, yAxis(this.label)] }, this.data, this.box);
     }
     add(time, tasks) {
       const names = tasks.map((t) => t.task);
@@ -166,12 +188,18 @@ const cf = (() => {
     const now = Date.now() / 1000;
     if (!ended || !charts.step.data[0].length) FIGURES.forEach(([key]) => charts[key].add(now, c.tasks));
 
+    // Splits of the epoch shown: acknowledged + leased + pending = splits. Leases of
+    // the next epochs (lent before this one ends) are counted apart.
     fill("data", (c.data || []).map((d) => row([
       cell(d.dataset), cell(String(d.epoch) + (d.finished ? " (finished)" : ""), "num"),
-      cell(String(d.splits), "num"), cell(String(d.leased), "num"),
-      cell(String(d.acked), "num"), cell(String(d.pending), "num"),
+      cell(String(d.splits), "num"), cell(String(d.acked), "num"),
+      cell(String(d.leased), "num"), cell(String(d.pending), "num"),
+      cell(String(d.leased_ahead), "num"),
     ])), "no dataset registered with the data service");
     if (c.checkpoints) {
+      // The folder is named only once it holds a committed checkpoint.
+      document.getElementById("checkpoint-dir").textContent =
+        c.checkpoints.length ? c.checkpoint_dir : "- (no checkpoint committed yet)";
       fill("checkpoints", c.checkpoints.slice().reverse().map((k) => row([
         cell(String(k.step), "num"), cell(clock(k.created)), cell(String(k.parts), "num"),
         cell(bytes(k.bytes), "num"), cell(k.directory),
@@ -237,6 +265,8 @@ const cf = (() => {
     });
   }
 
-  return { listPage, clusterPage, charts, lastPoint: (key, task) => charts[key].last(task) };
+  return {
+    listPage, clusterPage, charts, yAxis, lastPoint: (key, task) => charts[key].last(task),
+  };
 })();
 window.cf = cf;
