@@ -269,10 +269,11 @@ def test_a_zombie_healed_after_its_replacement_ran_applies_nothing_and_stops(
     0; host 1 is cut off; the "manager" raises the fence and relaunches worker:0 on host
     2; the link heals after the replacement trained. The zombie's request in flight
     died with its connection (the cut outlasts the kernel's retries); once the link is
-    back its clients ask whether it was fenced, and it stops with ``TaskFenced`` within
-    the documented bound (the heal, a re-dial and one answer, its exit), never reaching
-    its own 60 s deadline. Nothing of it was served after the fence; every record of
-    the counter model is counted exactly once."""
+    back its clients ask whether it was fenced, and it stops with ``TaskFenced``: it
+    learnt it was replaced, it did not wait out its own 60 s deadline (it would end by
+    ``DeadlineExceeded`` then; how long it took is ``benchmarks/hostile.py``'s figure,
+    not this test's). Nothing of it was served after the fence; every record of the
+    counter model is counted exactly once."""
     outcome = _hostile_partition.run(
         "zombie_heals_after_replacement", tmp_path / "zombie", cut_s=10.0, prefix="fence"
     )
@@ -280,4 +281,4 @@ def test_a_zombie_healed_after_its_replacement_ran_applies_nothing_and_stops(
     assert outcome.served_after_fence == 0, outcome
     assert outcome.refused >= 1, outcome
     assert outcome.lost == 0 and outcome.duplicated == 0, outcome
-    assert outcome.stall_s <= outcome.stall_bound_s, outcome
+    assert "DeadlineExceeded" not in outcome.first_exit, outcome

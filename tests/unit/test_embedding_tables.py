@@ -394,6 +394,23 @@ def test_stale_row_pushes_are_dropped_or_scaled_as_dense_ones() -> None:
         assert store.pull({"t": torch.tensor([1])})[1]["t"][0, 0] == 2.0 + expected - 1.0
 
 
+def test_a_row_push_exactly_max_staleness_old_is_applied_one_more_is_dropped() -> None:
+    """The tables decide staleness as the dense store does (``PSConfig.too_stale``): a
+    push exactly ``max_staleness`` versions old is applied, one more is stale."""
+    grads = {"t": (torch.tensor([1]), -torch.ones(1, 2))}
+    store = RowStore(0)
+    spec = TableSpec(name="t", rows=10, dim=2, num_shards=1, init="zeros")
+    store.create(PSConfig(max_staleness=2, stale_policy="drop"), [spec])
+    store.set_optimizer({"t": RowOptimizerSpec(name="SGD", hyper={"lr": 1.0})})
+    for version in range(2):
+        assert store.push(worker="fast", version=version, grads=grads).applied
+    at_bound = store.push(worker="slow", version=0, grads=grads)
+    assert (at_bound.staleness, at_bound.applied) == (2, True)
+    past = store.push(worker="slow", version=0, grads=grads)
+    assert (past.staleness, past.applied) == (3, False)
+    assert store.pull({"t": torch.tensor([1])})[1]["t"][0, 0] == 3.0  # three applied
+
+
 def test_warmup_with_no_dense_variable_on_the_ps_is_refused_in_one_line() -> None:
     strategy = _strategy(1, mode="async", dense="allreduce", warmup_steps=3)
     with pytest.raises(ConfigError, match="warmup_steps"), strategy.scope():

@@ -128,6 +128,34 @@ def test_max_staleness_drops_or_scales(policy: str) -> None:
         assert torch.allclose(store.vars["w"], before - 0.1 / 3)
 
 
+@pytest.mark.parametrize("policy", ["drop", "scale"])
+def test_a_push_exactly_max_staleness_old_is_applied_as_is_one_more_is_stale(
+    policy: str,
+) -> None:
+    """The boundary ``PSConfig.max_staleness`` documents: ``too_stale`` is ``staleness >
+    max_staleness``, so a push exactly that many versions old is applied at full lr."""
+    store = make_store(PSConfig(max_staleness=2, stale_policy=policy))  # type: ignore[arg-type]
+    for _ in range(2):
+        store.push(worker="worker:0", version=store.version, grads=grads(1.0))
+    before = store.vars["w"].clone()
+    at_bound = store.push(worker="worker:1", version=0, grads=grads(1.0))
+    assert (at_bound.staleness, at_bound.applied, at_bound.reason) == (2, True, "")
+    assert torch.equal(store.vars["w"], before - 0.1)  # not scaled: it is not stale
+    before = store.vars["w"].clone()
+    past = store.push(worker="worker:1", version=0, grads=grads(1.0))
+    assert past.staleness == 3
+    if policy == "drop":
+        assert (past.applied, past.reason) == (False, "stale")
+        assert torch.equal(store.vars["w"], before)
+    else:
+        assert past.applied
+        assert torch.allclose(store.vars["w"], before - 0.1 / 3)
+    stats = store.snapshot_stats()
+    assert (stats.get("dropped_stale", 0), stats.get("scaled_stale", 0)) == (
+        (1, 0) if policy == "drop" else (0, 1)
+    )
+
+
 def test_staleness_aware_learning_rate() -> None:
     store = make_store(PSConfig(staleness_aware_lr=True))
     store.push(worker="worker:0", version=0, grads=grads(1.0))

@@ -84,3 +84,143 @@ def test_every_thread_a_test_starts_is_a_daemon() -> None:
                 ):
                     plain.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not plain, f"threads that are not daemons: {plain}"
+
+
+# No timing threshold, no sleep as a wait (docs/testing.md) --------------------------------
+
+CLOCKS = frozenset({"monotonic", "time", "perf_counter", "monotonic_ns", "perf_counter_ns"})
+TIMING_WORDS = ("elapsed", "took", "duration", "stall", "rtt")
+"""Names (or attributes) that hold a measured time, whatever clock measured it."""
+
+
+def _is_clock_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in CLOCKS
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "time"
+    )
+
+
+def _measures_time(node: ast.AST) -> bool:
+    """A difference of clock readings (``time.monotonic() - started``): a duration. A
+    clock compared with a deadline (``time.monotonic() < deadline``) is a safety net."""
+    return any(
+        isinstance(sub, ast.BinOp)
+        and isinstance(sub.op, ast.Sub)
+        and any(_is_clock_call(part) for part in ast.walk(sub))
+        for sub in ast.walk(node)
+    )
+
+
+def _name_of(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def timing_thresholds(source: str) -> list[int]:
+    """Lines of ``assert``s that bound a measured duration: the clock difference itself,
+    a name assigned one, or a name that says it is one (``elapsed``, ``took_s``)."""
+    tree = ast.parse(source)
+    durations = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and _measures_time(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in ast.walk(node.test):
+            if not isinstance(compare, ast.Compare) or not all(
+                isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in compare.ops
+            ):
+                continue
+            operands = [compare.left, *compare.comparators]
+            names = {_name_of(sub) for operand in operands for sub in ast.walk(operand)}
+            if (
+                any(_measures_time(operand) for operand in operands)
+                or names & durations
+                or any(word in name for name in names for word in TIMING_WORDS)
+            ):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def sleeps_outside_a_poll(source: str) -> list[int]:
+    """Lines of ``time.sleep`` calls that are not in a ``while`` loop's body: a sleep
+    that is not a poll of a condition waits for time itself to make something true."""
+    tree = ast.parse(source)
+    polled: set[int] = set()
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.While):
+            polled |= {id(node) for stmt in loop.body for node in ast.walk(stmt)}
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "sleep"
+        and id(node) not in polled
+    ]
+
+
+def _test_modules() -> list[Path]:
+    """The tests and their fixtures; the jobs they launch (``*_job.py``) may sleep as the
+    behaviour under test (a straggler's slow step)."""
+    return sorted(
+        p for p in TESTS.rglob("*.py") if p.name.startswith("test_") or p.name == "conftest.py"
+    )
+
+
+def test_no_test_asserts_a_timing_threshold() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _test_modules()
+        for line in timing_thresholds(path.read_text())
+    ]
+    assert not found, f"timing thresholds (assert what happened, not how fast): {found}"
+
+
+def test_no_test_sleeps_except_to_poll_a_condition() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _test_modules()
+        for line in sleeps_outside_a_poll(path.read_text())
+    ]
+    assert not found, f"sleeps used as waits (wait on the condition): {found}"
+
+
+def test_the_checks_find_the_common_forms_and_leave_safety_nets_alone() -> None:
+    # The forms this suite once held (issue 31), each a finding...
+    assert timing_thresholds(
+        "started = time.monotonic()\n"
+        "assert time.monotonic() - started < 5\n"
+        "assert time.monotonic() - started >= 0.2  # held back\n"
+        "elapsed = time.perf_counter() - t0\n"
+        "assert elapsed < 60\n"
+        "assert 0 < outcome.elapsed_s <= bound\n"
+        "took = time.time() - t\n"
+        "assert x and took < 1\n"
+        "assert outcome.stall_s <= outcome.stall_bound_s\n"
+    ) == [2, 3, 5, 6, 8, 9]
+    assert sleeps_outside_a_poll(
+        "time.sleep(0.4)\nassert len(bodies) == 2\nfor _ in range(3):\n    time.sleep(1)\n"
+    ) == [1, 4]
+    # ...and what is not one: a deadline as a safety net, a poll of a condition.
+    assert (
+        timing_thresholds(
+            "deadline = time.monotonic() + 30\n"
+            "while busy():\n"
+            "    assert time.monotonic() < deadline, 'never'\n"
+            "    time.sleep(0.01)\n"
+            "assert deadline_s > 0 and count < 5\n"
+        )
+        == []
+    )
+    assert sleeps_outside_a_poll("while not flag.exists():\n    time.sleep(0.05)\n") == []

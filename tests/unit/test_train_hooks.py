@@ -1,7 +1,9 @@
 """The hooks: Summary (read back with TensorBoard's reader), Progress, Checkpoint, Evaluate.
 
-``Checkpoint`` and ``run_evaluator`` are driven here with a stand-in ``Checkpointer``
-(its API is the contract); the real one is exercised by the restart tests in
+``Checkpoint`` runs over the real ``Checkpointer`` with only its write recorded
+(``RecordingCheckpointer``), so the save schedule under test is the real one;
+``run_evaluator`` over stand-in commits. The real writes are exercised by
+tests/unit/test_checkpointer.py and the restart tests in
 tests/integration/test_session_in_cluster.py.
 """
 
@@ -9,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from clusterflow.train import (
 from clusterflow.train import checkpoint as checkpoint_module
 from clusterflow.train import evaluate as evaluate_module
 from clusterflow.train.checkpoint import read_final, write_final
+from clusterflow.train.cut import Checkpointer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,59 +154,62 @@ def test_evaluate_is_the_evaluators_one_frozen_config(tmp_path: Path) -> None:
 # Checkpoint ------------------------------------------------------------------------------
 
 
-class FakeCheckpointer:
-    """Records calls; restores ``restore_step``; saves when ``step % every == 0``."""
+class RecordingCheckpointer(Checkpointer):
+    """The real ``Checkpointer`` (its schedule, ``maybe_save``, decides when to save) with
+    its write replaced by a record: ``saved`` is the steps at which a save happened, in
+    order, for the tests to compare with literal steps. It decides nothing itself."""
 
-    made: list[FakeCheckpointer] = []
+    made: list[RecordingCheckpointer] = []
+    restore_step = 0
+    """What ``restore`` finds (0: no checkpoint), as a stored checkpoint would give."""
 
     def __init__(self, strategy: Any, **kwargs: Any) -> None:
-        self.strategy, self.kwargs = strategy, kwargs
+        super().__init__(strategy, **kwargs)
+        self.kwargs = kwargs
         self.saved: list[int] = []
         self.closed = False
-        self.restore_step = 0
-        self.last_saved_step: int | None = None
-        FakeCheckpointer.made.append(self)
+        RecordingCheckpointer.made.append(self)
 
-    def restore(self) -> int:
+    def restore(self, *, latest: bool = False) -> int:
+        if self.restore_step:
+            self.last_saved_step = self.restore_step  # as the real one after a load
         return self.restore_step
 
-    def maybe_save(self, step: int) -> bool:
-        every = self.kwargs["every_steps"]
-        if every and step % every == 0:
-            self.save(step)
-            return True
-        return False
-
-    def save(self, step: int) -> None:
+    def _save(self, step: int) -> int:
         self.saved.append(step)
-        self.last_saved_step = step
+        return step
 
     def close(self) -> None:
         self.closed = True
 
 
 @pytest.fixture
-def fake_checkpointer(monkeypatch: pytest.MonkeyPatch) -> type[FakeCheckpointer]:
-    FakeCheckpointer.made = []
-    monkeypatch.setattr(
-        checkpoint_module,
-        "open_checkpointer",
-        FakeCheckpointer,
-    )
-    return FakeCheckpointer
+def recording_checkpointer(monkeypatch: pytest.MonkeyPatch) -> type[RecordingCheckpointer]:
+    monkeypatch.setattr(RecordingCheckpointer, "made", [])
+    monkeypatch.setattr(checkpoint_module, "open_checkpointer", RecordingCheckpointer)
+    return RecordingCheckpointer
 
 
 def test_checkpoint_saves_on_schedule_and_at_the_end_then_marks_final(
-    tmp_path: Path, fake_checkpointer: type[FakeCheckpointer]
+    tmp_path: Path, recording_checkpointer: type[RecordingCheckpointer]
 ) -> None:
     directory = tmp_path / "ckpt"
     write_final(str(directory), 3)  # an earlier run's marker: cleared on entering
     history = _fit([Checkpoint(directory, every_steps=3, keep=2), StopAtStep(7)])
-    (made,) = fake_checkpointer.made
+    (made,) = recording_checkpointer.made
     assert made.kwargs["directory"] == str(directory) and made.kwargs["keep"] == 2
-    assert made.saved == [3, 6, 7] and made.closed
+    assert made.saved == [3, 6, 7] and made.closed  # every 3rd step, then the last one
     assert history.step == 7
     assert read_final(str(directory)) == 7
+
+
+def test_checkpoint_does_not_save_the_last_step_twice(
+    tmp_path: Path, recording_checkpointer: type[RecordingCheckpointer]
+) -> None:
+    _fit([Checkpoint(tmp_path / "ckpt", every_steps=3), StopAtStep(6)])
+    (made,) = recording_checkpointer.made
+    assert made.saved == [3, 6]  # the schedule saved step 6: the end adds nothing
+    assert read_final(str(tmp_path / "ckpt")) == 6
 
 
 def test_the_final_marker_of_another_cluster_is_not_this_runs(
@@ -221,34 +227,33 @@ def test_the_final_marker_of_another_cluster_is_not_this_runs(
 
 
 def test_checkpoint_saves_nothing_after_an_error(
-    tmp_path: Path, fake_checkpointer: type[FakeCheckpointer]
+    tmp_path: Path, recording_checkpointer: type[RecordingCheckpointer]
 ) -> None:
     hook = Checkpoint(tmp_path / "ckpt", every_steps=10)
-    with pytest.raises(RuntimeError), TrainingSession(hooks=[hook]) as session:
-        session.step_done()
+    with pytest.raises(RuntimeError), TrainingSession(model=nn.Linear(1, 1), hooks=[hook]) as s:
+        s.step_done()
         raise RuntimeError("lost a peer")
-    (made,) = fake_checkpointer.made
+    (made,) = recording_checkpointer.made
     assert made.saved == [] and made.closed
     assert read_final(str(tmp_path / "ckpt")) is None
 
 
 def test_checkpoint_resumes_the_session_at_the_restored_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recording_checkpointer: type[RecordingCheckpointer],
 ) -> None:
-    def opened(strategy: Any, **kwargs: Any) -> FakeCheckpointer:
-        made = FakeCheckpointer(strategy, **kwargs)
-        made.restore_step = 40
-        return made
-
-    monkeypatch.setattr(checkpoint_module, "open_checkpointer", opened)
+    monkeypatch.setattr(recording_checkpointer, "restore_step", 40)
     monkeypatch.setenv("CLUSTERFLOW_CHECKPOINT_DIR", str(tmp_path / "env-dir"))
     hook = Checkpoint(every_steps=5)
-    with TrainingSession(hooks=[StopAtStep(42), hook]) as session:
+    with TrainingSession(model=nn.Linear(1, 1), hooks=[StopAtStep(47), hook]) as session:
         assert session.step == 40
         while not session.should_stop():
             session.step_done()
+    (made,) = recording_checkpointer.made
+    assert made.saved == [45, 47]  # counted on from 40: 45 on schedule, 47 at the end
     assert hook.resolved_directory == str(tmp_path / "env-dir")
-    assert read_final(str(tmp_path / "env-dir")) == 42
+    assert read_final(str(tmp_path / "env-dir")) == 47
 
 
 # Evaluate --------------------------------------------------------------------------------
@@ -328,33 +333,36 @@ def test_run_evaluator_evaluates_each_new_checkpoint_until_the_final_one(
 
 
 def test_run_evaluator_ends_on_a_stop_file_or_when_idle(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     commits = Commits(tmp_path / "ckpt")
     monkeypatch.setattr(evaluate_module, "load_into", commits.load)
     commits.commit(5)
     stop = tmp_path / "stop"
     stop.touch()
-    results = run_evaluator(
-        nn.Linear(1, 1),
-        lambda m: {"x": 1.0},
-        directory=tmp_path / "ckpt",
-        stop_file=stop,
-        poll_s=0.01,
-    )
+    with caplog.at_level(logging.INFO, logger="clusterflow.train.evaluate"):
+        results = run_evaluator(
+            nn.Linear(1, 1),
+            lambda m: {"x": 1.0},
+            directory=tmp_path / "ckpt",
+            stop_file=stop,
+            poll_s=0.01,
+        )
     assert [r.step for r in results] == [5]
-    started = time.monotonic()
-    assert (
-        run_evaluator(
+    assert f"stop file {stop} found" in caplog.text
+    caplog.clear()
+    # No checkpoint ever comes: it ends on its idle timeout (the test's own timeout is the
+    # net for a hang), and says that this is why.
+    with caplog.at_level(logging.INFO, logger="clusterflow.train.evaluate"):
+        ended = run_evaluator(
             nn.Linear(1, 1),
             lambda m: {},
             directory=tmp_path / "none",
             idle_timeout_s=0.1,
             poll_s=0.01,
         )
-        == []
-    )
-    assert time.monotonic() - started < 5
+    assert ended == []
+    assert "the evaluator ends" in caplog.text and "no new checkpoint in" in caplog.text
 
 
 def test_eval_fn_must_return_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

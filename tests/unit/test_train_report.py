@@ -6,7 +6,6 @@ import logging
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,22 +59,89 @@ def manager() -> Iterator[Manager]:
     fake.server.stop()
 
 
+class Interval(threading.Event):
+    """The reporter's stop event, whose timed wait (the pause of ``interval_s`` after a
+    send) is held until the test opens it: what a pause lets through is then decided by
+    the test, not by how fast either thread runs. ``close()`` (``set``) still ends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond = threading.Condition()
+        self.pauses: list[float] = []
+        self.opened = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            return super().wait()
+        with self.cond:
+            self.pauses.append(timeout)
+            self.cond.notify_all()
+            n = len(self.pauses)
+            self.cond.wait_for(lambda: self.opened >= n or self.is_set(), 10)
+        return self.is_set()
+
+    def set(self) -> None:
+        super().set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_paused(self, count: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.pauses) >= count, 10), self.pauses
+
+    def open(self) -> None:
+        with self.cond:
+            self.opened += 1
+            self.cond.notify_all()
+
+
+class Wake(threading.Event):
+    """The reporter's wake event, counting the times its thread went back to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond = threading.Condition()
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self.cond:
+            self.waits += 1
+            self.cond.notify_all()
+        return super().wait(timeout)
+
+
 def test_the_newest_figures_arrive_at_most_once_per_interval(manager: Manager) -> None:
     reporter = Reporter.from_env(manager.env())
     assert reporter is not None
-    reporter._interval = 0.3  # the figures of one interval collapse into one send
+    # Swapped before the first offer, while the thread has nothing to send.
+    interval, wake, parked_on = Interval(), Wake(), reporter._wake
+    reporter._stop, reporter._wake = interval, wake
+    parked_on.set()  # wake it from the old event: it waits on the new one from then on
+    reporter._interval = 0.3
     try:
         reporter.offer(1, torch.tensor(2.5), 100.0)
         first = manager.wait_for(1)[0]
         assert first == {"task": "worker:1", "step": 1, "loss": 2.5, "samples_per_s": 100.0}
-        started = time.monotonic()
+        interval.wait_paused(1)  # the pause after the first send holds the thread now
         for step in range(2, 50):
             reporter.offer(step, None, None)
+        assert len(manager.bodies) == 1  # held back by the interval: nothing sent in it
+        interval.open()
         bodies = manager.wait_for(2)
-        assert time.monotonic() - started >= 0.2  # held back by the interval
+        # The 48 offers of one interval collapsed into one send, of the newest figures.
         assert bodies[1] == {"task": "worker:1", "step": 49, "loss": None, "samples_per_s": None}
-        time.sleep(0.4)
-        assert len(manager.bodies) == 2  # nothing new offered: nothing sent
+        interval.wait_paused(2)
+        assert interval.pauses == [0.3, 0.3]  # each pause is the interval
+        with wake.cond:
+            waits = wake.waits
+        interval.open()
+        with wake.cond:  # back to waiting for an offer; a spurious wake sends nothing
+            assert wake.cond.wait_for(lambda: wake.waits > waits, 10)
+            waits = wake.waits
+        wake.set()
+        with wake.cond:
+            assert wake.cond.wait_for(lambda: wake.waits > waits, 10)
+        assert len(manager.bodies) == 2 and len(interval.pauses) == 2  # nothing new offered
     finally:
         reporter.close()
 

@@ -45,7 +45,8 @@ class PSConfig:
     backup_workers: int = 0
     """sync only: a step takes the first num_replicas - backup_workers pushes."""
     max_staleness: int | None = None
-    """async only: pushes computed from values this many steps old or older are stale."""
+    """async only: a push computed from values more than this many versions old is stale;
+    exactly this many old is still applied as is (``too_stale``: ``staleness >``)."""
     stale_policy: StalePolicy = "drop"
     """What happens to a stale push: dropped, or scaled by 1/staleness."""
     staleness_aware_lr: bool = False

@@ -27,7 +27,9 @@ class ParameterServerConfig:
     backup_workers: int = 0
     """sync only: a step takes the first N = replicas - k pushes; the k slowest drop."""
     max_staleness: int | None = None
-    """async only: a push computed from values older than this many versions is stale."""
+    """async only: a push computed from values more than this many versions old is stale;
+    one exactly this many versions old is applied as is (0: only a push from the current
+    values is fresh)."""
     stale_policy: StalePolicy = "drop"
     """``drop`` a stale push (its splits go back to the data service), or ``scale``
     its learning rate by 1/staleness."""
