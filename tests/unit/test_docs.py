@@ -6,8 +6,8 @@
   options, exists in the CLI; every option ``docs/cli.md`` names in a command's section
   is one of that command's; and every command and option of the CLI is documented in
   ``docs/cli.md``. The CLI is read from click's command objects, not from a subprocess.
-* The Python snippets of ``docs/concepts.md`` that need no cluster run as shown; every
-  Python snippet on every page at least compiles.
+* Code blocks are run by ``tests/unit/test_doc_snippets.py`` (and, for those that need
+  a cluster, ``tests/integration/test_doc_snippets.py``).
 * Every citation "docs/architecture.md section N" in ``src/``, ``docs/``, ``tests/`` and
   ``benchmarks/`` names a section the page has, and nothing cites a map outside the
   repository; every module path the page names exists, unless its paragraph (or table
@@ -20,17 +20,12 @@ and the page are brought up to date.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-import pytest
 
 from clusterflow.cli.main import cli
 
@@ -51,22 +46,6 @@ PENDING_PAGES: tuple[str, ...] = ()
 
 PENDING_BEGIN = "<!-- pending-options: start -->"
 PENDING_END = "<!-- /pending-options -->"
-NEEDS_CLUSTER = "# Run under `clusterflow start"
-"""The first line of a snippet that runs only inside a cluster; it is compiled only."""
-
-CLUSTER_VARIABLES = frozenset(
-    {
-        "TF_CONFIG",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-)
-"""Set by a surrounding cluster; they would make the snippets tasks of that cluster."""
-
 SHELL_LANGUAGES = frozenset({"", "sh", "bash", "shell", "console", "text"})
 GLOBAL_OPTIONS = frozenset({"-h", "--help", "-V", "--version"})
 
@@ -385,65 +364,6 @@ def test_pending_options_have_not_landed() -> None:
         f"docs/cli.md and remove it from the pending-options section and from "
         f"PENDING_START_OPTIONS in {Path(__file__).name}"
     )
-
-
-# Tests: snippets ------------------------------------------------------------------------
-
-
-def python_blocks(page: Page) -> list[Block]:
-    return [b for b in page.blocks if b.language == "python"]
-
-
-def test_every_python_snippet_compiles() -> None:
-    problems = []
-    for page in doc_pages():
-        for block in python_blocks(page):
-            try:
-                compile(block.text, f"{page.name}:{block.line}", "exec")
-            except SyntaxError as exc:
-                problems.append(f"{page.name}:{block.line + (exc.lineno or 1) - 1}: {exc.msg}")
-    assert not problems, "\n".join(problems)
-
-
-_RUNNER = """
-import json, sys, traceback
-failed = []
-for where, code in json.loads(sys.stdin.read()):
-    try:
-        exec(compile(code, where, "exec"), {"__name__": "__main__"})
-    except BaseException:
-        failed.append(where + "\\n" + traceback.format_exc())
-if failed:
-    sys.exit("\\n".join(failed))
-"""
-
-
-@pytest.mark.timeout(300)
-def test_concepts_snippets_run_in_one_process() -> None:
-    """What concepts.md says runs alone does: one interpreter, each snippet afresh."""
-    page = read_page(CONCEPTS_PAGE)
-    snippets = [
-        (f"{page.name}:{b.line}", b.text)
-        for b in python_blocks(page)
-        if not b.text.lstrip().startswith(NEEDS_CLUSTER)
-    ]
-    assert snippets, f"{page.name} has no snippet that runs alone"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in CLUSTER_VARIABLES and not k.startswith("CLUSTERFLOW_")
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps(snippets),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=280,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 # Tests: the architecture page ----------------------------------------------------------
