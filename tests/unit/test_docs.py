@@ -426,3 +426,28 @@ def test_architecture_page_names_only_modules_that_exist_or_are_planned() -> Non
 def test_the_architecture_page_is_linked_from_the_readme_and_the_docs() -> None:
     assert "docs/architecture.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     assert "architecture.md" in CONCEPTS_PAGE.read_text(encoding="utf-8")
+
+
+# Tests: the README's commands and CI ----------------------------------------------------
+
+_CI_SCRIPT = ROOT / ".ci" / "run"
+_INSTALL_CHROMIUM = re.compile(r"command -v chromium >/dev/null \|\| \{[^}]*apt-get install[^}]*\}")
+_PIP_INSTALL = re.compile(r"pip install (?:-q )?(-c ci/constraints\.txt -e '\.\[test\]')")
+
+
+def test_readmes_suite_command_installs_what_ci_installs() -> None:
+    """Pins the README's second command to ``.ci/run``: both install Debian's chromium when
+    it is missing, with the same line (the README's command once lacked it, so it failed
+    on a fresh machine while CI passed), install the same pinned test extras, and run
+    pytest from the venv; and the README says what the suite needs from the system."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = read_page(ROOT / "README.md")
+    command = next(b.text for b in page.blocks if "pytest" in b.text)
+    ci = _CI_SCRIPT.read_text(encoding="utf-8")
+    chromium = [m.group(0) for m in _INSTALL_CHROMIUM.finditer(command)]
+    assert chromium, f"the README's suite command does not install chromium: {command}"
+    assert chromium == [m.group(0) for m in _INSTALL_CHROMIUM.finditer(ci)]
+    assert _PIP_INSTALL.findall(command) == _PIP_INSTALL.findall(ci) != []
+    assert ".venv/bin/python -m pytest" in command and ".venv/bin/python -m pytest" in ci
+    for need in ("Python 3.11", "chromium", "root", "iproute2"):
+        assert need in readme, f"the README does not say the suite needs {need}"
