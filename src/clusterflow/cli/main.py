@@ -76,6 +76,51 @@ def cli() -> None:
 
 # start ---------------------------------------------------------------------------------
 
+START_FLAGS = {
+    "chief": "--chief",
+    "ps": "--ps",
+    "workers": "--workers",
+    "evaluator": "--evaluator",
+    "replicas_per_host": "--replicas-per-host",
+    "max_restarts": "--max-restarts",
+    "checkpoint_dir": "--checkpoint-dir",
+    "stall_timeout_s": "--stall-timeout",
+    "backend": "--backend",
+    "address": "--address",
+    "job_dir": "--job-dir",
+    "memory": "--memory",
+    "cache": "--cache",
+    "command": "the command after --",
+    "ps_command": "--ps-cmd",
+    "untracked": "--untracked",
+    "resources": "--resources",
+    "labels": "--label",
+    "grace_s": "--grace",
+}
+"""``start``'s (and ``tune``'s) option for each setting it gives: what an error names
+when the bad value came from the command line (``--grace``, never the field ``grace_s``)."""
+
+
+def start_layers(
+    flags: dict[str, Any], config_file: str | None, resumed: str | None = None
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``RunConfig.merge``'s layers for ``start``'s options, and how each names its
+    settings: a resumed cluster's settings, the cluster file's keys (naming the file),
+    then the flags given."""
+    from clusterflow.manager.config import Spelling
+
+    layers = [
+        _resumed_settings(resumed) if resumed else {},
+        _load_cluster_file(config_file) if config_file else {},
+        {k: v for k, v in flags.items() if v is not None},
+    ]
+    spellings = [
+        Spelling(where=f"the settings of cluster {resumed}"),
+        Spelling(where=f"cluster file {config_file!r}"),
+        Spelling(START_FLAGS),
+    ]
+    return layers, spellings
+
 
 def _load_cluster_file(path: str) -> dict[str, Any]:
     data = _read_yaml(path, "cluster file")
@@ -215,11 +260,8 @@ def start(
         "labels": parse_job_settings(labels_, "labels") if labels_ else None,
         "grace_s": grace,
     }
-    config = RunConfig.merge(
-        _resumed_settings(resume_id) if resume_id else {},
-        _load_cluster_file(config_file) if config_file else {},
-        {k: v for k, v in flags.items() if v is not None},
-    )
+    layers, spellings = start_layers(flags, config_file, resume_id)
+    config = RunConfig.merge(*layers, spellings=spellings)
     config = cache_placement(config) if config.cache else config  # cli/cache.py
     if config.backend == "hosts":  # its placement checked before anything starts
         from clusterflow.testing.hosts_backend import for_run
