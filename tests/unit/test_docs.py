@@ -451,3 +451,73 @@ def test_readmes_suite_command_installs_what_ci_installs() -> None:
     assert ".venv/bin/python -m pytest" in command and ".venv/bin/python -m pytest" in ci
     for need in ("Python 3.11", "chromium", "root", "iproute2"):
         assert need in readme, f"the README does not say the suite needs {need}"
+
+
+# Tests: docs/cli.md and --help list the same things -----------------------------------
+
+_KEY_ROW = re.compile(r"^\| `(\w+)` \|")
+_CHOICES_SPAN = re.compile(r"^(--[\w-]+) ([\w-]+(?:\\?\|[\w-]+)+)$")
+
+
+def visible_options(command: click.Command) -> set[str]:
+    """What ``command --help`` lists (with a group's subcommands' for ``cache`` and
+    ``tune``, which cli.md documents in one section each), but ``-h``/``--help``."""
+    names: set[str] = set()
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden:
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            names |= visible_options(sub)
+    return names - GLOBAL_OPTIONS
+
+
+def test_cli_md_and_help_list_the_same_options() -> None:
+    """Pins docs/cli.md to ``--help``, both ways and command by command: the options a
+    command's section names are exactly those its ``--help`` (and its subcommands')
+    lists; and where a section gives an option's values (`--backend local|ray`), they
+    are the values ``--help`` offers (``tune -h`` offered `hosts`, which no page named)."""
+    page = read_page(CLI_PAGE)
+    named: dict[str, set[str]] = {}
+    values: dict[tuple[str, str], set[str]] = {}
+    for prose, option in option_spans(page):
+        name = section_command(prose.section)
+        if name is None:
+            continue
+        named.setdefault(name, set()).add(option)
+        for span in _SPAN.findall(prose.text):
+            match = _CHOICES_SPAN.match(span)
+            if match and match.group(1) == option:
+                values[(name, option)] = set(match.group(2).replace("\\|", "|").split("|"))
+    problems = []
+    for name, command in commands().items():
+        shown, documented = visible_options(command), named.get(name, set()) - GLOBAL_OPTIONS
+        problems += [
+            f"clusterflow {name} -h lists {o}; cli.md does not" for o in shown - documented
+        ]
+        problems += [f"cli.md names {o} for {name}; -h does not" for o in documented - shown]
+        params = [command, *getattr(command, "commands", {}).values()]
+        for param in (p for c in params for p in c.params):
+            if not isinstance(param, click.Option) or not isinstance(param.type, click.Choice):
+                continue
+            offered = {str(c) for c in param.type.choices}
+            written = values.get((name, param.opts[0]))
+            if written is not None and written != offered:
+                problems.append(
+                    f"clusterflow {name} {param.opts[0]}: -h offers {sorted(offered)}, "
+                    f"cli.md {sorted(written)}"
+                )
+    assert values, "no `--option a|b` span found: is the pattern still right?"
+    assert not problems, "\n".join(problems)
+
+
+def test_cluster_file_table_lists_every_key_start_accepts() -> None:
+    """Pins the cluster file's table in docs/cli.md to ``FILE_KEYS``: ``cache`` was
+    accepted and not documented."""
+    from clusterflow.manager.config import FILE_KEYS
+
+    text = CLI_PAGE.read_text(encoding="utf-8")
+    section = text.split("### The cluster file", 1)[1].split("\n#", 1)[0]
+    keys = {m.group(1) for line in section.splitlines() if (m := _KEY_ROW.match(line))}
+    assert keys == FILE_KEYS, (sorted(FILE_KEYS - keys), sorted(keys - FILE_KEYS))

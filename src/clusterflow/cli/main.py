@@ -74,6 +74,21 @@ def cli() -> None:
     """Distributed training clusters of chief, ps, worker and evaluator tasks."""
 
 
+class PublicChoice(click.Choice):  # type: ignore[type-arg]
+    """A choice whose help and errors list only its public values; ``hidden`` ones are
+    accepted too. ``--backend hosts`` (emulated hosts, ``clusterflow.testing``) is the
+    test harness's, not a user's, so ``--help`` and docs/cli.md leave it out."""
+
+    def __init__(self, public: list[str], hidden: list[str]) -> None:
+        super().__init__(public)
+        self.hidden = hidden
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.hidden:
+            return value
+        return super().convert(value, param, ctx)
+
+
 # start ---------------------------------------------------------------------------------
 
 START_FLAGS = {
@@ -177,10 +192,9 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
     "--backend",
-    type=click.Choice(["local", "ray", "hosts"]),
+    type=PublicChoice(["local", "ray"], hidden=["hosts"]),
     default=None,
-    help="Where tasks run: local processes, a Ray cluster, or emulated hosts (tests: "
-    "CLUSTERFLOW_HOSTS) [default: local].",
+    help="Where tasks run: local processes or a Ray cluster [default: local].",
 )
 @click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or local].")
 @click.option(

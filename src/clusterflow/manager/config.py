@@ -376,6 +376,8 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
 
 BACKENDS = ("local", "ray", "hosts")
 """``hosts``: local tasks, each inside an emulated host (``clusterflow.testing``, tests)."""
+PUBLIC_BACKENDS = ("local", "ray")
+"""What messages offer: ``hosts`` is the test harness's (``cli/main.py`` ``PublicChoice``)."""
 RAY_ONLY = {
     "address": "--address",
     "resources": "--resources",
@@ -391,7 +393,7 @@ def check_placement(config: RunConfig) -> None:
     backend = Setting("backend")
     if config.backend not in BACKENDS:
         raise SettingError(
-            backend, f" must be one of {', '.join(BACKENDS)}, got {config.backend!r}"
+            backend, f" must be {' or '.join(PUBLIC_BACKENDS)}, got {config.backend!r}"
         )
     if config.backend != "ray":
         for name in RAY_ONLY:
