@@ -67,17 +67,17 @@ def environment(home: Path) -> dict[str, str]:
 
 
 def test_every_python_block_is_marked_rightly() -> None:
-    """Pins the markers: a ``snippet`` marker names a ``SNIPPETS`` entry (each used
-    once), whose swaps all occur in its block and are announced in the marker; a ``not
-    run`` marker gives a reason; a block without a marker needs nothing it does not
-    define (no entry can hide behind a missing marker)."""
+    """Pins the markers: a ``snippet`` marker (on a Python block) names a ``SNIPPETS``
+    entry (each used once), whose swaps all occur in its block and are announced in the
+    marker; a ``not run`` marker, on any block, gives a reason."""
     problems = []
     used: list[str] = []
+    for block in all_blocks():
+        if block.marker == "not run" and len(block.note.split()) < 3:
+            problems.append(f"{block.where}: `not run` needs a reason, got {block.note!r}")
+        if block.marker == "snippet" and block.language != "python":
+            problems.append(f"{block.where}: a `snippet` marker on a {block.language} block")
     for block in python_blocks():
-        if block.marker == "not run":
-            if len(block.note.split()) < 3:
-                problems.append(f"{block.where}: `not run` needs a reason, got {block.note!r}")
-            continue
         if block.marker == "snippet":
             name = block.snippet_id
             if name not in SNIPPETS:
