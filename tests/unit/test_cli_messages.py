@@ -154,3 +154,16 @@ def test_an_unknown_format_names_the_remedy_of_each_context(
     line = run_cli(["cache", "create", "m", "--from", "x.dat", "--partitions", "1"], capsys)
     assert "no name ends in .parquet" in line and "name them so" in line, line
     assert "format=" not in line, line
+
+
+def test_a_task_count_over_the_limit_names_the_counts_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pins the task-count limit's spelling: the file's ``workers`` and the flag's
+    ``--replicas-per-host`` (it named three flags whatever the user wrote)."""
+    (tmp_path / "c.yaml").write_text("workers: 5000\n")
+    line = run_cli(["start", "-c", "c.yaml", "--replicas-per-host", "4", "--", "true"], capsys)
+    assert line == (
+        "error: cluster file 'c.yaml': ps 0, workers 5000 and --replicas-per-host 4 ask for "
+        "20008 task processes; at most 10000 are allowed"
+    )

@@ -10,7 +10,7 @@ from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
-from clusterflow.manager.limits import check_task_count
+from clusterflow.manager.limits import MAX_PROCESSES, task_processes
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
@@ -182,7 +182,16 @@ class RunConfig:
             raise SettingError(
                 Setting("replicas_per_host"), f" must be a positive integer, got {n!r}"
             )
-        check_task_count(self.ps, self.workers, n)
+        processes = task_processes(self.ps, self.workers, n)
+        if processes > MAX_PROCESSES:
+            raise SettingError(
+                Setting("ps"),
+                f" {self.ps}, ",
+                Setting("workers"),
+                f" {self.workers} and ",
+                Setting("replicas_per_host"),
+                f" {n} ask for {processes} task processes; at most {MAX_PROCESSES} are allowed",
+            )
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
             raise SettingError(
