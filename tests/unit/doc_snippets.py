@@ -1,7 +1,7 @@
 """Every code block of README.md and docs/*.md, and how the suite runs it.
 
 Shared by ``tests/unit/test_doc_snippets.py`` (blocks that run in one process, and the
-names every block uses) and ``tests/integration/test_doc_snippets.py`` (blocks that run
+names every block uses) and ``tests/integration/test_doc_snippets_in_cluster.py`` (blocks that run
 under ``clusterflow start``).
 
 How a Python block runs is read from the page itself:

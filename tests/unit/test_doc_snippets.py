@@ -5,7 +5,7 @@
   an attribute must be exported, not there because something imported it already), and
   every call of one of them passes arguments its signature takes.
 * Every Python block runs: alone, here (one process, each block in its own folder and
-  namespace); as a cluster's job, in ``tests/integration/test_doc_snippets.py``; or it
+  namespace); as a cluster's job, in ``tests/integration/test_doc_snippets_in_cluster.py``; or it
   carries ``<!-- not run: REASON -->`` (doc_snippets.py says how a page marks which).
 * Every ``clusterflow COMMAND [SUBCOMMAND] --option`` a shell block shows is an option
   that COMMAND's ``--help`` lists (hidden options do not count).

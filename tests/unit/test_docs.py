@@ -7,7 +7,7 @@
   is one of that command's; and every command and option of the CLI is documented in
   ``docs/cli.md``. The CLI is read from click's command objects, not from a subprocess.
 * Code blocks are run by ``tests/unit/test_doc_snippets.py`` (and, for those that need
-  a cluster, ``tests/integration/test_doc_snippets.py``).
+  a cluster, ``tests/integration/test_doc_snippets_in_cluster.py``).
 * Every citation "docs/architecture.md section N" in ``src/``, ``docs/``, ``tests/`` and
   ``benchmarks/`` names a section the page has, and nothing cites a map outside the
   repository; every module path the page names exists, unless its paragraph (or table
