@@ -11,11 +11,20 @@ ps applies Adam there::
     python examples/digits_ps.py                 # no cluster: CentralStorageStrategy, one process
 
 The data is scikit-learn's ``load_digits()`` (1797 8x8 images shipped inside the package).
+
+Every worker ends with the same line, ``final test_accuracy A global_step N
+dropped_pushes D``: the accuracy of the ps's final values, once every worker's data ran
+out (``wait_for_every_worker``), and the step they reached; only ``dropped_pushes`` is
+the worker's own. Asynchronous workers finish at different times and the ps takes the
+others' pushes after one finished, so a worker that evaluated when its own data ran out
+would report a model still missing the others' last updates (0.84 against the last
+worker's 0.94, once), and every worker a different figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 
 import torch
@@ -47,6 +56,29 @@ def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     as_x = lambda a: torch.tensor(a / 16.0, dtype=torch.float32)  # noqa: E731
     as_y = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
     return as_x(x_train), as_y(y_train), as_x(x_test), as_y(y_test)
+
+
+def wait_for_every_worker(strategy: ParameterServerStrategy) -> None:
+    """Returns once every replica (chief and workers) called this, after its ``leave()``.
+
+    ``leave()`` returns once this replica's pushes are applied, so when every replica
+    has left, the ps holds its final values. The meeting point is the cluster's own
+    store, the TCPStore ``clusterflow start`` hosts at ``MASTER_ADDR:MASTER_PORT`` (as
+    torchrun does): each replica sets its key and waits for all of them. A replica
+    respawned after it set its key (``--max-restarts``) is not waited for again.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        # As long as the slowest replica may train after the first finished.
+        timeout=datetime.timedelta(hours=1),
+        wait_for_workers=False,
+    )
+    store.set(f"examples/digits_ps/left/{strategy.worker_index}", "1")
+    store.wait([f"examples/digits_ps/left/{i}" for i in range(strategy.config.num_replicas)])
 
 
 def main() -> None:
@@ -83,11 +115,19 @@ def main() -> None:
             print(f"epoch {epoch} loss {sum(losses) / len(losses):.4f}", flush=True)
 
     strategy.leave()  # this replica's data ran out: sync steps stop waiting for it
-    strategy.pull_values()
+    if isinstance(strategy, ParameterServerStrategy) and strategy.config.num_replicas > 1:
+        print(
+            f"data done at global_step {strategy.global_step()}: waiting for the other "
+            "workers' last pushes",
+            flush=True,
+        )
+        wait_for_every_worker(strategy)
+    strategy.pull_values()  # the ps's final values: every replica's pushes are in
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-    # Every worker reports: the global step it saw after its own last update, and how
-    # many of its pushes a sync step dropped as late (backup workers at work).
+    # Every worker reports the final model's accuracy and global step (the same figures
+    # on every worker), and how many of its own pushes a sync step dropped as late
+    # (backup workers at work).
     print(
         f"final test_accuracy {acc:.4f} global_step {strategy.global_step()} "
         f"dropped_pushes {strategy.dropped_pushes}",

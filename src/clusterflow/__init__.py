@@ -20,7 +20,7 @@ from clusterflow.errors import ClusterflowError, ConfigError
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from clusterflow import tune
+    from clusterflow import data, strategies, tune
     from clusterflow.cluster import ClusterSpec, DeviceSpec, TaskId, TFConfig
     from clusterflow.server import Server, create_local_server
     from clusterflow.strategies import (
@@ -80,9 +80,12 @@ _LAZY = {
     "Progress": "clusterflow.train",
     "Evaluate": "clusterflow.train",
     "run_evaluator": "clusterflow.train",
-    # the subpackage itself (`cf.tune.report`, `cf.tune.run`): it sits above the
-    # manager, so it is loaded only when asked for
+    # Subpackages themselves, loaded only when asked for: `cf.tune.report` and
+    # `cf.tune.run` (tune sits above the manager), `cf.data.distributed_dataset` and
+    # `cf.strategies.serve_worker`, as the docs write them (tests/unit/test_doc_snippets.py).
     "tune": "clusterflow.tune",
+    "data": "clusterflow.data",
+    "strategies": "clusterflow.strategies",
 }
 
 __all__ = [
@@ -115,9 +118,11 @@ __all__ = [
     "Variable",
     "__version__",
     "create_local_server",
+    "data",
     "device",
     "fit",
     "run_evaluator",
+    "strategies",
     "tune",
 ]
 

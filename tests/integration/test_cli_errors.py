@@ -63,7 +63,7 @@ USAGE_CASES = [
     ),
     (["start", "--untracked", "foo", "--", PY], "unknown job 'foo'"),
     (["start", "--untracked", "worker", "--", PY], "every job is untracked"),
-    (["start", "--grace", "0", "--", PY], "grace_s must be a positive number"),
+    (["start", "--grace", "0", "--", PY], "--grace must be a positive number"),
     (["start", "-c", "missing.yaml", "--", PY], "cannot read cluster file 'missing.yaml'"),
     (["start", "-c", "bad.yaml"], "not valid YAML: line"),
     (["start", "-c", "unknown-key.yaml"], "unknown key 'wrokers'"),

@@ -6,8 +6,8 @@
   options, exists in the CLI; every option ``docs/cli.md`` names in a command's section
   is one of that command's; and every command and option of the CLI is documented in
   ``docs/cli.md``. The CLI is read from click's command objects, not from a subprocess.
-* The Python snippets of ``docs/concepts.md`` that need no cluster run as shown; every
-  Python snippet on every page at least compiles.
+* Code blocks are run by ``tests/unit/test_doc_snippets.py`` (and, for those that need
+  a cluster, ``tests/integration/test_doc_snippets_in_cluster.py``).
 * Every citation "docs/architecture.md section N" in ``src/``, ``docs/``, ``tests/`` and
   ``benchmarks/`` names a section the page has, and nothing cites a map outside the
   repository; every module path the page names exists, unless its paragraph (or table
@@ -20,17 +20,12 @@ and the page are brought up to date.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-import pytest
 
 from clusterflow.cli.main import cli
 
@@ -51,22 +46,6 @@ PENDING_PAGES: tuple[str, ...] = ()
 
 PENDING_BEGIN = "<!-- pending-options: start -->"
 PENDING_END = "<!-- /pending-options -->"
-NEEDS_CLUSTER = "# Run under `clusterflow start"
-"""The first line of a snippet that runs only inside a cluster; it is compiled only."""
-
-CLUSTER_VARIABLES = frozenset(
-    {
-        "TF_CONFIG",
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-)
-"""Set by a surrounding cluster; they would make the snippets tasks of that cluster."""
-
 SHELL_LANGUAGES = frozenset({"", "sh", "bash", "shell", "console", "text"})
 GLOBAL_OPTIONS = frozenset({"-h", "--help", "-V", "--version"})
 
@@ -387,65 +366,6 @@ def test_pending_options_have_not_landed() -> None:
     )
 
 
-# Tests: snippets ------------------------------------------------------------------------
-
-
-def python_blocks(page: Page) -> list[Block]:
-    return [b for b in page.blocks if b.language == "python"]
-
-
-def test_every_python_snippet_compiles() -> None:
-    problems = []
-    for page in doc_pages():
-        for block in python_blocks(page):
-            try:
-                compile(block.text, f"{page.name}:{block.line}", "exec")
-            except SyntaxError as exc:
-                problems.append(f"{page.name}:{block.line + (exc.lineno or 1) - 1}: {exc.msg}")
-    assert not problems, "\n".join(problems)
-
-
-_RUNNER = """
-import json, sys, traceback
-failed = []
-for where, code in json.loads(sys.stdin.read()):
-    try:
-        exec(compile(code, where, "exec"), {"__name__": "__main__"})
-    except BaseException:
-        failed.append(where + "\\n" + traceback.format_exc())
-if failed:
-    sys.exit("\\n".join(failed))
-"""
-
-
-@pytest.mark.timeout(300)
-def test_concepts_snippets_run_in_one_process() -> None:
-    """What concepts.md says runs alone does: one interpreter, each snippet afresh."""
-    page = read_page(CONCEPTS_PAGE)
-    snippets = [
-        (f"{page.name}:{b.line}", b.text)
-        for b in python_blocks(page)
-        if not b.text.lstrip().startswith(NEEDS_CLUSTER)
-    ]
-    assert snippets, f"{page.name} has no snippet that runs alone"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in CLUSTER_VARIABLES and not k.startswith("CLUSTERFLOW_")
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps(snippets),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=280,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
 # Tests: the architecture page ----------------------------------------------------------
 
 _CITATION = re.compile(r"architecture\.md\]?(?:\([^)]*\))?,? (?:section|s\.) (\d+[a-z]?)\b")
@@ -506,3 +426,98 @@ def test_architecture_page_names_only_modules_that_exist_or_are_planned() -> Non
 def test_the_architecture_page_is_linked_from_the_readme_and_the_docs() -> None:
     assert "docs/architecture.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     assert "architecture.md" in CONCEPTS_PAGE.read_text(encoding="utf-8")
+
+
+# Tests: the README's commands and CI ----------------------------------------------------
+
+_CI_SCRIPT = ROOT / ".ci" / "run"
+_INSTALL_CHROMIUM = re.compile(r"command -v chromium >/dev/null \|\| \{[^}]*apt-get install[^}]*\}")
+_PIP_INSTALL = re.compile(r"pip install (?:-q )?(-c ci/constraints\.txt -e '\.\[test\]')")
+
+
+def test_readmes_suite_command_installs_what_ci_installs() -> None:
+    """Pins the README's second command to ``.ci/run``: both install Debian's chromium when
+    it is missing, with the same line (the README's command once lacked it, so it failed
+    on a fresh machine while CI passed), install the same pinned test extras, and run
+    pytest from the venv; and the README says what the suite needs from the system."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = read_page(ROOT / "README.md")
+    command = next(b.text for b in page.blocks if "pytest" in b.text)
+    ci = _CI_SCRIPT.read_text(encoding="utf-8")
+    chromium = [m.group(0) for m in _INSTALL_CHROMIUM.finditer(command)]
+    assert chromium, f"the README's suite command does not install chromium: {command}"
+    assert chromium == [m.group(0) for m in _INSTALL_CHROMIUM.finditer(ci)]
+    assert _PIP_INSTALL.findall(command) == _PIP_INSTALL.findall(ci) != []
+    assert ".venv/bin/python -m pytest" in command and ".venv/bin/python -m pytest" in ci
+    for need in ("Python 3.11", "chromium", "root", "iproute2"):
+        assert need in readme, f"the README does not say the suite needs {need}"
+
+
+# Tests: docs/cli.md and --help list the same things -----------------------------------
+
+_KEY_ROW = re.compile(r"^\| `(\w+)` \|")
+_CHOICES_SPAN = re.compile(r"^(--[\w-]+) ([\w-]+(?:\\?\|[\w-]+)+)$")
+
+
+def visible_options(command: click.Command) -> set[str]:
+    """What ``command --help`` lists (with a group's subcommands' for ``cache`` and
+    ``tune``, which cli.md documents in one section each), but ``-h``/``--help``."""
+    names: set[str] = set()
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden:
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            names |= visible_options(sub)
+    return names - GLOBAL_OPTIONS
+
+
+def test_cli_md_and_help_list_the_same_options() -> None:
+    """Pins docs/cli.md to ``--help``, both ways and command by command: the options a
+    command's section names are exactly those its ``--help`` (and its subcommands')
+    lists; and where a section gives an option's values (`--backend local|ray`), they
+    are the values ``--help`` offers (``tune -h`` offered `hosts`, which no page named)."""
+    page = read_page(CLI_PAGE)
+    named: dict[str, set[str]] = {}
+    values: dict[tuple[str, str], set[str]] = {}
+    for prose, option in option_spans(page):
+        name = section_command(prose.section)
+        if name is None:
+            continue
+        named.setdefault(name, set()).add(option)
+        for span in _SPAN.findall(prose.text):
+            match = _CHOICES_SPAN.match(span)
+            if match and match.group(1) == option:
+                values[(name, option)] = set(match.group(2).replace("\\|", "|").split("|"))
+    problems = []
+    for name, command in commands().items():
+        shown, documented = visible_options(command), named.get(name, set()) - GLOBAL_OPTIONS
+        problems += [
+            f"clusterflow {name} -h lists {o}; cli.md does not" for o in shown - documented
+        ]
+        problems += [f"cli.md names {o} for {name}; -h does not" for o in documented - shown]
+        params = [command, *getattr(command, "commands", {}).values()]
+        for param in (p for c in params for p in c.params):
+            if not isinstance(param, click.Option) or not isinstance(param.type, click.Choice):
+                continue
+            offered = {str(c) for c in param.type.choices}
+            written = values.get((name, param.opts[0]))
+            if written is not None and written != offered:
+                problems.append(
+                    f"clusterflow {name} {param.opts[0]}: -h offers {sorted(offered)}, "
+                    f"cli.md {sorted(written)}"
+                )
+    assert values, "no `--option a|b` span found: is the pattern still right?"
+    assert not problems, "\n".join(problems)
+
+
+def test_cluster_file_table_lists_every_key_start_accepts() -> None:
+    """Pins the cluster file's table in docs/cli.md to ``FILE_KEYS``: ``cache`` was
+    accepted and not documented."""
+    from clusterflow.manager.config import FILE_KEYS
+
+    text = CLI_PAGE.read_text(encoding="utf-8")
+    section = text.split("### The cluster file", 1)[1].split("\n#", 1)[0]
+    keys = {m.group(1) for line in section.splitlines() if (m := _KEY_ROW.match(line))}
+    assert keys == FILE_KEYS, (sorted(FILE_KEYS - keys), sorted(keys - FILE_KEYS))

@@ -55,7 +55,7 @@ def test_the_file_form_of_resources_is_read_as_bytes() -> None:
         ({"command": "x", "untracked": 3}, "untracked must be a list or a comma-separated"),
         ({"command": "x", "env": ["A=1"]}, "env must be a mapping"),
         ({"command": "x", "colour": "red"}, "invalid cluster configuration"),
-        ({"command": "x", "workers": -1}, "--workers must be a non-negative integer"),
+        ({"command": "x", "workers": -1}, "^workers must be a non-negative integer"),
         ({}, "no job command given"),
     ],
 )

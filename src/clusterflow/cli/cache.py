@@ -64,10 +64,35 @@ def create(
     Example:
       clusterflow cache create mnist --from 's3://bucket/mnist/*.parquet' --partitions 8
     """
-    from clusterflow.cache import local
     from clusterflow.cache.plan import human, parse_size
+    from clusterflow.data import UnknownFormatError
 
     limit = parse_size(memory_per_node) if memory_per_node else None
+    try:
+        cache = _create(name, source, partitions, replicas, limit, backend, address, label)
+    except UnknownFormatError as exc:
+        raise exc.with_remedy(
+            "`cache create --from` tells the format by the file names: name them so"
+        ) from None
+    total = sum(p.bytes for p in cache.partitions)
+    click.echo(
+        f"cache {cache.name}: {cache.num_records} records in {len(cache.partitions)} "
+        f"partitions on {len(cache.nodes)} node(s), {human(total)}"
+    )
+
+
+def _create(
+    name: str,
+    source: str,
+    partitions: int,
+    replicas: int,
+    limit: int | None,
+    backend: str,
+    address: str | None,
+    label: str | None,
+) -> Any:
+    from clusterflow.cache import local
+
     if backend == "ray":
         from clusterflow.cache import ray_nodes
 
@@ -84,11 +109,7 @@ def create(
         raise ConfigError("--address and --label are for --backend ray")
     else:
         cache = local.create(name, source, partitions, replicas=replicas, memory_per_node=limit)
-    total = sum(p.bytes for p in cache.partitions)
-    click.echo(
-        f"cache {cache.name}: {cache.num_records} records in {len(cache.partitions)} "
-        f"partitions on {len(cache.nodes)} node(s), {human(total)}"
-    )
+    return cache
 
 
 @cache_group.command(name="ls", context_settings=CONTEXT)

@@ -74,7 +74,73 @@ def cli() -> None:
     """Distributed training clusters of chief, ps, worker and evaluator tasks."""
 
 
+class PublicChoice(click.Choice):  # type: ignore[type-arg]
+    """A choice whose help and errors list only its public values; ``hidden`` ones are
+    accepted too. ``--backend hosts`` (emulated hosts, ``clusterflow.testing``) is the
+    test harness's, not a user's, so ``--help`` and docs/cli.md leave it out."""
+
+    def __init__(self, public: list[str], hidden: list[str]) -> None:
+        super().__init__(public)
+        self.hidden = hidden
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.hidden:
+            return value
+        return super().convert(value, param, ctx)
+
+
 # start ---------------------------------------------------------------------------------
+
+START_FLAGS = {
+    "chief": "--chief",
+    "ps": "--ps",
+    "workers": "--workers",
+    "evaluator": "--evaluator",
+    "replicas_per_host": "--replicas-per-host",
+    "max_restarts": "--max-restarts",
+    "checkpoint_dir": "--checkpoint-dir",
+    "stall_timeout_s": "--stall-timeout",
+    "backend": "--backend",
+    "address": "--address",
+    "job_dir": "--job-dir",
+    "memory": "--memory",
+    "cache": "--cache",
+    "command": "the command after --",
+    "ps_command": "--ps-cmd",
+    "untracked": "--untracked",
+    "resources": "--resources",
+    "labels": "--label",
+    "grace_s": "--grace",
+}
+"""``start``'s (and ``tune``'s) option for each setting it gives: what an error names
+when the bad value came from the command line (``--grace``, never the field ``grace_s``)."""
+
+
+def start_layers(
+    flags: dict[str, Any],
+    config_file: str | None,
+    resumed: str | None = None,
+    *,
+    fresh: bool = False,
+    new_dir: str | None = None,
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``RunConfig.merge``'s layers for ``start``'s options, and how each names its
+    settings: a resumed cluster's settings (``fresh``, ``new_dir``: see
+    ``_resumed_settings``), the cluster file's keys (naming the file), then the flags
+    given."""
+    from clusterflow.manager.config import Spelling
+
+    layers = [
+        _resumed_settings(resumed, fresh=fresh, new_dir=new_dir) if resumed else {},
+        _load_cluster_file(config_file) if config_file else {},
+        {k: v for k, v in flags.items() if v is not None},
+    ]
+    spellings = [
+        Spelling(where=f"the settings of cluster {resumed}"),
+        Spelling(where=f"cluster file {config_file!r}"),
+        Spelling(START_FLAGS),
+    ]
+    return layers, spellings
 
 
 def _load_cluster_file(path: str) -> dict[str, Any]:
@@ -137,10 +203,9 @@ def _load_cluster_file(path: str) -> dict[str, Any]:
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
     "--backend",
-    type=click.Choice(["local", "ray", "hosts"]),
+    type=PublicChoice(["local", "ray"], hidden=["hosts"]),
     default=None,
-    help="Where tasks run: local processes, a Ray cluster, or emulated hosts (tests: "
-    "CLUSTERFLOW_HOSTS) [default: local].",
+    help="Where tasks run: local processes or a Ray cluster [default: local].",
 )
 @click.option("--address", help="The Ray cluster's HOST:PORT [default: RAY_ADDRESS, or local].")
 @click.option(
@@ -223,11 +288,10 @@ def start(
     }
     if fresh and not resume_id:
         raise ConfigError("--fresh goes with --resume ID (a new cluster starts fresh anyway)")
-    config = RunConfig.merge(
-        _resumed_settings(resume_id, fresh=fresh, new_dir=checkpoint_dir) if resume_id else {},
-        _load_cluster_file(config_file) if config_file else {},
-        {k: v for k, v in flags.items() if v is not None},
+    layers, spellings = start_layers(
+        flags, config_file, resume_id, fresh=fresh, new_dir=checkpoint_dir
     )
+    config = RunConfig.merge(*layers, spellings=spellings)
     config = cache_placement(config) if config.cache else config  # cli/cache.py
     if config.backend == "hosts":  # its placement checked before anything starts
         from clusterflow.testing.hosts_backend import for_run

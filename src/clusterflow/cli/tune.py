@@ -77,10 +77,15 @@ def _only_storage(ctx: click.Context, subcommand: str) -> None:
         raise click.UsageError(f"{flag} is for running a study, not for `tune {subcommand}`")
 
 
-def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
-    """``start``'s options as a RunConfig.merge layer (as ``start`` builds it)."""
-    from clusterflow.cli.main import _load_cluster_file
-    from clusterflow.manager.config import parse_job_settings
+def _start_layer(values: dict[str, Any], under: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``start``'s options as a RunConfig.merge layer (as ``start`` builds it), over the
+    settings ``under`` (a resumed study's).
+
+    Checked here, with the flags and the cluster file's keys named as the user wrote
+    them (``--grace``, the file's ``workers``), before the study runs a trial.
+    """
+    from clusterflow.cli.main import start_layers
+    from clusterflow.manager.config import RunConfig, Spelling, parse_job_settings
 
     resources, labels = values.get("resources_") or (), values.get("labels_") or ()
     flags = {
@@ -103,9 +108,16 @@ def _start_layer(values: dict[str, Any]) -> dict[str, Any]:
         "labels": parse_job_settings(labels, "labels") if labels else None,
         "grace_s": values.get("grace"),
     }
-    layer = _load_cluster_file(values["config_file"]) if values.get("config_file") else {}
+    (_, layer, given), (_, in_file, in_flags) = start_layers(flags, values.get("config_file"))
     layer.pop("command", None)
-    return {**layer, **{k: v for k, v in flags.items() if v is not None}}
+    RunConfig.merge(
+        under or {},
+        layer,
+        given,
+        {"command": ("true",)},  # the trials' command is checked by the study
+        spellings=[Spelling(where="the study's settings"), in_file, in_flags],
+    )
+    return {**layer, **given}
 
 
 def _at_cache(cluster: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +140,7 @@ def _run_study(values: dict[str, Any]) -> int:
     stored = stored_settings(study, values["storage"]) if values["resume"] else {}
     cluster = dict(stored.get("cluster") or {})
     cluster.pop("command", None)
-    cluster.update(_start_layer(values))
+    cluster.update(_start_layer(values, cluster))
     if cluster.get("cache"):
         cluster = _at_cache(cluster)
 

@@ -33,6 +33,7 @@ from clusterflow.data.api import (
     SourceError,
     SplitKey,
     UnknownDatasetError,
+    UnknownFormatError,
     UnknownLeaseError,
     describe_source,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "SplitKey",
     "TensorSource",
     "UnknownDatasetError",
+    "UnknownFormatError",
     "UnknownLeaseError",
     "as_source",
     "default_worker_name",

@@ -30,6 +30,28 @@ class SourceError(DataError):
     """A source cannot be opened or read (missing file, not the format it claims)."""
 
 
+class UnknownFormatError(DataError, ConfigError):
+    """The files' format cannot be told from their names, and none was given.
+
+    The remedy depends on where the path was given (``ArrowSource(format=...)``, a
+    source passed to ``distributed_dataset``, ``clusterflow cache create --from``), so
+    whoever took the path raises it again with its own (``with_remedy``).
+    """
+
+    def __init__(self, files: list[str], extensions: str, remedy: str) -> None:
+        super().__init__(
+            f"cannot tell the format of {files}: no name ends in {extensions}; {remedy}"
+        )
+        self.files, self.extensions, self.remedy = files, extensions, remedy
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.files, self.extensions, self.remedy))
+
+    def with_remedy(self, remedy: str) -> UnknownFormatError:
+        """The same error, its remedy that of the caller's context."""
+        return UnknownFormatError(self.files, self.extensions, remedy)
+
+
 class CollateError(DataError):
     """A record could not be turned into a batch; the message names its split and index."""
 

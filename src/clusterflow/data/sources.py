@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterflow.data.api import Columns, Source, SourceError
+from clusterflow.data.api import Columns, Source, SourceError, UnknownFormatError
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class ArrowSource:
 
     Raises:
         SourceError: a path does not exist, or a file is not of the format.
-        ConfigError: the format cannot be told from the file names.
+        UnknownFormatError: the format cannot be told from the file names (a
+            ``ConfigError``).
     """
 
     def __init__(
@@ -349,7 +350,14 @@ def as_source(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> So
 
         return CacheSource(source)
     if isinstance(source, str | os.PathLike):
-        return ArrowSource(source)
+        try:
+            return ArrowSource(source)
+        except UnknownFormatError as exc:
+            # Here the path was the source: ArrowSource's own format= is one step away.
+            raise exc.with_remedy(
+                f"pass ArrowSource({os.fspath(source)!r}, format=...) as the source, "
+                f"format one of {', '.join(FORMATS)}"
+            ) from None
     if isinstance(source, Mapping):
         return TensorSource(source)
     if isinstance(source, Source):
@@ -414,4 +422,5 @@ def _infer_format(files: list[str]) -> str:
         ext = os.path.splitext(base)[1]
         if ext in _EXTENSIONS:
             return _EXTENSIONS[ext]
-    raise ConfigError(f"cannot tell the format of {files[:3]}: pass format= one of {FORMATS}")
+    extensions = ", ".join(_EXTENSIONS) + " (or those and .gz)"
+    raise UnknownFormatError(files[:3], extensions, f"pass format= one of {', '.join(FORMATS)}")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
-from clusterflow.manager.limits import check_task_count
+from clusterflow.manager.limits import MAX_PROCESSES, task_processes
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
 BUILTIN_PS_COMMAND = (sys.executable, "-m", "clusterflow.ps")
@@ -43,6 +43,47 @@ FILE_KEYS = frozenset(
 recovery and placement; not the manager's own limits (host, heartbeats, timeouts)."""
 REPLICA_JOBS = frozenset({"chief", "worker"})
 """Jobs whose tasks train (ranks of the collective); ``--replicas-per-host`` multiplies them."""
+
+
+class Setting(str):
+    """A setting's name (a ``RunConfig`` field) inside a ``SettingError``'s message."""
+
+    __slots__ = ()
+
+
+class SettingError(ConfigError):
+    """A bad value of a setting, its message naming the setting as its user wrote it.
+
+    The message is made of parts, the ``Setting`` ones spelled by whoever knows where
+    the value came from: ``RunConfig.merge`` spells each as its layer does (``--grace``
+    on the command line, ``workers`` in a cluster file, naming the file); raised
+    elsewhere, the message names the field (``grace_s``), as a caller of ``RunConfig``
+    wrote it.
+    """
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+        super().__init__(self.spelled(str))
+
+    @property
+    def settings(self) -> list[str]:
+        return [str(p) for p in self.parts if isinstance(p, Setting)]
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        return "".join(spell(str(p)) if isinstance(p, Setting) else p for p in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Spelling:
+    """How one layer of ``RunConfig.merge`` names its settings to its user."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    """A setting's name for this layer (``grace_s`` -> ``--grace``); others as they are."""
+    where: str = ""
+    """Where the layer's values were written (``cluster file 'c.yaml'``), if not obvious."""
+
+    def __call__(self, setting: str) -> str:
+        return self.names.get(setting, setting)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,26 +157,46 @@ class RunConfig:
         for name in ("command", "ps_command"):
             value = getattr(self, name)
             if value is not None and not all(isinstance(arg, str) for arg in value):
-                raise ConfigError(f"{name} must be a list of strings, got {list(value)!r}")
+                raise SettingError(
+                    Setting(name), f" must be a list of strings, got {list(value)!r}"
+                )
         if self.ps_command is not None and not self.ps_command:
-            raise ConfigError("ps_command is empty: leave it out to run the built-in server")
+            raise SettingError(
+                Setting("ps_command"), " is empty: leave it out to run the built-in server"
+            )
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
-            raise ConfigError(f"env must map names to strings, got {dict(self.env)!r}")
+            raise SettingError(
+                Setting("env"), f" must map names to strings, got {dict(self.env)!r}"
+            )
         for name in ("chief", "evaluator"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise SettingError(
+                    Setting(name), f" must be true or false, got {getattr(self, name)!r}"
+                )
         for name in ("ps", "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"--{name} must be a non-negative integer, got {value!r}")
+                raise SettingError(Setting(name), f" must be a non-negative integer, got {value!r}")
         n = self.replicas_per_host
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"--replicas-per-host must be a positive integer, got {n!r}")
-        check_task_count(self.ps, self.workers, n)
+            raise SettingError(
+                Setting("replicas_per_host"), f" must be a positive integer, got {n!r}"
+            )
+        processes = task_processes(self.ps, self.workers, n)
+        if processes > MAX_PROCESSES:
+            raise SettingError(
+                Setting("ps"),
+                f" {self.ps}, ",
+                Setting("workers"),
+                f" {self.workers} and ",
+                Setting("replicas_per_host"),
+                f" {n} ask for {processes} task processes; at most {MAX_PROCESSES} are allowed",
+            )
         unknown = sorted(self.untracked - KNOWN_JOBS)
         if unknown:
-            raise ConfigError(
-                f"--untracked names unknown job {unknown[0]!r}; jobs are {', '.join(JOB_ORDER)}"
+            raise SettingError(
+                Setting("untracked"),
+                f" names unknown job {unknown[0]!r}; jobs are {', '.join(JOB_ORDER)}",
             )
         if not self.tasks():
             raise ConfigError("the cluster has no task: give --workers N or --chief")
@@ -146,18 +207,22 @@ class RunConfig:
             )
         r = self.max_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ConfigError(f"--max-restarts must be a non-negative integer, got {r!r}")
+            raise SettingError(
+                Setting("max_restarts"), f" must be a non-negative integer, got {r!r}"
+            )
         if self.checkpoint_dir is not None and (
             not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()
         ):
-            raise ConfigError(
-                f"--checkpoint-dir must be a path or URL, got {self.checkpoint_dir!r}"
+            raise SettingError(
+                Setting("checkpoint_dir"), f" must be a path or URL, got {self.checkpoint_dir!r}"
             )
         stall = self.stall_timeout_s
         if stall is not None and (
             isinstance(stall, bool) or not isinstance(stall, int | float) or not stall > 0
         ):
-            raise ConfigError(f"--stall-timeout must be a positive number, got {stall!r}")
+            raise SettingError(
+                Setting("stall_timeout_s"), f" must be a positive number, got {stall!r}"
+            )
         check_placement(self)
         for name in (
             "grace_s",
@@ -169,7 +234,7 @@ class RunConfig:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+                raise SettingError(Setting(name), f" must be a positive number, got {value!r}")
 
     def tasks(self) -> list[TaskId]:
         """Every task in canonical order: chief, ps, worker, evaluator."""
@@ -227,7 +292,7 @@ class RunConfig:
             raise ConfigError(f"invalid cluster configuration: {exc}") from exc
 
     @classmethod
-    def merge(cls, *layers: Mapping[str, Any]) -> RunConfig:
+    def merge(cls, *layers: Mapping[str, Any], spellings: Sequence[Spelling] = ()) -> RunConfig:
         """One config from layers of settings, each later one winning where it sets a key.
 
         ``clusterflow start`` passes, in order: the settings of a resumed cluster, a
@@ -236,18 +301,53 @@ class RunConfig:
         string or a list, ``env`` as any mapping (its values made strings), ``memory``
         in ``resources`` as a size such as ``4G``.
 
+        ``spellings`` says, layer by layer, how a message names a setting: as the user
+        wrote it (``--grace`` on the command line, the key ``workers`` of a cluster file,
+        and which file); a layer without one names the field (``grace_s``).
+
         Raises:
             ConfigError: a value of the wrong form, an unknown key, or a config that
-                does not validate; the message names the setting.
+                does not validate; the message names the setting as its layer does.
         """
+        spells = [*spellings, *[Spelling()] * (len(layers) - len(spellings))]
         settings: dict[str, Any] = {}
-        for layer in layers:
-            settings.update(_file_form(layer))
+        for layer, spelling in zip(layers, spells, strict=True):
+            try:
+                settings.update(_file_form(layer))
+            except SettingError as exc:
+                raise ConfigError(_spelled(exc, [layer], [spelling])) from exc
         settings.setdefault("command", ())  # so the config says what is missing, and how
         try:
             return cls(**settings)
+        except SettingError as exc:
+            raise ConfigError(_spelled(exc, layers, spells)) from exc
         except TypeError as exc:
             raise ConfigError(f"invalid cluster configuration: {exc}") from exc
+
+
+def _spelled(
+    exc: SettingError, layers: Sequence[Mapping[str, Any]], spellings: Sequence[Spelling]
+) -> str:
+    """``exc``'s message with each setting named as the last layer that set it names it
+    (a setting no layer set: as the layer of the first one that was set), after where
+    those layers were written."""
+
+    def layer_of(setting: str) -> int | None:
+        found = [i for i, layer in enumerate(layers) if setting in layer]
+        return found[-1] if found else None
+
+    chosen = {s: layer_of(s) for s in exc.settings}
+    fallback = next((i for i in chosen.values() if i is not None), None)
+    used = {s: i if i is not None else fallback for s, i in chosen.items()}
+
+    def spell(setting: str) -> str:
+        i = used.get(setting)
+        return spellings[i](setting) if i is not None else setting
+
+    wheres = [spellings[i].where for i in sorted({i for i in used.values() if i is not None})]
+    prefix = "; ".join(w for w in dict.fromkeys(wheres) if w)
+    message = exc.spelled(spell)
+    return f"{prefix}: {message}" if prefix else message
 
 
 def _file_form(layer: Mapping[str, Any]) -> dict[str, Any]:
@@ -261,13 +361,14 @@ def _file_form(layer: Mapping[str, Any]) -> dict[str, Any]:
         untracked = untracked.split(",")
     if untracked is not None:
         if not isinstance(untracked, list | tuple | set | frozenset):
-            raise ConfigError(
-                f"untracked must be a list or a comma-separated string, got {untracked!r}"
+            raise SettingError(
+                Setting("untracked"),
+                f" must be a list or a comma-separated string, got {untracked!r}",
             )
         settings["untracked"] = frozenset(str(j).strip() for j in untracked if str(j).strip())
     if "env" in settings:
         if not isinstance(settings["env"], Mapping):
-            raise ConfigError(f"env must be a mapping, got {settings['env']!r}")
+            raise SettingError(Setting("env"), f" must be a mapping, got {settings['env']!r}")
         settings["env"] = {str(k): str(v) for k, v in settings["env"].items()}
     if "resources" in settings:
         settings["resources"] = resources_from_file(settings["resources"])
@@ -279,11 +380,13 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
         return tuple(shlex.split(value))
     if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ConfigError(f"{what} must be a string or a list of strings, got {value!r}")
+    raise SettingError(Setting(what), f" must be a string or a list of strings, got {value!r}")
 
 
 BACKENDS = ("local", "ray", "hosts")
 """``hosts``: local tasks, each inside an emulated host (``clusterflow.testing``, tests)."""
+PUBLIC_BACKENDS = ("local", "ray")
+"""What messages offer: ``hosts`` is the test harness's (``cli/main.py`` ``PublicChoice``)."""
 RAY_ONLY = {
     "address": "--address",
     "resources": "--resources",
@@ -296,42 +399,61 @@ RAY_ONLY = {
 
 def check_placement(config: RunConfig) -> None:
     """Validates the backend and the per-job placement settings (resources, labels)."""
+    backend = Setting("backend")
     if config.backend not in BACKENDS:
-        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
+        raise SettingError(
+            backend, f" must be {' or '.join(PUBLIC_BACKENDS)}, got {config.backend!r}"
+        )
     if config.backend != "ray":
-        for name, flag in RAY_ONLY.items():
+        for name in RAY_ONLY:
             if getattr(config, name):
-                raise ConfigError(f"{flag} needs --backend ray (local tasks share this machine)")
+                raise SettingError(
+                    Setting(name), " needs ", backend, " ray (local tasks share this machine)"
+                )
     for what in ("resources", "labels"):
         per_job = getattr(config, what)
+        setting = Setting(what)
         if not isinstance(per_job, Mapping):
-            raise ConfigError(f"{what} must map job names to settings, got {per_job!r}")
+            raise SettingError(setting, f" must map job names to settings, got {per_job!r}")
         for job, values in per_job.items():
             if job not in KNOWN_JOBS:
-                raise ConfigError(
-                    f"{RAY_ONLY[what]} names unknown job {job!r}; jobs are {', '.join(JOB_ORDER)}"
+                raise SettingError(
+                    setting, f" names unknown job {job!r}; jobs are {', '.join(JOB_ORDER)}"
                 )
             if not isinstance(values, Mapping) or not values:
-                raise ConfigError(f"{what} of job {job} must be NAME=VALUE pairs, got {values!r}")
+                raise SettingError(
+                    setting, f" of job {job} must be NAME=VALUE pairs, got {values!r}"
+                )
             for key, value in values.items():
                 if not isinstance(key, str) or not key:
-                    raise ConfigError(f"{what} of job {job}: bad name {key!r}")
+                    raise SettingError(setting, f" of job {job}: bad name {key!r}")
                 if what == "labels" and not isinstance(value, str):
-                    raise ConfigError(f"label {key} of job {job} must be a string, got {value!r}")
+                    raise SettingError(
+                        setting, f" of job {job}: label {key} must be a string, got {value!r}"
+                    )
                 if what == "resources" and (
                     isinstance(value, bool) or not isinstance(value, int | float) or value < 0
                 ):
-                    raise ConfigError(
-                        f"resource {key} of job {job} must be a non-negative number, got {value!r}"
+                    raise SettingError(
+                        setting,
+                        f" of job {job}: {key} must be a non-negative number, got {value!r}",
                     )
-    if config.memory is not None and config.memory != "auto":
-        if not isinstance(config.memory, str):
-            raise ConfigError(f"--memory must be auto or a size such as 4G, got {config.memory!r}")
-        parse_size(config.memory, "--memory")
+    memory = config.memory
+    if memory is not None and memory != "auto":
+        try:
+            sized = isinstance(memory, str) and parse_size(memory, "memory") >= 0
+        except ConfigError:
+            sized = False
+        if not sized:
+            raise SettingError(
+                Setting("memory"), f" must be auto or a size such as 4G, got {memory!r}"
+            )
     if config.job_dir is not None and (
         not isinstance(config.job_dir, str) or not config.job_dir.strip()
     ):
-        raise ConfigError(f"--job-dir must be a folder or a .zip, got {config.job_dir!r}")
+        raise SettingError(
+            Setting("job_dir"), f" must be a folder or a .zip, got {config.job_dir!r}"
+        )
 
 
 def _as_tuple(value: Any, name: str) -> tuple[Any, ...]:
@@ -408,10 +530,14 @@ def resources_from_file(value: Any) -> dict[str, dict[str, Any]]:
     for job, settings in value.items():
         if not isinstance(settings, Mapping):
             return dict(value)
-        out[job] = {
-            k: parse_size(v, f"resources of job {job}")
-            if k == "memory" and isinstance(v, str)
-            else v
-            for k, v in settings.items()
-        }
+        try:
+            out[job] = {
+                k: parse_size(v, "memory") if k == "memory" and isinstance(v, str) else v
+                for k, v in settings.items()
+            }
+        except ConfigError:
+            raise SettingError(
+                Setting("resources"),
+                f" of job {job}: memory {settings['memory']!r} is not a size such as 4G",
+            ) from None
     return out

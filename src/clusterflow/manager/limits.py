@@ -10,24 +10,12 @@ from __future__ import annotations
 
 from typing import Final
 
-from clusterflow.errors import ConfigError
-
 MAX_PROCESSES: Final = 10_000
 """More task processes than one manager supervises: each costs a supervisor, heartbeats
 and a port; well beyond the largest clusters this manager has run."""
 
 
-def check_task_count(ps: int, workers: int, replicas_per_host: int) -> None:
-    """Refuses a cluster of more than ``MAX_PROCESSES`` task processes.
-
-    Call after each count was checked to be a non-negative integer.
-
-    Raises:
-        ConfigError: naming the counts and the limit.
-    """
-    processes = ps + (workers + 2) * replicas_per_host  # a chief and an evaluator, at most
-    if processes > MAX_PROCESSES:
-        raise ConfigError(
-            f"--ps {ps} --workers {workers} --replicas-per-host {replicas_per_host} asks for "
-            f"{processes} task processes; at most {MAX_PROCESSES} are allowed"
-        )
+def task_processes(ps: int, workers: int, replicas_per_host: int) -> int:
+    """The task processes a cluster of these counts may run, at most: ``RunConfig``
+    refuses more than ``MAX_PROCESSES``, naming the counts as they were written."""
+    return ps + (workers + 2) * replicas_per_host  # a chief and an evaluator, at most
