@@ -254,6 +254,31 @@ def test_sync_rows_wait_for_every_replica_and_average() -> None:
     assert store.version == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_with_one_applied_key_beside_new_ones_moves_no_row(mode: str) -> None:
+    """Pins ``RowStore.push``: ``if duplicates: ... checked, keyed = {}, []`` (sync) and
+    the refusal (async). A push naming a split applied before beside new splits moves
+    no row and marks none of its new keys applied (their splits go through again,
+    alone); applying it anyway, or only its new keys, fails here."""
+    store = _store(mode)
+    old, new = ("d", 0, 1), ("d", 0, 2)
+    ids = torch.tensor([3])
+    store.push(worker="w0", version=0, grads={"t": (ids, -torch.ones(1, 2))}, keys=[old])
+    assert store.version == 1
+    before = store.pull({"t": ids})[1]["t"].clone()
+    mixed = store.push(
+        worker="w0", version=1, grads={"t": (ids, -5 * torch.ones(1, 2))}, keys=[new, old]
+    )
+    assert mixed.duplicates == [old]
+    assert torch.equal(store.pull({"t": ids})[1]["t"], before)
+    assert new not in store.applied and old in store.applied
+    again = store.push(
+        worker="w0", version=store.version, grads={"t": (ids, -torch.ones(1, 2))}, keys=[new]
+    )
+    assert again.applied and new in store.applied
+    assert store.pull({"t": ids})[1]["t"].tolist() == [[2.0, 2.0]]
+
+
 def test_checkpoint_state_round_trips_and_shards_join_into_one_table() -> None:
     specs = [TableSpec(name="t", rows=11, dim=3, num_shards=2, sharding="hash")]
     stores = [RowStore(i) for i in range(2)]
