@@ -188,9 +188,7 @@ def test_a_sync_push_with_one_applied_key_beside_new_ones_is_refused_whole() -> 
     store.push(worker="worker:0", version=0, grads=grads(1.0), keys=[old], commit=True)
     assert store.version == 1
     before = {n: t.clone() for n, t in store.vars.items()}
-    mixed = store.push(
-        worker="worker:0", version=1, grads=grads(5.0), keys=[new, old], commit=True
-    )
+    mixed = store.push(worker="worker:0", version=1, grads=grads(5.0), keys=[new, old], commit=True)
     assert mixed.duplicates == [old]
     assert store.version == 2  # the step did not wait for it: it joined empty
     for name, value in before.items():
