@@ -375,11 +375,12 @@ if sys.argv[2:] == ["zombie"]:
     zombie()
 elif task == "worker:1" and incarnation == 0:
     child = subprocess.Popen([sys.executable, __file__, out, "zombie"], start_new_session=True)
-    put("zombie.pid", str(child.pid))
     from clusterflow.server.manager_link import ManagerLink
     link = ManagerLink.from_env()
     for n in range(1_000_000):  # its step advances until it hangs
         link.report(step=n, loss=None, samples_per_s=None)
+        if n == 0:  # the manager has its first step: the stall clock runs from here
+            put("zombie.pid", str(child.pid))
         time.sleep(0.1)
 elif task == "worker:1":
     put("replacement", str(incarnation))
