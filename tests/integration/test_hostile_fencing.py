@@ -16,10 +16,16 @@ emulated hosts that heals after the replacement ran (``benchmarks/_hostile_parti
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 import torch
 from benchmarks import _hostile_partition
@@ -46,6 +52,9 @@ from clusterflow.rpc.fencing import FenceBook, TaskFenced
 from clusterflow.server import Server
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.testing import available
+
+if TYPE_CHECKING:
+    from conftest import Clusterflow
 
 pytestmark = pytest.mark.integration
 
@@ -282,3 +291,265 @@ def test_a_zombie_healed_after_its_replacement_ran_applies_nothing_and_stops(
     assert outcome.refused >= 1, outcome
     assert outcome.lost == 0 and outcome.duplicated == 0, outcome
     assert "DeadlineExceeded" not in outcome.first_exit, outcome
+
+
+# Through the real manager ----------------------------------------------------------
+
+FENCE_JOB = '''
+import json, os, subprocess, sys, time
+
+out = sys.argv[1]
+task = os.environ["CLUSTERFLOW_TASK"]
+incarnation = int(os.environ["CLUSTERFLOW_INCARNATION"])
+
+
+def path(name):
+    return os.path.join(out, name)
+
+
+def wait_file(name):  # this job's own pacing, driven by the test
+    while not os.path.exists(path(name)):
+        time.sleep(0.02)
+
+
+def put(name, text=""):
+    with open(path(name) + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path(name) + ".tmp", path(name))
+
+
+def trainer():
+    import torch
+    from clusterflow.strategies.parameter_server import ParameterServerStrategy
+    strategy = ParameterServerStrategy(mode="async", deadline_s=30)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 4)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def push():
+        strategy.run(step)
+        strategy.settled(wait=True)
+
+    return push
+
+
+def zombie():
+    """worker:1's launch 0 as the ps and the dispatcher see it, outside its task's
+    process group: what a partition leaves alive. It acts only when the test asks."""
+    from clusterflow.data.api import DatasetSpec
+    from clusterflow.data.dispatcher_client import DispatcherClient
+    from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.rpc.fencing import TaskFenced
+
+    push = trainer()
+    rpc = RpcClient(os.environ["CLUSTERFLOW_MANAGER"], Credentials.from_env(), deadline=30)
+    data = DispatcherClient(rpc)
+    spec = DatasetSpec(
+        name="d", source="range://64", num_records=64, split_size=8, seed=0, epochs=1
+    )
+    data.register(spec, [])
+
+    def lease():
+        data.lease("d", task, None)
+
+    put("zombie.ready")
+    for n in range(1000):
+        wait_file(f"cmd-{n}")
+        command = open(path(f"cmd-{n}")).read()
+        if command == "exit":
+            return
+        try:
+            {"push": push, "lease": lease}[command]()
+            put(f"res-{n}", "done")
+        except TaskFenced as exc:
+            put(f"res-{n}", f"fenced: {exc}")
+
+
+if sys.argv[2:] == ["zombie"]:
+    zombie()
+elif task == "worker:1" and incarnation == 0:
+    child = subprocess.Popen([sys.executable, __file__, out, "zombie"], start_new_session=True)
+    from clusterflow.server.manager_link import ManagerLink
+    link = ManagerLink.from_env()
+    for n in range(1_000_000):  # its step advances until it hangs
+        link.report(step=n, loss=None, samples_per_s=None)
+        if n == 0:  # the manager has its first step: the stall clock runs from here
+            put("zombie.pid", str(child.pid))
+        time.sleep(0.1)
+elif task == "worker:1":
+    put("replacement", str(incarnation))
+    wait_file("go")  # held: it must not speak to the ps before the test says
+    trainer()()
+    put("replacement.trained")
+    wait_file("done")
+else:
+    wait_file("done")
+'''
+
+
+class _Zombie:
+    """The test's side of ``FENCE_JOB``'s zombie: numbered commands, one answer each."""
+
+    def __init__(self, cf: Clusterflow, out: Path) -> None:
+        self.cf, self.out, self.sent = cf, out, 0
+
+    def pid(self) -> int:
+        return int(self.cf.wait_until(lambda: _read(self.out / "zombie.pid"), 90, "the zombie"))
+
+    def __call__(self, command: str) -> str:
+        n, self.sent = self.sent, self.sent + 1
+        (self.out / f"cmd-{n}.tmp").write_text(command)
+        (self.out / f"cmd-{n}.tmp").rename(self.out / f"cmd-{n}")
+        if command == "exit":
+            return ""
+        return str(self.cf.wait_until(lambda: _read(self.out / f"res-{n}"), 60, command))
+
+
+def _fenced(answer: str) -> bool:
+    """Whether the zombie's call was refused as worker:1's launch 0."""
+    return answer.startswith("fenced: ") and "worker:1 incarnation 0 is fenced" in answer
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
+
+
+def _touch(path: Path) -> None:
+    path.write_text("")
+
+
+def _start_fence_cluster(cf: Clusterflow, out: Path) -> tuple[str, ClusterDir, Credentials]:
+    script = cf.script("fence_job.py", FENCE_JOB)
+    cluster_id = cf.start_detached(
+        "--ps", "1", "--workers", "2", "--max-restarts", "1", "--stall-timeout", "5",
+        "--", sys.executable, str(script), str(out),
+    )  # fmt: skip
+    cluster = ClusterDir(cf.path(cluster_id))
+    return cluster_id, cluster, Credentials.from_file(cluster.secret_file)
+
+
+def _respawned(cf: Clusterflow, cluster: ClusterDir, out: Path) -> dict[str, Any]:
+    """Waits for the manager to respawn worker:1 and its replacement to be held."""
+    event = cf.wait_until(
+        lambda: next(
+            (e for e in cluster.read_events() if e.get("event") == "task_respawned"), None
+        ),
+        90,
+        "worker:1 respawned",
+    )
+    cf.wait_until(lambda: _read(out / "replacement") == "1", 90, "the replacement held")
+    return dict(event)
+
+
+def _ended(cf: Clusterflow, cluster_id: str) -> None:
+    """Waits for the run to succeed and its manager process to exit."""
+    cf.wait_until(lambda: cf.state(cluster_id)["status"] == "succeeded", 90, "the run's end")
+    manager = cf.state(cluster_id)["manager"]["pid"]
+    cf.wait_until(lambda: not cf.alive([manager]), 30, "the manager's exit")
+
+
+def _hang(state: dict[str, Any], task: str, zombie_pid: int) -> None:
+    """SIGSTOP to ``task``'s whole process group (its supervisor leads it) and to the
+    zombie beside it: the task hangs; its steps stop."""
+    supervisor = next(t["pid"] for t in state["tasks"] if t["task"] == task)
+    os.killpg(supervisor, signal.SIGSTOP)
+    os.kill(zombie_pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(240)
+def test_the_manager_fences_a_hung_worker_before_its_replacement_starts(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """Pins ``Controller._respawn``: ``self.data.fences.raise_to(...)`` and
+    ``fence_ps_tasks(...)``, through a real manager (``clusterflow start
+    --stall-timeout``). worker:1 hangs (SIGSTOP); the manager sees its step stand still,
+    kills it and relaunches it, and the relaunch is held before it speaks to anyone. The
+    zombie (worker:1's launch 0, outside the killed process group, as a partition
+    leaves it) is resumed: its push and its lease are both refused, and the ps version
+    moved only by the replacement. Without ``raise_to`` the lease is served; without
+    ``fence_ps_tasks`` the push is applied: either fails here."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster_id, cluster, creds = _start_fence_cluster(cf, out)
+    zombie = _Zombie(cf, out)
+    zombie_pid = zombie.pid()
+    cf.wait_until((out / "zombie.ready").exists, 90, "the zombie ready")
+    assert zombie("push") == "done" and zombie("lease") == "done"
+    state = cf.state(cluster_id)
+    ps = state["spec"]["ps"][0]
+    version = _ps_version(ps, creds)
+    assert version == 1
+
+    _hang(state, "worker:1", zombie_pid)
+    event = _respawned(cf, cluster, out)
+    assert event["task"] == "worker:1" and "made no step" in event["reason"], event
+    os.kill(zombie_pid, signal.SIGCONT)
+    assert _fenced(zombie("push"))
+    assert _fenced(zombie("lease"))
+    assert _ps_version(ps, creds) == version
+
+    _touch(out / "go")
+    cf.wait_until((out / "replacement.trained").exists, 90, "the replacement")
+    assert _ps_version(ps, creds) == version + 1
+    zombie("exit")
+    _touch(out / "done")
+    _ended(cf, cluster_id)
+    assert not [e for e in cluster.read_events() if e.get("event") == "fence_missed"]
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_that_misses_the_fence_learns_it_from_the_replacement(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """Pins the ``fence_missed`` path (``manager/fences.py`` ``fence_ps_tasks`` and
+    ``rpc/fencing.py`` ``announce``): the ps hangs (SIGSTOP) while the manager respawns
+    worker:1, so it cannot take the fence. The manager records ``fence_missed`` naming
+    it and launches the replacement all the same (an error out of the announcement
+    would fail the run instead); the dispatcher refuses the zombie at once; the ps,
+    resumed, learns of the relaunch from the replacement's first request (every
+    request carries its fence), after which the zombie's push is refused and the ps
+    moved only by the replacement. Dropping the event, raising on a missed ps, or a ps
+    client that does not stamp its fence on every request fails here."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster_id, cluster, creds = _start_fence_cluster(cf, out)
+    zombie = _Zombie(cf, out)
+    zombie_pid = zombie.pid()
+    cf.wait_until((out / "zombie.ready").exists, 90, "the zombie ready")
+    assert zombie("push") == "done" and zombie("lease") == "done"
+    state = cf.state(cluster_id)
+    ps = state["spec"]["ps"][0]
+    ps_supervisor = next(t["pid"] for t in state["tasks"] if t["task"] == "ps:0")
+    (ps_server,) = psutil.Process(ps_supervisor).children()
+    ps_server.suspend()  # the ps hangs; its supervisor heartbeats on
+    try:
+        _hang(state, "worker:1", zombie_pid)
+        _respawned(cf, cluster, out)
+        missed = cf.wait_until(
+            lambda: [e for e in cluster.read_events() if e.get("event") == "fence_missed"],
+            30,
+            "fence_missed",
+        )
+        assert missed[0]["task"] == "worker:1" and missed[0]["ps"] == [ps], missed
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):  # the run may have ended
+            ps_server.resume()
+    os.kill(zombie_pid, signal.SIGCONT)
+    assert _fenced(zombie("lease"))
+    version = _ps_version(ps, creds)
+
+    _touch(out / "go")
+    cf.wait_until((out / "replacement.trained").exists, 90, "the replacement")
+    assert _ps_version(ps, creds) == version + 1
+    assert _fenced(zombie("push"))
+    assert _ps_version(ps, creds) == version + 1
+    zombie("exit")
+    _touch(out / "done")
+    _ended(cf, cluster_id)

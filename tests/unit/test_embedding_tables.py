@@ -254,6 +254,63 @@ def test_sync_rows_wait_for_every_replica_and_average() -> None:
     assert store.version == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_with_one_applied_key_beside_new_ones_moves_no_row(mode: str) -> None:
+    """Pins ``RowStore.push``: ``if duplicates: ... checked, keyed = {}, []`` (sync) and
+    the refusal (async). A push naming a split applied before beside new splits moves
+    no row and marks none of its new keys applied (their splits go through again,
+    alone); applying it anyway, or only its new keys, fails here."""
+    store = _store(mode)
+    old, new = ("d", 0, 1), ("d", 0, 2)
+    ids = torch.tensor([3])
+    store.push(worker="w0", version=0, grads={"t": (ids, -torch.ones(1, 2))}, keys=[old])
+    assert store.version == 1
+    before = store.pull({"t": ids})[1]["t"].clone()
+    mixed = store.push(
+        worker="w0", version=1, grads={"t": (ids, -5 * torch.ones(1, 2))}, keys=[new, old]
+    )
+    assert mixed.duplicates == [old]
+    assert torch.equal(store.pull({"t": ids})[1]["t"], before)
+    assert new not in store.applied and old in store.applied
+    again = store.push(
+        worker="w0", version=store.version, grads={"t": (ids, -torch.ones(1, 2))}, keys=[new]
+    )
+    assert again.applied and new in store.applied
+    assert store.pull({"t": ids})[1]["t"].tolist() == [[2.0, 2.0]]
+
+
+def test_a_sync_step_of_tables_alone_gives_back_the_new_keys_of_a_mixed_push() -> None:
+    """Pins ``RowStore.push``'s ``result.duplicates = duplicates`` where it matters: with
+    tables alone, ps 0's rows reply decides the step's keys (``KeyLedger.sync_reply``).
+    A step completing a split applied before and a new one moves no row, reports the
+    old key applied and gives the new one back (its records are read again). Without
+    the duplicates in the reply the new key came back applied, to be acked although
+    nothing of it was applied: its records lost."""
+    from clusterflow.data.api import SplitKey
+
+    strategy = _strategy(1)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ids = torch.tensor([2, 5])
+
+    def step() -> None:
+        opt.zero_grad()
+        model(ids).sum().backward()
+        opt.step()
+
+    old, new = SplitKey("d", 0, 1), SplitKey("d", 0, 2)
+    strategy.run(step, completes=[old])
+    assert strategy.settled(wait=True).applied == (old,)
+    before = read_table(model).clone()
+    strategy.run(step, completes=[new, old])
+    settled = strategy.settled(wait=True)
+    assert settled.applied == (old,) and settled.dropped == (new,), settled
+    assert torch.equal(read_table(model), before)
+    strategy.close()
+
+
 def test_checkpoint_state_round_trips_and_shards_join_into_one_table() -> None:
     specs = [TableSpec(name="t", rows=11, dim=3, num_shards=2, sharding="hash")]
     stores = [RowStore(i) for i in range(2)]

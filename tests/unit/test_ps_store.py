@@ -203,6 +203,31 @@ def test_a_sync_duplicate_joins_the_step_empty_so_no_step_waits_for_it() -> None
     assert torch.allclose(store.vars["b"], before - 0.05)
 
 
+def test_a_sync_push_with_one_applied_key_beside_new_ones_is_refused_whole() -> None:
+    """Pins ``VariableStore.push``'s sync branch ``if duplicates: checked, keyed = {}, []``.
+
+    A batch that spans several splits carries several keys; a replayed split beside new
+    ones must not apply the push's gradients (they hold the replayed split's records a
+    second time), and the new keys must stay unapplied, so their splits are handed out
+    again and go through alone. Applying the push anyway, or marking only the new keys
+    applied, fails here."""
+    store = make_store(PSConfig(mode="sync", num_replicas=1))
+    old, new = ("ds", 0, 1), ("ds", 0, 2)
+    store.push(worker="worker:0", version=0, grads=grads(1.0), keys=[old], commit=True)
+    assert store.version == 1
+    before = {n: t.clone() for n, t in store.vars.items()}
+    mixed = store.push(worker="worker:0", version=1, grads=grads(5.0), keys=[new, old], commit=True)
+    assert mixed.duplicates == [old]
+    assert store.version == 2  # the step did not wait for it: it joined empty
+    for name, value in before.items():
+        assert torch.equal(store.vars[name], value), name
+    assert new not in store.applied and old in store.applied
+    # The new split, pushed again alone (the data service lent it again), applies once.
+    store.push(worker="worker:0", version=2, grads=grads(1.0), keys=[new], commit=True)
+    assert new in store.applied
+    assert torch.allclose(store.vars["b"], before["b"] - 0.1)
+
+
 def test_applied_keys_of_a_whole_epoch_collapse_to_one_number() -> None:
     from clusterflow.ps.applied import AppliedKeys
 

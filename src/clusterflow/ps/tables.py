@@ -216,7 +216,12 @@ class RowStore:
                 checked, keyed = {}, []
             if config.mode == "async":
                 return self._apply_async(config, version, checked, keyed, hyper or {})
-            return self._buffer_sync(config, worker, version, checked, keyed, hyper or {})
+            result = self._buffer_sync(config, worker, version, checked, keyed, hyper or {})
+            # Tables alone: this reply decides the step's keys (``KeyLedger.sync_reply``);
+            # without the duplicates its new keys would count as applied, and be acked,
+            # although the push joined the step empty.
+            result.duplicates = duplicates
+            return result
 
     def _check(self, grads: RowGrads) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
