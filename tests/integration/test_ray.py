@@ -345,6 +345,29 @@ def test_an_unplaceable_request_fails_at_once_with_one_line(cf: Any) -> None:
     assert time.monotonic() - started < 60  # bounded: nothing waited for a node
 
 
+def test_tasks_each_node_could_hold_but_not_all_at_once_fail_before_placing(
+    ray_cluster: RayCluster, cf: Any
+) -> None:
+    """Two workers of CPU=2 that only zone b (one 2-CPU node) may take: each fits the
+    node, both never do; the check of ray_placement._not_node_by_node fails the start
+    before a placement group waits out its timeout (issue 31 saw 62 s, then a message
+    about free resources: the words below are the check's own)."""
+    out = cf(
+        "start", "--backend", "ray", "--address", ADDRESS, "--workers", "2",
+        "--resources", "worker:CPU=2", "--label", "worker:zone=b",
+        "--", sys.executable, "-c", "pass",
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    node_b = ray_cluster.probe()["ips"][ray_cluster.nodes["b"]]
+    assert _errors(out.stderr) == [
+        "error: task worker:1 needs CPU=2 with zone=b: no node has room for it beside the "
+        f"cluster's other tasks (the nodes with zone=b: {node_b} has CPU=2 in all)"
+    ]
+    described = cf("describe", _only_cluster(cf))
+    assert "status:   failed" in described.stdout
+    assert "summary:  task worker:1 needs CPU=2 with zone=b" in described.stdout
+
+
 def test_a_request_that_does_not_fit_now_fails_within_its_bound(cf: Any, tmp_path: Path) -> None:
     config = tmp_path / "cluster.yaml"
     config.write_text(
