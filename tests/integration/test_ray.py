@@ -28,6 +28,7 @@ import ipaddress
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -368,22 +369,60 @@ def test_tasks_each_node_could_hold_but_not_all_at_once_fail_before_placing(
     assert "summary:  task worker:1 needs CPU=2 with zone=b" in described.stdout
 
 
-def test_a_request_that_does_not_fit_now_fails_within_its_bound(cf: Any, tmp_path: Path) -> None:
-    config = tmp_path / "cluster.yaml"
-    config.write_text(
-        "backend: ray\n"
-        f"address: '{ADDRESS}'\n"
-        "workers: 2\n"
-        "resources: {worker: {GPU: 1}}\n"  # two GPUs at once; the cluster has one
-        "placement_timeout_s: 3\n"
-        f"command: [{sys.executable!r}, -c, pass]\n"
+def test_a_request_that_does_not_fit_now_fails_within_its_bound_or_at_sigterm(
+    ray_cluster: RayCluster, cf: Any, tmp_path: Path
+) -> None:
+    """The one GPU is held by a running cluster: another asking for it fits the nodes
+    but not their free resources now, so it waits. A short placement timeout ends the
+    wait with a line naming the job; SIGTERM ends it at once with 143 (pins
+    interrupts._received: Ray's ray.get turns the handler's exception into a plain
+    KeyboardInterrupt), recorded as never started, its manager and group gone (the
+    fixture checks)."""
+    flag = tmp_path / "go"
+    job = (
+        "import pathlib, time\n"
+        "print('ready', flush=True)\n"
+        f"while not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)\n"
     )
-    out = cf("start", "-c", str(config))
-    assert out.returncode == 2, out.stderr
-    (line,) = _errors(out.stderr)
-    assert line.startswith(
-        "error: job worker needs GPU=1 for each of its 2 task(s): not free within 3s"
-    )
+    gpu = ["--backend", "ray", "--address", ADDRESS, "--resources", "worker:GPU=1"]
+    held = cf("start", *gpu, "--detach", "--", sys.executable, "-c", job)
+    assert held.returncode == 0, held.stderr
+    holder = held.stdout.strip()
+    try:
+        wait_until(lambda: "[worker:0] ready" in _logs(cf, holder), 120, "the GPU's holder")
+        config = tmp_path / "cluster.yaml"
+        config.write_text(
+            "backend: ray\n"
+            f"address: '{ADDRESS}'\n"
+            "resources: {worker: {GPU: 1}}\n"
+            "placement_timeout_s: 3\n"
+            f"command: [{sys.executable!r}, -c, pass]\n"
+        )
+        out = cf("start", "-c", str(config))
+        assert out.returncode == 2, out.stderr
+        (line,) = _errors(out.stderr)
+        assert line.startswith(
+            "error: job worker needs GPU=1 for each of its 1 task(s): not free within 3s"
+        )
+
+        waiting = cf.popen("start", *gpu, "--", sys.executable, "-c", "pass")
+        try:
+            wait_until(
+                lambda: "PENDING" in ray_cluster.probe()["groups"].values(),
+                120,
+                "a placement group waiting for the GPU",
+            )
+            waiting.send_signal(signal.SIGTERM)
+            assert waiting.wait(60) == 143
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+        never = [c for c in (cf.home / "clusters").iterdir() if c.name != holder]
+        summaries = {json.loads((c / "state.json").read_text())["summary"] for c in never}
+        assert "never started: interrupted while it joined Ray or placed the cluster" in summaries
+    finally:
+        flag.touch()
+    wait_until(lambda: _ended(cf, holder), 120, "the holder's end")
 
 
 MEMORY_JOB = """
