@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from conftest import Clusterflow
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-pytest.importorskip("ray")
+pytest.importorskip("ray", reason="joining Ray needs Ray")
 
 PY = sys.executable
 ENDS_S = 60.0

@@ -23,7 +23,7 @@ from clusterflow.backends.ray_driver import RayUnreachable
 from clusterflow.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="joining Ray needs Ray")
 
 
 @pytest.fixture(autouse=True)

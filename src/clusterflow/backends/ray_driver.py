@@ -28,13 +28,14 @@ import threading
 import time
 from typing import Any
 
+from clusterflow.cluster.contract import ENV_RAY_JOIN_TIMEOUT
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "clusterflow"
 """The Ray namespace of every actor clusterflow creates (managers, supervisors, caches)."""
-ENV_JOIN_TIMEOUT = "CLUSTERFLOW_RAY_JOIN_TIMEOUT"
+ENV_JOIN_TIMEOUT = ENV_RAY_JOIN_TIMEOUT
 """Seconds ``ray.init`` may take once the address accepts connections."""
 JOIN_TIMEOUT_S = 60.0
 """The default of ``CLUSTERFLOW_RAY_JOIN_TIMEOUT``: a joining driver uploads its
