@@ -425,6 +425,61 @@ def test_a_request_that_does_not_fit_now_fails_within_its_bound_or_at_sigterm(
     wait_until(lambda: _ended(cf, holder), 120, "the holder's end")
 
 
+def test_a_second_sigterm_leaves_a_foreground_start_while_its_cluster_stops(
+    cf: Any, tmp_path: Path
+) -> None:
+    """The first SIGTERM asks the manager to stop the cluster in order; its task ignores
+    SIGTERM, so the stop waits out --grace; the second SIGTERM leaves at once (pins the
+    second-signal branch of ray_start._interrupt), the cluster still stopping."""
+    flag = tmp_path / "go"
+    job = (
+        "import pathlib, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('ready', flush=True)\n"
+        f"while not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.05)\n"
+    )
+    start = cf.popen(
+        "start", "--backend", "ray", "--address", ADDRESS, "--grace", "600",
+        "--", sys.executable, "-c", job,
+    )  # fmt: skip
+    reader = LineReader(start.stdout)
+    try:
+        reader.wait_for("[worker:0] ready", timeout=120)
+        cluster_id = _only_cluster(cf)
+        start.send_signal(signal.SIGTERM)
+        events = cf.home / "clusters" / cluster_id / "events.jsonl"
+        wait_until(
+            lambda: events.exists() and '"stop_requested"' in events.read_text(),
+            60,
+            "the manager to take the stop",
+        )
+        start.send_signal(signal.SIGTERM)
+        assert start.wait(60) == 143
+        assert _state(cf, cluster_id)["status"] not in TERMINAL  # it goes on stopping
+    finally:
+        if start.poll() is None:
+            start.kill()
+        flag.touch()
+    wait_until(lambda: _ended(cf, cluster_id), 120, "the cluster's end")
+
+
+def test_stop_of_a_folder_whose_ray_holds_no_manager_records_it_never_started(
+    cf: Any,
+) -> None:
+    """A start killed (SIGKILL) after joining, before it made its manager, leaves a
+    folder `created` that no manager will ever fill: `stop` says so and closes it."""
+    folder = cf.home / "clusters" / "0123456789"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"backend": "ray", "address": ADDRESS}))
+    stopped = cf("stop", "0123456789")
+    why = f"never started: no manager of it in the Ray cluster at {ADDRESS}"
+    assert (stopped.returncode, stopped.stdout) == (0, f"0123456789: not running ({why})\n")
+    assert (_state(cf, "0123456789")["status"], _state(cf, "0123456789")["summary"]) == (
+        "failed",
+        why,
+    )
+
+
 MEMORY_JOB = """
 import os, sys, time
 mib = int(open(sys.argv[1]).read())  # the same command each run; the file says how much

@@ -387,9 +387,10 @@ def stop(cluster: ClusterDir, grace_s: float) -> str:
     mirror collects the final state, and the manager, its actors and its placement group
     end.
 
-    A cluster that never heard from its manager (``created``) in a Ray that cannot be
-    reached never started there (a ``start`` killed while it joined): it is recorded as
-    failed, saying so, and leaves ``ps``.
+    A cluster that never heard from its manager (``created``), in a Ray that cannot be
+    reached or that holds no manager of it, never started there (a ``start`` killed
+    while it joined, or before its manager was made): it is recorded as failed, saying
+    so, and leaves ``ps``.
 
     Raises:
         RayUnreachable: the cluster's manager ran in a Ray that cannot be reached now.
@@ -404,7 +405,13 @@ def stop(cluster: ClusterDir, grace_s: float) -> str:
         return f"not running (never started: {exc})"
     if handle is None:
         refresh(cluster)
-        return f"not running ({cluster.read_state().status})"
+        mirror = cluster.read_state()
+        if mirror.status == "created" and mirror.manager is None:  # a start killed early
+            address = cluster.read_config().get("address") or "auto"
+            why = f"never started: no manager of it in the Ray cluster at {address}"
+            never_started(cluster, why, exit_code=1)
+            return f"not running ({why})"
+        return f"not running ({mirror.status})"
     handle.stop(grace_s)
     deadline = time.monotonic() + grace_s + 60.0
     while time.monotonic() < deadline:
