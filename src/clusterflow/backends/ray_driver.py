@@ -3,10 +3,11 @@
 Joining has a deadline. Ray's own ``ray.init`` waits on an address where no Ray answers
 (a typo, or the ``ray_current_cluster`` file a stopped cluster leaves behind, which
 ``auto`` reads) for about ten minutes, repeating ``Failed to get cluster ID from GCS
-server``, and while it waits in the main thread no Python signal handler runs: Ctrl-C
-and SIGTERM did nothing. So ``join`` first connects to the address itself (refused, or
-silent for ``PROBE_TIMEOUT_S``: one line naming it, at once), then runs ``ray.init`` on a
-daemon thread and waits for it at most ``CLUSTERFLOW_RAY_JOIN_TIMEOUT`` seconds, the main
+server``; in the main thread it runs Python's signal handlers only between those waits
+(the first one here after about 40 s), so Ctrl-C and SIGTERM seemed to do nothing. So
+``join`` first connects to the address itself (refused, or silent for
+``PROBE_TIMEOUT_S``: one line naming it, at once), then runs ``ray.init`` on a daemon
+thread and waits for it at most ``CLUSTERFLOW_RAY_JOIN_TIMEOUT`` seconds, the main
 thread free to take signals. A ``ray.init`` that outlived its deadline still runs on
 its thread, so this process never calls it again (a second one beside it would share
 its half-made state): every later join fails at once with the same line.
