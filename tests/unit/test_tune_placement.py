@@ -98,7 +98,8 @@ def test_a_ray_trial_no_node_can_run_is_one_line() -> None:
     nodes = [_node(CPU=4)]
     with pytest.raises(ConfigError, match="job worker needs GPU=1: no node has it"):
         fit_ray(_requests(worker=(1, {"GPU": 1}, {})), nodes, 2)
-    with pytest.raises(ConfigError, match="takes CPU=6 at once, more than"):
+    # Each task fits the node, both do not (ray_placement's check, node by node).
+    with pytest.raises(ConfigError, match="task worker:1 needs CPU=3: no node has room for it"):
         fit_ray(_requests(worker=(2, {"CPU": 3}, {})), nodes, 2)
 
 

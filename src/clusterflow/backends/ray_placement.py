@@ -3,8 +3,10 @@
 A placement group is gang-scheduled: Ray reserves every bundle or none, so a cluster
 never holds some nodes' resources while it waits for others. Before asking, the request
 is checked against the nodes that exist (their total resources and labels): a request
-no node could ever satisfy fails at once, naming the job and what is missing; one that
-fits the nodes but not their free resources fails after ``timeout_s``.
+no node could ever satisfy fails at once, naming the job and what is missing, and so do
+tasks that each fit some node but cannot all be held at once, node by node (naming the
+task no node has room for); one that fits the nodes but not their free resources fails
+after ``timeout_s``.
 
 Only plain values here (no manager types): the manager turns its ``RunConfig`` into
 ``TaskRequest``\\ s.
@@ -116,7 +118,124 @@ def unplaceable(requests: Sequence[TaskRequest], nodes: Sequence[Mapping[str, An
                 if k in request.resources and (k != "memory" or request.memory_named)
             ]
         return f"job {request.task.job} needs {request.describe(missing)}: no node has it"
-    return None
+    return _not_node_by_node(requests, alive)
+
+
+PACK_STEPS = 20_000
+"""Most tries of a task on a node when packing the cluster into the nodes' totals: past
+it the search gives up and Ray decides (only a packing proven impossible fails at once)."""
+
+
+class _GaveUp(Exception):
+    """The packing search ran past ``PACK_STEPS``."""
+
+
+def _not_node_by_node(
+    requests: Sequence[TaskRequest], nodes: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """The one-line reason the tasks, each of which fits some node, cannot all be held by
+    the nodes at once, node by node (two tasks of ``CPU=2`` that only one 2-CPU node may
+    take); None if they can, or the search gave up.
+
+    First fit in the cluster's task order decides most clusters at once; when it fails,
+    an exhaustive search (nodes of equal labels and room tried once) decides, and the
+    task first fit could not place is the one named.
+    """
+    totals = [{k: float(v) for k, v in (n.get("Resources") or {}).items()} for n in nodes]
+    bundles = [r.bundle() for r in requests]
+    homes = [
+        [i for i, n in enumerate(nodes) if label_matches(r.labels, n.get("Labels") or {})]
+        for r in requests
+    ]
+    room = [dict(t) for t in totals]
+    stuck = None
+    for index, bundle in enumerate(bundles):
+        node = next((i for i in homes[index] if _fits(bundle, room[i])), None)
+        if node is None:
+            stuck = index
+            break
+        _take(bundle, room[node], -1.0)
+    if stuck is None:
+        return None
+    try:
+        if _packs(bundles, homes, totals, nodes):
+            return None
+    except _GaveUp:
+        return None
+    request = requests[stuck]
+    bundle = bundles[stuck]
+    missing = [
+        k
+        for k, v in bundle.items()
+        if not any(room[i].get(k, 0.0) + 1e-9 >= v for i in homes[stuck])
+    ] or list(bundle)
+    held = ", ".join(
+        f"{nodes[i].get('NodeManagerAddress') or str(nodes[i].get('NodeID', '?'))[:12]} has "
+        + ",".join(f"{k}={_number(k, totals[i].get(k, 0.0))}" for k in missing)
+        + " in all"
+        for i in homes[stuck]
+    )
+    where = f"the nodes with {_labels(request)}" if request.labels else "the nodes"
+    return (
+        f"task {request.task} needs {request.describe(missing)}: no node has room for it "
+        f"beside the cluster's other tasks ({where}: {held})"
+    )
+
+
+def _labels(request: TaskRequest) -> str:
+    return ",".join(f"{k}={v}" for k, v in request.labels.items())
+
+
+def _fits(bundle: Mapping[str, float], room: Mapping[str, float]) -> bool:
+    return all(room.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+
+
+def _take(bundle: Mapping[str, float], room: dict[str, float], sign: float) -> None:
+    for k, v in bundle.items():
+        room[k] = room.get(k, 0.0) + sign * v
+
+
+def _packs(
+    bundles: Sequence[Mapping[str, float]],
+    homes: Sequence[Sequence[int]],
+    totals: Sequence[Mapping[str, float]],
+    nodes: Sequence[Mapping[str, Any]],
+) -> bool:
+    """Whether every bundle has a node among its ``homes`` at once, within the nodes'
+    ``totals`` (an exhaustive search, the most constrained task first).
+
+    Raises:
+        _GaveUp: past ``PACK_STEPS`` tries, or too many tasks to search.
+    """
+    if len(bundles) > 500:  # deeper than the search's recursion may go
+        raise _GaveUp
+    labels = [tuple(sorted((n.get("Labels") or {}).items())) for n in nodes]
+    order = sorted(range(len(bundles)), key=lambda i: (len(homes[i]), -len(bundles[i])))
+    room = [dict(t) for t in totals]
+    steps = 0
+
+    def place(depth: int) -> bool:
+        nonlocal steps
+        if depth == len(order):
+            return True
+        index = order[depth]
+        bundle = bundles[index]
+        tried = set()
+        for node in homes[index]:
+            alike = (labels[node], tuple(sorted(room[node].items())))
+            if alike in tried or not _fits(bundle, room[node]):
+                continue
+            tried.add(alike)
+            steps += 1
+            if steps > PACK_STEPS:
+                raise _GaveUp
+            _take(bundle, room[node], -1.0)
+            if place(depth + 1):
+                return True
+            _take(bundle, room[node], 1.0)
+        return False
+
+    return place(0)
 
 
 def reserve(requests: Sequence[TaskRequest], name: str, timeout_s: float) -> Any:

@@ -359,7 +359,10 @@ def describe(cache: CacheMap) -> CacheMap:
     import ray
 
     joined = ray.is_initialized()
-    connect(cache.address)
+    try:
+        connect(cache.address)
+    except ray_driver.RayUnreachable as exc:  # `cache ls` lists the others all the same
+        return replace(cache, status=f"unreachable: {exc}")
     try:
         keeper = ray.get_actor(keeper_name(cache.name), namespace=NAMESPACE)
         wire = ray.get(keeper.map.remote(), timeout=CALL_S)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from clusterflow import __version__
-from clusterflow.cli import follow
+from clusterflow.cli import follow, interrupts
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.secret import secret
 from clusterflow.cli.tune import make_tune
@@ -493,12 +493,13 @@ def ps_command(show_all: bool) -> None:
         table.add_column(column, no_wrap=True, overflow="ellipsis")
     for cluster in registry.all_clusters():
         try:
-            _refresh(cluster)
-            state = cluster.read_state()
+            state = _read(cluster)
         except ClusterflowError as exc:
             cells = [cluster.id, "unreadable", str(exc), "-", "-", "-", "-"]
         else:
             status = registry.effective_status(state)
+            if status == registry.UNREACHABLE:
+                click.echo(f"warning: cluster {cluster.id}: {state.summary}", err=True)
             if not show_all and status in registry.TERMINAL:
                 continue
             command = shlex.join(state.command)
@@ -517,8 +518,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
-    _refresh(cluster)
-    state = cluster.read_state()
+    state = _read(cluster)
     if as_json:
         click.echo(json.dumps(state.to_dict(), indent=2))
         return
@@ -565,10 +565,12 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
-    _refresh(cluster)
+    state = _read(cluster)
+    if state.status == registry.UNREACHABLE:  # what the mirror holds is still worth printing
+        click.echo(f"warning: cluster {cluster.id}: {state.summary}", err=True)
     if task_name:
         task = TaskId.parse(task_name)
-        known = [t.task for t in cluster.read_state().tasks]
+        known = [t.task for t in state.tasks]
         if known and str(task) not in known:
             raise ConfigError(
                 f"cluster {cluster.id} has no task {task_name!r}; "
@@ -577,7 +579,8 @@ def logs(cluster_id: str, task_name: str | None, follow_: bool) -> None:
         path = cluster.task_log(str(task))
     else:
         path = cluster.output_file
-    follow.print_file(path, lambda: _finished(cluster) if follow_ else True)
+    following = follow_ and state.status != registry.UNREACHABLE
+    follow.print_file(path, lambda: _finished(cluster) if following else True)
 
 
 @cli.command(context_settings=CONTEXT)
@@ -587,31 +590,40 @@ def attach(cluster_id: str) -> None:
     from clusterflow.manager import registry
 
     cluster = registry.find(cluster_id)
-    _refresh(cluster)
-    status = registry.effective_status(cluster.read_state())
+    state = _read(cluster)
+    status = registry.effective_status(state)
+    if status == registry.UNREACHABLE:
+        raise ConfigError(f"cluster {cluster.id}: {state.summary}")
     if status in registry.TERMINAL or status == "stale":
         raise ConfigError(f"cluster {cluster.id} is not running ({status}); see `clusterflow logs`")
     try:
         follow.print_file(cluster.output_file, lambda: _finished(cluster))
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # detaches; the cluster runs on
+        sys.exit(interrupts.exit_code(exc))
     code = cluster.read_state().exit_code
     sys.exit(1 if code is None else code)
 
 
-def _refresh(cluster: Any) -> None:
-    """A cluster whose manager runs elsewhere (on Ray) has its local folder brought up
-    to date from it; a local cluster's folder is the manager's own."""
+def _read(cluster: Any) -> ClusterState:
+    """The cluster's state; one whose manager runs elsewhere (on Ray) has its local folder
+    brought up to date from it first, within deadlines, and reads ``unreachable`` when
+    that Ray cannot be reached (``ray_host.read``); a local cluster's folder is the
+    manager's own."""
     from clusterflow.manager import ray_host
 
-    ray_host.refresh(cluster)
+    return ray_host.read(cluster)
 
 
 def _finished(cluster: Any) -> bool:
+    """Whether following the cluster's output is over: it ended, its manager is gone, or
+    its Ray cannot be reached (nothing more can come; said once on stderr)."""
     from clusterflow.manager import registry
 
-    _refresh(cluster)
-    return registry.effective_status(cluster.read_state()) in (*registry.TERMINAL, "stale")
+    state = _read(cluster)
+    status = registry.effective_status(state)
+    if status == registry.UNREACHABLE:
+        click.echo(f"warning: cluster {cluster.id}: {state.summary}", err=True)
+    return status in (*registry.TERMINAL, "stale", registry.UNREACHABLE)
 
 
 # stop ----------------------------------------------------------------------------------
@@ -688,19 +700,20 @@ cli.add_command(secret)  # `clusterflow secret` (cli/secret.py)
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one-line errors, exit 2 for usage, never a traceback for bad input."""
+    interrupts.install()
     try:
         code = cli.main(args=argv, prog_name="clusterflow", standalone_mode=False)
     except click.UsageError as exc:
         path = exc.ctx.command_path if exc.ctx else "clusterflow"
         _fail(f"{exc.format_message()} (see `{path} -h`)")
-    except click.exceptions.Abort:
-        sys.exit(130)
+    except click.exceptions.Abort as exc:  # click's wrapping of a KeyboardInterrupt
+        sys.exit(interrupts.exit_code(exc.__cause__ or exc.__context__))
     except click.ClickException as exc:
         _fail(exc.format_message())
     except ClusterflowError as exc:
         _fail(str(exc))
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        sys.exit(interrupts.exit_code(exc))
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -2,11 +2,17 @@
 
 In the foreground the CLI then follows the cluster's output as ``attach`` does and ends
 with its exit code; Ctrl-C (or SIGTERM, or a closed terminal) asks the manager to stop
-the cluster in order. With ``--detach`` it prints the cluster id once the cluster runs.
+the cluster in order, and a second one leaves at once (exit 130; the manager goes on
+stopping it). With ``--detach`` it prints the cluster id once the cluster runs.
+
+Until the manager runs, Ctrl-C and SIGTERM end the command at once too (joining Ray and
+placing the cluster both wait where signals are taken, ``ray_driver``): the cluster is
+then recorded as failed, so no folder is left ``created`` behind.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -14,15 +20,18 @@ from types import FrameType
 
 import click
 
-from clusterflow.cli import follow
+from clusterflow.cli import follow, interrupts
 from clusterflow.errors import ClusterflowError
 from clusterflow.manager import ray_host, registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.registry import ClusterDir
-from clusterflow.manager.state import ClusterState
+
+log = logging.getLogger(__name__)
 
 USAGE_EXIT = 2
 """What ``start`` exits with when the cluster cannot be placed (as for any bad input)."""
+INTERRUPTED_EXIT = 130
+"""What a start interrupted before its manager ran records (as Ctrl-C exits)."""
 
 
 def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
@@ -31,11 +40,11 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
         handle = ray_host.run(cluster, config, detach=detach)
     except ClusterflowError as exc:
         # Never started: recorded as failed, so `ps -a` shows why, not a cluster "created".
-        now = time.time()
-        never = ClusterState(
-            id=cluster.id, status="failed", backend="ray", command=config.command, created=now
-        )
-        cluster.write_state(never.finished(exit_code=USAGE_EXIT, summary=str(exc), ended=now))
+        ray_host.never_started(cluster, str(exc), exit_code=USAGE_EXIT)
+        raise
+    except BaseException:  # Ctrl-C or SIGTERM while it joined Ray or placed the cluster
+        summary = "never started: interrupted while it joined Ray or placed the cluster"
+        ray_host.never_started(cluster, summary, exit_code=INTERRUPTED_EXIT)
         raise
     if detach:
         deadline = time.monotonic() + config.register_timeout_s
@@ -49,6 +58,8 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
     stopping: list[int] = []
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
+        if stopping:  # the second: leave now; the manager has the stop request
+            interrupts.raise_for(signum)
         stopping.append(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -59,7 +70,10 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> int:
         nonlocal asked
         if stopping and not asked:
             asked = True
-            handle.stop(config.grace_s)
+            try:
+                handle.stop(config.grace_s)
+            except Exception as exc:  # a manager that cannot take it: the refresh says
+                log.warning("the manager of %s did not take the stop: %s", cluster.id, exc)
         state = handle.refresh()
         return state is None or state.status in registry.TERMINAL
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from clusterflow.cli import interrupts
 from clusterflow.errors import ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -172,10 +173,12 @@ def _run_study(values: dict[str, Any]) -> int:
         )
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
+        if runner.stop_requested.is_set():  # the second: leave now (interrupts.py)
+            interrupts.raise_for(signum)
         runner.stop_requested.set()
 
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     code = runner.run()
     if runner.failure:
         click.echo(f"error: {runner.failure}", err=True)

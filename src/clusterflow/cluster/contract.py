@@ -35,6 +35,7 @@ ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
 ENV_HOME: Final = "CLUSTERFLOW_HOME"
 ENV_UI_TOKEN: Final = "CLUSTERFLOW_UI_TOKEN"
 ENV_HOSTS: Final = "CLUSTERFLOW_HOSTS"
+ENV_RAY_JOIN_TIMEOUT: Final = "CLUSTERFLOW_RAY_JOIN_TIMEOUT"
 
 # The job command's environment (from the manager's registration reply) --------------------
 
@@ -89,6 +90,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
         ENV_UI_TOKEN: EnvVar("user", "`clusterflow ui`: its token, instead of a fresh one"),
         ENV_HOSTS: EnvVar("user", "`--backend hosts`: the emulated hosts' placement file"),
+        ENV_RAY_JOIN_TIMEOUT: EnvVar("user", "seconds ray.init may take (backends/ray_driver.py)"),
         ENV_LISTEN_FD: EnvVar("job", "the reserved, bound socket of the task's port"),
         ENV_JOB: EnvVar("job", "this task's job name"),
         ENV_TASK_INDEX: EnvVar("job", "this task's index in its job"),

@@ -338,6 +338,10 @@ def refresh(cluster: ClusterDir) -> None:
     """Brings a Ray cluster's local mirror up to date; nothing for a local cluster.
 
     A mirror that still says the cluster runs, whose manager is gone, is marked stale.
+    Waits at most the join's deadlines (``ray_driver``) and one call's.
+
+    Raises:
+        RayUnreachable: the cluster's Ray cannot be reached (the mirror is left as is).
     """
     with contextlib.suppress(ConfigError):
         if cluster.read_config().get("backend") != "ray":
@@ -353,14 +357,61 @@ def refresh(cluster: ClusterDir) -> None:
         cluster.write_state(replace(state, status="stale", summary=summary))
 
 
+def never_started(cluster: ClusterDir, summary: str, *, exit_code: int) -> None:
+    """Records that the cluster's manager never started (``failed``, with ``summary``),
+    so ``ps -a`` and the dashboard say why instead of showing it ``created`` for ever."""
+    command: tuple[str, ...] = ()
+    with contextlib.suppress(ConfigError):
+        command = tuple(cluster.read_config().get("command") or ())
+    now = time.time()
+    state = ClusterState(
+        id=cluster.id, status="failed", backend="ray", command=command, created=now
+    )
+    cluster.write_state(state.finished(exit_code=exit_code, summary=summary, ended=now))
+
+
+def read(cluster: ClusterDir) -> ClusterState:
+    """The cluster's state as ``ps``, ``describe`` and the dashboard show it: a Ray
+    cluster's mirror refreshed first (``refresh``). One whose Ray cannot be reached (a
+    lost address, or a folder a killed ``start`` left with the address it never joined)
+    reads ``unreachable``, its summary saying why; the mirror itself is not changed."""
+    try:
+        refresh(cluster)
+    except ray_driver.RayUnreachable as exc:
+        return replace(cluster.read_state(), status=registry.UNREACHABLE, summary=str(exc))
+    return cluster.read_state()
+
+
 def stop(cluster: ClusterDir, grace_s: float) -> str:
     """``clusterflow stop`` for a Ray cluster: the manager stops its tasks in order, the
     mirror collects the final state, and the manager, its actors and its placement group
-    end."""
-    handle = ManagerHandle.find(cluster)
+    end.
+
+    A cluster that never heard from its manager (``created``), in a Ray that cannot be
+    reached or that holds no manager of it, never started there (a ``start`` killed
+    while it joined, or before its manager was made): it is recorded as failed, saying
+    so, and leaves ``ps``.
+
+    Raises:
+        RayUnreachable: the cluster's manager ran in a Ray that cannot be reached now.
+    """
+    try:
+        handle = ManagerHandle.find(cluster)
+    except ray_driver.RayUnreachable as exc:
+        mirror = cluster.read_state()
+        if mirror.status != "created" or mirror.manager is not None:
+            raise
+        never_started(cluster, f"never started: {exc}", exit_code=1)
+        return f"not running (never started: {exc})"
     if handle is None:
         refresh(cluster)
-        return f"not running ({cluster.read_state().status})"
+        mirror = cluster.read_state()
+        if mirror.status == "created" and mirror.manager is None:  # a start killed early
+            address = cluster.read_config().get("address") or "auto"
+            why = f"never started: no manager of it in the Ray cluster at {address}"
+            never_started(cluster, why, exit_code=1)
+            return f"not running ({why})"
+        return f"not running ({mirror.status})"
     handle.stop(grace_s)
     deadline = time.monotonic() + grace_s + 60.0
     while time.monotonic() < deadline:

@@ -27,7 +27,20 @@ from clusterflow.cluster.contract import ENV_HOME
 from clusterflow.errors import ConfigError
 from clusterflow.manager.state import TERMINAL, ClusterState
 
-__all__ = ["TERMINAL", "ClusterDir", "all_clusters", "create", "effective_status", "find", "home"]
+__all__ = [
+    "TERMINAL",
+    "UNREACHABLE",
+    "ClusterDir",
+    "all_clusters",
+    "create",
+    "effective_status",
+    "find",
+    "home",
+]
+
+UNREACHABLE = "unreachable"
+"""The status shown (never written) for a cluster whose manager lives in a Ray cluster
+that cannot be reached now (``ray_host.read``): its mirror keeps what it last knew."""
 
 
 def home() -> Path:
@@ -201,7 +214,7 @@ def effective_status(state: ClusterState | Mapping[str, Any]) -> str:
     """The status to show: a live status whose manager is gone reads ``stale``."""
     if not isinstance(state, ClusterState):
         state = ClusterState.from_dict(state)
-    if state.status in TERMINAL or state.status == "created":
+    if state.status in TERMINAL or state.status in ("created", UNREACHABLE):
         return state.status
     manager = state.manager
     if manager is not None and manager.actor:

@@ -49,7 +49,8 @@ class ClusterCollector(Collector):
         now = time.time()
         status = GaugeMetricFamily(
             "clusterflow_cluster_status",
-            "1 for the cluster's current status (stale: its manager is gone), else 0.",
+            "1 for the cluster's current status (stale: its manager is gone; unreachable: "
+            "its Ray cannot be reached), else 0.",
             labels=["cluster", "status"],
         )
         restarts = GaugeMetricFamily(
@@ -75,7 +76,7 @@ class ClusterCollector(Collector):
             except ClusterflowError:
                 continue
             row = views.cluster_row(cluster, state, now)
-            for name in (*STATUSES, "stale"):
+            for name in (*STATUSES, "stale", "unreachable"):
                 status.add_metric([cluster.id, name], 1.0 if row["status"] == name else 0.0)
             restarts.add_metric([cluster.id], float(state.restarts))
             if row["age_s"] is not None:

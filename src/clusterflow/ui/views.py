@@ -81,9 +81,8 @@ def read_state(cluster: ClusterDir) -> ClusterState:
     """
     with _LOCKS_LOCK:
         lock = _REFRESH_LOCKS.setdefault(cluster.id, threading.Lock())
-    with lock:
-        ray_host.refresh(cluster)
-    return cluster.read_state()
+    with lock:  # its Ray unreachable: the mirror's state, reading `unreachable` (why)
+        return ray_host.read(cluster)
 
 
 def _age(state: ClusterState, now: float) -> float | None:
