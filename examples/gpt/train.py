@@ -283,6 +283,7 @@ def run_fit(args: argparse.Namespace, config: GPTConfig, device: torch.device) -
         # A ps worker computes on its device; the values it pulls are copied there.
         model.to(device)
     replicas = strategy.replicas().count if strategy is not None else 1
+    _say_backend(strategy is None or strategy.is_chief)
     own = args.strategy == "ps-async"  # each worker's own tokens; else the global batch's
     tokens = (args.batch_size // replicas if own else args.batch_size) * args.context
     report = own or strategy is None or strategy.is_chief
@@ -324,6 +325,14 @@ def run_fit(args: argparse.Namespace, config: GPTConfig, device: torch.device) -
         print(f"final val_loss {last.get('val_loss', float('nan')):.6f} step {history.step}")
     if strategy is not None and hasattr(strategy, "close"):
         strategy.close()
+
+
+def _say_backend(chief: bool) -> None:
+    """``backend nccl|gloo``: which collective backend this run's group uses, if any."""
+    import torch.distributed as dist
+
+    if chief and dist.is_available() and dist.is_initialized():
+        print(f"backend {dist.get_backend()}", flush=True)
 
 
 def _rank(strategy: Any) -> int:
@@ -400,6 +409,7 @@ def run_plain(args: argparse.Namespace, config: GPTConfig, device: torch.device)
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
+    _say_backend(rank == 0)
     world = dist.get_world_size() if distributed else 1
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of {world} ranks")
