@@ -11,7 +11,7 @@ minutes (``--budget-s``):
 * **ps**: async ps with CUDA workers (``clusterflow start --ps 1``): one worker, then two
   workers sharing the GPU: ``ps_async_vs_torchrun_ddp`` and ``ps_async2_vs_torchrun_ddp``.
 * **shared**: plain DDP with 2 processes on the one GPU under torchrun: whether NCCL
-  accepts two ranks on one device (``shared_gpu_nccl=ok|refused``).
+  accepts two ranks on one device (``shared_gpu_nccl=ok|refused|timed_out``).
 * **bandwidth**: a ps worker whose one 64 MiB variable is on the GPU, sync steps of no
   compute (``_gpu_ps_probe.py``): ``ps_gpu_push_pull_GBps`` (2 x 64 MiB per step) against
   the raw copy of the tensor to host memory and back (``copy_pinned_GBps``,
@@ -191,7 +191,8 @@ def main() -> None:
         # Two ranks on the one GPU: NCCL 2.x refuses ("Duplicate GPU detected") where it
         # checks; this records what this card and NCCL do.
         run = parts.launch(torchrun(2, ["--strategy", "ddp", *train, "--steps", "20"]), 60.0)
-        figures["shared_gpu_nccl"] = "ok" if run.ok else "refused"
+        outcome = "ok" if run.ok else "timed_out" if run.timed_out else "refused"
+        figures["shared_gpu_nccl"] = outcome
 
     def bandwidth() -> None:
         mib, steps = ("1", "4") if smoke else ("64", "12")
