@@ -4,11 +4,13 @@ Run by ``benchmarks.gpu`` under ``clusterflow start --ps 1 --workers 1``. The va
 (``--mib`` MiB of float32) is created in a ``ParameterServerStrategy`` scope, moved to
 the device, and trained by sync steps of almost no compute: each step pushes its whole
 gradient from device memory and pulls the whole value back into it, so the step time is
-the GPU path's transfer time (device to host, the wire both ways, host to device). In
-the same process it times the copies alone: the tensor to host memory and back, from
+the GPU path's transfer time (device to host, the wire both ways, host to device), with
+the pinned staging (``ps_staging.py``) and then without it. In the same process it
+times the copies alone: the tensor to host memory and back, from
 pageable and from pinned host memory. Prints one line::
 
-    probe ps_step_s=... copy_pageable_s=... copy_pinned_s=... mib=... device=...
+    probe ps_step_s=... ps_step_unstaged_s=... copy_pageable_s=... copy_pinned_s=...
+          mib=... device=...
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
+from clusterflow.strategies.ps_staging import HostStaging
 
 
 def _sync(device: torch.device) -> None:
@@ -59,14 +62,22 @@ def main() -> None:
         model(x).sum().backward()
         optimizer.step()  # the push; the pull is taken at the next step's start
 
-    times = []
-    for _ in range(args.steps):
-        _sync(device)
-        start = time.perf_counter()
-        strategy.run(step)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    ps_step = statistics.median(times[2:])  # the first steps pay the connection, warm-up
+    def median_step() -> float:
+        times = []
+        for _ in range(args.steps):
+            _sync(device)
+            start = time.perf_counter()
+            strategy.run(step)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:])  # the first steps pay connections, warm-up
+
+    ps_step = median_step()
+    # The path before ps_staging.py, for comparison in the same process: nothing staged,
+    # so the codec copies each gradient with .cpu() and values are copied from pageable
+    # memory. (A benchmark's probe may swap the strategy's private staging; code may not.)
+    strategy._staging = HostStaging(stage=lambda t: False)
+    unstaged_step = median_step()
 
     value = model.weight.detach()
     pageable = torch.empty(value.shape, dtype=value.dtype)
@@ -80,7 +91,8 @@ def main() -> None:
     copy_pinned = _median_time(lambda: copy(pinned), 5, device)
     strategy.close()
     print(
-        f"probe ps_step_s={ps_step:.5f} copy_pageable_s={copy_pageable:.5f} "
+        f"probe ps_step_s={ps_step:.5f} ps_step_unstaged_s={unstaged_step:.5f} "
+        f"copy_pageable_s={copy_pageable:.5f} "
         f"copy_pinned_s={copy_pinned:.5f} mib={args.mib} device={device}",
         flush=True,
     )

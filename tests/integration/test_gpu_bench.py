@@ -45,6 +45,7 @@ def test_gpu_benchmark_cpu_smoke_runs_every_part_and_prints_its_result(tmp_path:
         "ps_async_tokens_per_s",
         "ps_gpu_push_pull_GBps",
         "copy_pinned_GBps",
+        "staged_vs_unstaged",
     ):
         assert float(figures[key]) > 0, (key, line)
     assert figures["card"] == "cpu" and figures["backend_ddp"] == "gloo"
