@@ -157,22 +157,41 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def install_clip(box: dict[str, torch.optim.Optimizer], max_norm: float) -> Any:
+def install_clip(box: dict[str, Any], max_norm: float, *, across_stages: bool = False) -> Any:
     """Clips ``box["optimizer"]``'s gradients to ``max_norm`` just before each of its steps.
 
     A global optimizer pre-hook registered before the strategy is built, so it runs
     before a parameter-server strategy's own hook pushes the gradients. Under
     all-reduce it sees the averaged gradient (exact, as one process); a ps worker clips
-    its own replica's gradient before pushing it; a pipeline stage clips its own
-    layers' gradient (docs/gpu.md says so).
+    its own replica's gradient before pushing it (docs/gpu.md). With ``across_stages``
+    (a pipeline: each stage holds the gradients of its own layers) the squared norms
+    are summed over every rank and divided by the pipelines (``box["pipelines"]``: the
+    same stage of every pipeline holds the same averaged gradient), so every stage
+    clips by the whole model's norm, as one process does.
     """
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if opt is box.get("optimizer"):
-            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if opt is not box.get("optimizer"):
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not across_stages:
             if params:
                 torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return
+        grads = [p.grad for p in params]
+        import torch.distributed as dist
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for grad in grads:
+            squares += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).cpu() ** 2
+        dist.all_reduce(squares)  # every stage of every pipeline takes part
+        total = math.sqrt(float(squares) / box["pipelines"])
+        # torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6), never up.
+        scale = min(1.0, max_norm / (total + 1e-6))
+        if scale < 1.0:
+            for grad in grads:
+                grad.mul_(scale)
 
     return register_optimizer_step_pre_hook(clip)
 
@@ -272,9 +291,12 @@ def run_fit(args: argparse.Namespace, config: GPTConfig, device: torch.device) -
     val = val_windows(val_tokens, args.context, args.val_windows)
     # The clip hook must be registered before the strategy is built: a ps strategy's
     # own hook (registered in its constructor) pushes the gradients it sees.
-    box: dict[str, torch.optim.Optimizer] = {}
-    clip = install_clip(box, args.clip) if args.clip else None
+    box: dict[str, Any] = {}
+    pipeline = args.strategy == "pipeline"
+    clip = install_clip(box, args.clip, across_stages=pipeline) if args.clip else None
     strategy = make_strategy(args, device)
+    if pipeline:
+        box["pipelines"] = strategy.replicas().count
     torch.manual_seed(args.seed)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = build_model(config)
