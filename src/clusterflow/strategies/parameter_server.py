@@ -73,6 +73,7 @@ from clusterflow.strategies.ps_shards import (
     wait_for_version,
 )
 from clusterflow.strategies.ps_sparse import SparseSide
+from clusterflow.strategies.ps_staging import HostStaging
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
 
@@ -123,6 +124,8 @@ class ParameterServerStrategy(Strategy):
             deadline=self._deadline,
         )
         self._vars: list[TrackedVar] = []
+        # Pinned host buffers for variables on a GPU, reused every step (ps_staging.py).
+        self._staging = HostStaging()
         self._by_tensor: dict[int, TrackedVar] = {}
         self.placement = Placement()
         self._versions = [0] * self._ps.num_ps
@@ -512,7 +515,7 @@ class ParameterServerStrategy(Strategy):
         self._staged = None
         versions, values = ready
         self._versions = versions
-        load_into(self._vars, values)
+        load_into(self._vars, values, self._staging)
 
     def _collect_inflight(self, *, wait: bool) -> None:
         """Takes the result of the push in flight, if done (or once done, with ``wait``)."""
@@ -553,7 +556,9 @@ class ParameterServerStrategy(Strategy):
             register_optimizer(self._ps, optimizer, tracked)
             self._optimizers.add(id(optimizer))
         hyper = [hyperparameters(g) for g in optimizer.param_groups]
-        per_ps = gradients((var for _, var in tracked), self._ps.num_ps, self._grad_dtype)
+        per_ps = gradients(
+            (var for _, var in tracked), self._ps.num_ps, self._grad_dtype, self._staging
+        )
         held = buffers(self._vars if self.is_chief else (), self._ps.num_ps)
         self._push(per_ps, held, hyper, rows or [])
         for _, var in tracked:

@@ -19,6 +19,7 @@ from clusterflow.ps.client import PSConnection
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.rpc import RemoteError
+from clusterflow.strategies.ps_staging import HostStaging
 from clusterflow.strategies.variables import Recorded
 
 Tensors = dict[str, torch.Tensor]
@@ -167,12 +168,23 @@ def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
     return pull(index, version)
 
 
-def load_into(tracked: Iterable[TrackedVar], values: dict[str, torch.Tensor]) -> None:
-    """Copies pulled shard values into the local tensors."""
+def load_into(
+    tracked: Iterable[TrackedVar],
+    values: dict[str, torch.Tensor],
+    staging: HostStaging | None = None,
+) -> None:
+    """Copies pulled shard values into the local tensors (through ``staging``'s pinned
+    buffers for tensors on a device, waiting once for all of them)."""
     with torch.no_grad():
         for var in tracked:
             parts = [values[s.name] for s in var.shards]
-            var.tensor.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+            if staging is None:
+                var.tensor.copy_(value)
+            else:
+                staging.to_device(var.spec.name, var.tensor, value)
+        if staging is not None:
+            staging.wait()
 
 
 def tracked_in(
@@ -188,10 +200,19 @@ def tracked_in(
 
 
 def gradients(
-    tracked: Iterable[TrackedVar], num_ps: int, wire_dtype: str
+    tracked: Iterable[TrackedVar],
+    num_ps: int,
+    wire_dtype: str,
+    staging: HostStaging | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Per ps task, the gradient of each shard it holds (cast to the wire dtype)."""
+    """Per ps task, the gradient of each shard it holds (cast to the wire dtype).
+
+    With ``staging``, a gradient on a device is cast there (bf16 halves the copy too)
+    and copied into a reused pinned host buffer; all copies are waited on once, here.
+    """
     per_ps: list[dict[str, torch.Tensor]] = [{} for _ in range(num_ps)]
+    if staging is not None:
+        staging.begin_push()
     for var in tracked:
         grad = var.tensor.grad
         if grad is None or not var.spec.trainable:
@@ -200,7 +221,12 @@ def gradients(
         if wire_dtype == "bfloat16" and grad.is_floating_point():
             grad = grad.to(torch.bfloat16)
         for shard in var.shards:
-            per_ps[shard.ps][shard.name] = shard_of(grad, shard)
+            part = shard_of(grad, shard)
+            per_ps[shard.ps][shard.name] = (
+                part if staging is None else staging.to_host(shard.name, part)
+            )
+    if staging is not None:
+        staging.wait()
     return per_ps
 
 
