@@ -20,6 +20,12 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# Imported before init_process_group, on purpose: this module binds ``group.WORLD`` as
+# default arguments when first imported (DistributedDataParallel imports it through
+# torch._dynamo), and imported after the group is formed it would hold that group for
+# good, its threads alive into the interpreter's exit (see leave_process_group).
+import torch.distributed.nn
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -113,7 +119,29 @@ def main() -> None:
     if rank == 0:
         print(f"final test_accuracy {accuracy(net, test_set):.4f}", flush=True)
     if distributed:
-        dist.destroy_process_group()
+        del model  # first: DDP's reducer would free the group from C++, holding the GIL
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroys the process group and frees it now, while the interpreter is whole.
+
+    Why (torch 2.13, gloo): a gloo worker thread drops its reference to a finished
+    collective's tensors after the caller went on, and that drop takes the GIL (the
+    tensor's Python object). A group still alive when the interpreter exits keeps such
+    threads; one that wakes while Python finalizes is ended by CPython with
+    ``pthread_exit``, whose unwinding through torch's ``noexcept`` destructor aborts the
+    process ("terminate called without an active exception", SIGABRT, exit 134) after
+    training finished. A group freed from its last *Python* reference is destroyed with
+    the GIL released (torch's holder for groups), so its threads finish and are joined.
+    Hence the order: the caller drops its DDP wrapper first (its reducer would free the
+    group from C++ with the GIL held, and hang), and this frame holds the last reference
+    (``torch.distributed.nn`` was imported before the group formed, so its default
+    arguments hold none).
+    """
+    group = dist.group.WORLD
+    dist.destroy_process_group()
+    del group  # the last reference: the group's threads are joined here
 
 
 if __name__ == "__main__":

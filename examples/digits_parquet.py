@@ -27,6 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+
+# Before init_process_group: imported later (DDP does, through torch._dynamo), it would
+# bind the group as default arguments and keep it alive into the interpreter's exit.
+import torch.distributed.nn
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -104,7 +108,13 @@ def main() -> None:
     if rank == 0:
         print(f"final test_accuracy {accuracy(net, x_test, y_test):.4f}", flush=True)
     if distributed:
+        # As digits_ddp.py's leave_process_group says: the DDP wrapper first, then the
+        # group's last reference, so its gloo threads are joined before Python exits
+        # (else one may abort the process at exit, SIGABRT after a finished run).
+        del model
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        del group
 
 
 @torch.no_grad()

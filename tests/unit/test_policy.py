@@ -160,6 +160,15 @@ def test_describe_exit(code: int, words: str) -> None:
     assert describe_exit(code) == words
 
 
+def test_an_abort_is_told_for_what_it_is() -> None:
+    """Pins describe_exit's SIGABRT branch: the exit at the end of a run that torch's
+    teardown race causes is named as the C++ runtime's abort, with the page that explains
+    it, not as a kill."""
+    words = describe_exit(-signal.SIGABRT)
+    assert words.startswith("was killed by SIGABRT (the C++ runtime aborted it;")
+    assert "docs/failure-semantics.md" in words
+
+
 def test_status_values_are_frozen() -> None:
     snapshot = status(task("worker:0"))
     with pytest.raises(AttributeError):

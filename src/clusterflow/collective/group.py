@@ -26,6 +26,12 @@ from typing import Any, Final, Literal
 import torch
 import torch.distributed as dist
 
+# Imported before any group forms, on purpose: torch.distributed.nn binds ``group.WORLD``
+# as default arguments when first imported (DDP imports it, through torch._dynamo), so
+# imported after init_process_group it would hold that group for good, and its gloo
+# threads would live into the interpreter's exit (see CollectiveGroup.shutdown).
+import torch.distributed.nn
+
 # The typed home of the store classes; torch.distributed re-exports them untyped.
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
@@ -197,7 +203,11 @@ class CollectiveGroup:
             membership.describe(membership.rank),
             device,
         )
-        return cls(membership, device, backend=backend, liveness=liveness, owned=True)
+        group = cls(membership, device, backend=backend, liveness=liveness, owned=True)
+        # Left before the interpreter finalizes, not at its exit (see shutdown). A strategy
+        # that wraps models in DDP registers its own shutdown later, so it runs first.
+        atexit.register(group.shutdown)
+        return group
 
     @classmethod
     def _adopt(
@@ -307,14 +317,32 @@ class CollectiveGroup:
         return CollectiveError(f"{what} on {me} failed while every peer still beats: {cause}")
 
     def shutdown(self) -> None:
-        """Stops the heartbeats and leaves the group, if this object formed it."""
+        """Stops the heartbeats and leaves the group, if this object formed it.
+
+        Call after dropping every DDP wrapper over the group: the group is freed here,
+        from its last reference, and its threads are joined before this returns.
+
+        Why freed here rather than left to the interpreter's exit (torch 2.13, gloo): a
+        gloo worker thread drops its reference to a finished collective's tensors after
+        the caller went on, and that drop takes the GIL (the tensor's Python object). A
+        group alive at exit keeps such threads; one that wakes while Python finalizes is
+        ended by CPython with ``pthread_exit``, whose unwinding through torch's
+        ``noexcept`` destructor aborts the process ("terminate called without an active
+        exception", SIGABRT) after training finished. A group freed from a *Python*
+        reference is destroyed with the GIL released, so its threads finish their drops
+        and are joined; one freed from C++ (a DDP reducer's reference) would be
+        destroyed with the GIL held, and hang on such a thread.
+        """
         if self._liveness is not None:
             self._liveness.stop()
             atexit.unregister(self._liveness.stop)
             self._liveness = None
         if self._owned and dist.is_initialized():
+            group = dist.group.WORLD
             dist.destroy_process_group()
+            del group  # the last reference (see above): the group's threads end here
         self._owned = False
+        atexit.unregister(self.shutdown)
 
 
 def _first_line(exc: BaseException) -> str:

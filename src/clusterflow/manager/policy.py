@@ -155,6 +155,14 @@ def exit_code_of(code: int) -> int:
     return min(code, 255) or 1
 
 
+ABORT_NOTE = (
+    "the C++ runtime aborted it; after a job's last line this is a thread still in torch's "
+    "C++ code while Python exited, a torch race that clusterflow's strategies and examples "
+    "avoid by leaving their process group first (docs/failure-semantics.md, Process exit)"
+)
+"""Said of a SIGABRT: a plain "killed by SIGABRT" reads as clusterflow killing the task."""
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         import signal
@@ -163,5 +171,7 @@ def describe_exit(code: int) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
+        if -code == signal.SIGABRT:
+            return f"was killed by {name} ({ABORT_NOTE})"
         return f"was killed by {name}"
     return f"exited with code {code}"

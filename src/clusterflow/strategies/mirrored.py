@@ -31,6 +31,7 @@ make the same collective calls (``run`` with a backward, ``reduce``, ``save_mode
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -105,6 +106,7 @@ class CollectiveAllReduceStrategy(Strategy):
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         self._group = CollectiveGroup.form(membership, self._options, self._device)
+        atexit.register(self.shutdown)  # after the group's own: runs before it (LIFO)
         self._scope_depth = 0
         self._prepared: list[weakref.ref[nn.Module]] = []
         self._bucket_workers: list[BucketWorker] = []
@@ -470,9 +472,20 @@ class CollectiveAllReduceStrategy(Strategy):
             raise StrategyError(f"the chief could not save the model to {path}; see its log")
 
     def shutdown(self) -> None:
-        """Stops the heartbeats and leaves the group this strategy formed; idempotent."""
+        """Stops the heartbeats and leaves the group this strategy formed; idempotent.
+
+        Also runs at interpreter exit (registered when the group formed). The prepared
+        modules then run alone: their DDP wrappers are dropped first, since a wrapper's
+        reducer holding the group's last reference would free it with the GIL held
+        (``CollectiveGroup.shutdown`` says why that hangs or aborts).
+        """
+        atexit.unregister(self.shutdown)
         while self._bucket_workers:
             self._bucket_workers.pop().close()
+        for ref in self._prepared:
+            module = ref()
+            if module is not None and replica_wrapper(module) is not None:
+                prepare_module(module, None)
         self._group.shutdown()
 
 
