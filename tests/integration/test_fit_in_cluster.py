@@ -36,17 +36,25 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(203, 8, generator=gen), torch.randint(0, 4, (203,), generator=gen)
 
 
-def train(strategy: Any, log_dir: str | None) -> tuple[nn.Module, Any]:
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def train(
+    strategy: Any, log_dir: str | None, checkpoints: str | None = None
+) -> tuple[nn.Module, Any]:
     """The training every task (and the reference) runs."""
-    from clusterflow.train import Summary, fit
+    from clusterflow.train import Checkpoint, Summary, fit
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     scope = strategy.scope() if strategy is not None else _nothing()
     with scope:
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        model = make_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    hooks = [Summary(log_dir, every_steps=2)] if log_dir else []
+    hooks: list[Any] = [Summary(log_dir, every_steps=2)] if log_dir else []
+    if checkpoints:
+        hooks.append(Checkpoint(checkpoints, every_steps=7))  # the last step is one of them
     history = fit(
         model,
         nn.CrossEntropyLoss(),
@@ -82,7 +90,7 @@ def task_main(kind: str, out: Path, log_dir: str) -> None:
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
         strategy = ParameterServerStrategy(mode="sync")
-    model, history = train(strategy, log_dir)
+    model, history = train(strategy, log_dir, str(out / "checkpoints"))
     config = TFConfig.from_env()
     name = str(config.task).replace(":", "-") if config and config.task else "alone"
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}.pt")
@@ -174,6 +182,18 @@ def test_sync_ps_fit_on_two_workers_equals_one_process(
     chief = json.loads((out / "worker-0.json").read_text())
     (events_file,) = _event_files(logs)
     assert f".{chief['pid']}." in events_file.name
+    # The finished run's last checkpoint holds every step: the chief's end-of-run cut
+    # waits for its own last step to commit (ParameterServerStrategy.quiesce) instead of
+    # holding the ps one version short, with the other replica's last push waiting.
+    from clusterflow.train.checkpoint import read_final
+    from clusterflow.train.cut import load_module
+
+    loaded = load_module(str(out / "checkpoints"), make_model)
+    assert loaded is not None
+    assert loaded[1] == STEPS and read_final(str(out / "checkpoints")) == STEPS
+    for name, want in reference[0].items():
+        got = loaded[0].state_dict()[name]
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
 
 
 if __name__ == "__main__":

@@ -391,8 +391,15 @@ class ParameterServerStrategy(Strategy):
 
     def quiesce(self) -> int:
         """Holds every ps task's updates (pushes wait, none in flight); the cut stands at
-        ps 0's version, in sync mode the global step. See ``ps_shards.hold_all``."""
+        ps 0's version, in sync mode the global step. See ``ps_shards.hold_all``.
+
+        Sync: first waits for this replica's last step to commit, as its next ``run``
+        would. A chief that saves right after step N would otherwise hold the ps at
+        N - 1 with the other replicas' last pushes waiting behind the hold, and a run
+        whose last step was a save step ended with a checkpoint one step short."""
         self.flush()
+        if self.config.mode == "sync" and self._next is not None:
+            self._load_values()
         self._cut_versions = hold_all(self._ps)
         return self._cut_versions[0]
 
