@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from clusterflow.cluster.trial import (
@@ -379,8 +378,3 @@ class StudyRunner:
 def run(settings: TuneSettings, echo: Callable[[str], None] | None = None) -> int:
     """Runs a study (see :class:`StudyRunner`); returns its exit code."""
     return StudyRunner(settings, echo).run()
-
-
-def study_path(storage: str | None) -> Path | None:
-    url = storage or default_storage()
-    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
