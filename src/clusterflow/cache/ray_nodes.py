@@ -29,8 +29,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from clusterflow._files import write_json_atomic
 from clusterflow.backends import ray_driver
 from clusterflow.cache import plan
+from clusterflow.cache.plan import CacheExistsError
 from clusterflow.cache.server import CacheServer
 from clusterflow.cache.store import free_for_caches, inspect, open_source
 from clusterflow.data.cache_map import (
@@ -235,8 +237,6 @@ def create(
         CacheExistsError: the name is taken. SourceError, SchemaMismatchError,
         ConfigError, CacheMemoryError: as ``local.create``; nothing is left behind.
     """
-    from clusterflow.cache.local import CacheExistsError, write_json_atomic
-
     check_name(name)
     folder = cache_dir(name)
     if (folder / "cache.json").exists():
