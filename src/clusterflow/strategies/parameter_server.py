@@ -39,6 +39,7 @@ from clusterflow.ps.api import (
 from clusterflow.ps.client import PSConnection, RemotePS
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
+from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
     CutRole,
@@ -57,7 +58,6 @@ from clusterflow.strategies.ps_config import ParameterServerConfig
 from clusterflow.strategies.ps_keys import KeyLedger
 from clusterflow.strategies.ps_shards import (
     Push,
-    Tensors,
     TrackedVar,
     Values,
     buffers,
