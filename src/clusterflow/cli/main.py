@@ -22,6 +22,7 @@ import click
 from clusterflow import __version__
 from clusterflow.cli import follow, interrupts
 from clusterflow.cli.cache import cache_group, cache_placement
+from clusterflow.cli.context import CONTEXT
 from clusterflow.cli.secret import secret
 from clusterflow.cli.start_settings import read_yaml, start_layers
 from clusterflow.cli.tune import make_tune
@@ -31,7 +32,6 @@ from clusterflow.errors import ClusterflowError, ConfigError
 if TYPE_CHECKING:
     from clusterflow.manager.state import ClusterState, TaskState
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 USAGE_EXIT = 2
 
 

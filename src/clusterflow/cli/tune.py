@@ -15,10 +15,10 @@ from typing import Any
 import click
 
 from clusterflow.cli import interrupts
+from clusterflow.cli.context import CONTEXT
 from clusterflow.cli.start_settings import start_layers
 from clusterflow.errors import ConfigError
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 _NOT_FOR_TRIALS = {"detach", "resume_id", "fresh", "command"}
 
 
