@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
@@ -106,9 +105,7 @@ class CacheNode:
         secret = folder / "secret"
         if not secret.exists():
             Credentials.from_hex(self._secret).to_file(secret)
-        tmp = folder / f".map.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(json.dumps(wire))
-        os.replace(tmp, folder / "map.json")
+        write_json_atomic(folder / "map.json", wire)
 
     def stop(self) -> None:
         self.server.close()
