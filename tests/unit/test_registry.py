@@ -20,12 +20,7 @@ from clusterflow.manager import registry
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.state import ClusterState
 
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "cfhome"
-    monkeypatch.setenv(registry.ENV_HOME, str(root))
-    return root
+pytestmark = pytest.mark.usefixtures("home")
 
 
 def _me() -> dict[str, Any]:
