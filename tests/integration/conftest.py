@@ -34,19 +34,6 @@ if TYPE_CHECKING:
 CLI = (sys.executable, "-m", "clusterflow.cli.main")
 """How the tests run the CLI: the module of this interpreter (the venv's script works too)."""
 
-_INHERITED = (
-    "CLUSTERFLOW_CLUSTER_ID",
-    "CLUSTERFLOW_MANAGER",
-    "CLUSTERFLOW_MANAGER_TIMEOUT",
-    "CLUSTERFLOW_SECRET_FILE",
-    "CLUSTERFLOW_SECRET",
-    "CLUSTERFLOW_AUTH",
-    "CLUSTERFLOW_TASK",
-    "CLUSTERFLOW_LISTEN_FD",
-    "TF_CONFIG",
-)
-"""Variables a surrounding cluster may have set; no test may see them."""
-
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     """Polls ``predicate`` until it returns something truthy; fails naming ``what``.
@@ -248,11 +235,10 @@ def ps_server() -> Iterator[tuple[Server, Credentials]]:
 
 
 @pytest.fixture
-def cf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Clusterflow]:
-    home = tmp_path / "cfhome"
-    monkeypatch.setenv("CLUSTERFLOW_HOME", str(home))
-    for name in _INHERITED:
-        monkeypatch.delenv(name, raising=False)
+def cf(tmp_path: Path, home: Path, bare_env: pytest.MonkeyPatch) -> Iterator[Clusterflow]:
+    """A ``clusterflow`` runner in a fresh home (``home``), no surrounding cluster's
+    variables (``bare_env``, tests/conftest.py); every cluster it started is stopped and
+    checked gone at the end, even when the test failed."""
     work = tmp_path / "work"
     work.mkdir()
     clusterflow = Clusterflow(home, work)

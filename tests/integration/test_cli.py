@@ -457,10 +457,10 @@ def test_resume_of_a_run_that_left_no_checkpoint_says_so_and_asks_for_fresh(
     cf: Clusterflow,
 ) -> None:
     """``--resume`` of a run that committed no checkpoint once started it over at step 0
-    without a word. Pins ``_resumed_settings``'s check (``newest_committed``): one line
-    naming the cluster and ``--fresh``, exit 2, no cluster made; ``--fresh`` then starts
-    the same settings over. And ``describe`` (``_checkpoint_line``) names no folder that
-    holds no committed checkpoint."""
+    without a word. Pins ``cli/start_settings.py: resumed_settings``'s check
+    (``newest_committed``): one line naming the cluster and ``--fresh``, exit 2, no
+    cluster made; ``--fresh`` then starts the same settings over. And ``describe``
+    (``_checkpoint_line``) names no folder that holds no committed checkpoint."""
     script = cf.script("nothing_saved.py", NO_CHECKPOINT_SCRIPT)
     marker = cf.workdir / "failed-once"
     first = cf.run("start", "--", PY, str(script), str(marker))

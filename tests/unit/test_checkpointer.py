@@ -18,11 +18,9 @@ from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.central_storage import CentralStorageStrategy
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.train.cut import Checkpointer
+from tiny_model import flat, make_model
 
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+pytestmark = pytest.mark.usefixtures("bare_env")
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,16 +34,6 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> N
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-@pytest.fixture(autouse=True)
-def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (ENV_CHECKPOINT_DIR, ENV_RESTORE, "TF_CONFIG", "CLUSTERFLOW_MANAGER"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_a_single_process_resumes_exactly_where_it_saved(tmp_path: Path) -> None:

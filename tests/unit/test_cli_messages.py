@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 import pytest
 
-from clusterflow.cli.main import START_FLAGS, cli, main
+from clusterflow.cli.main import cli, main
+from clusterflow.cli.start_settings import START_FLAGS
 from clusterflow.manager.config import FILE_KEYS
 
 pytestmark = pytest.mark.timeout(60)

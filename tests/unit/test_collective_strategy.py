@@ -36,24 +36,6 @@ from clusterflow.strategies.batches import (
     split_batch,
 )
 
-_LAUNCHER_VARS = (
-    "TF_CONFIG",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-
-
-@pytest.fixture
-def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in _LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
 
 @pytest.fixture
 def strategy(bare_env: pytest.MonkeyPatch) -> Iterator[MultiWorkerMirroredStrategy]:

@@ -44,7 +44,9 @@ def test_names_of_the_contract_are_spelled_only_in_its_module(path: Path) -> Non
     spelled = [
         f"{path.relative_to(SRC)}:{line}: {value!r}"
         for line, value in _literals(path)
-        if _ENV_NAME.fullmatch(value) or value in contract.MANAGER_METHODS
+        if _ENV_NAME.fullmatch(value)
+        or value in contract.MANAGER_METHODS
+        or value in contract.FOREIGN_NAMES
     ]
     assert not spelled, "take these names from clusterflow.cluster.contract:\n" + "\n".join(spelled)
 
@@ -57,6 +59,12 @@ def test_every_environment_name_of_the_module_is_in_the_table() -> None:
     }
     assert names <= set(contract.TASK_ENVIRONMENT)
     assert all(_ENV_NAME.fullmatch(n) for n in names)
+
+
+def test_other_projects_names_are_in_the_table() -> None:
+    """TF_CONFIG, torchrun's and CUDA's variables: one constant each, each in the table."""
+    assert set(contract.TASK_ENVIRONMENT) >= contract.FOREIGN_NAMES
+    assert {"TF_CONFIG", "RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"} <= contract.FOREIGN_NAMES
 
 
 def test_the_manager_serves_every_method_of_the_table() -> None:

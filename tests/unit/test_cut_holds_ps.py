@@ -23,7 +23,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from clusterflow.checkpoint import CheckpointStorage, CheckpointWriteError
-from clusterflow.checkpoint.names import DATA_PART, ENV_CHECKPOINT_DIR, ENV_RESTORE, ps_part
+from clusterflow.checkpoint.names import DATA_PART, ps_part
 from clusterflow.ps.api import PSError
 from clusterflow.ps.client import LocalPS
 from clusterflow.ps.store import VariableStore
@@ -31,17 +31,13 @@ from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.train.cut import Checkpointer
 
+pytestmark = pytest.mark.usefixtures("bare_env")
+
 LR = 0.1
 HELD_S = 0.2
 """How long a push made during the write waits for the ps. Under the promise it is
 refused after this long whatever the machine's speed (the ps stays held for the whole
 write); without it the push is applied at once. Not a measurement."""
-
-
-@pytest.fixture(autouse=True)
-def _no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (ENV_CHECKPOINT_DIR, ENV_RESTORE, "TF_CONFIG", "CLUSTERFLOW_MANAGER"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _chief(store: VariableStore) -> tuple[ParameterServerStrategy, Callable[[], None]]:

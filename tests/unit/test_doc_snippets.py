@@ -34,7 +34,8 @@ from doc_snippets import (
     runs_alone,
 )
 
-from clusterflow.cli.main import _load_cluster_file, cli
+from clusterflow.cli.main import cli
+from clusterflow.cli.start_settings import load_cluster_file
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,7 +113,7 @@ def test_every_yaml_block_is_a_cluster_file_start_accepts(tmp_path: Path) -> Non
             continue
         path = tmp_path / "cluster.yaml"
         path.write_text(block.text, encoding="utf-8")
-        settings = _load_cluster_file(str(path))
+        settings = load_cluster_file(str(path))
         RunConfig.merge(settings, {"command": ("python", "train.py")})  # Ray is not reached
         checked += 1
     assert checked, "no cluster file on any page"

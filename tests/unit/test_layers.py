@@ -15,6 +15,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "clusterflow"
 FORBIDDEN: dict[str, set[str]] = {
     "errors": {"*"},
     "_lazy": {"*"},  # the lazy-export helper of packages' __init__ (no layer of its own)
+    "_files": {"*"},  # the one atomic JSON write (no layer of its own)
     "cluster": {"*"},  # only clusterflow.errors
     "rpc": {
         "server",
@@ -106,7 +107,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "cli",
     },
 }
-ALWAYS_ALLOWED = {"errors", "_lazy"}
+ALWAYS_ALLOWED = {"errors", "_lazy", "_files"}
 
 
 def _layer_of(path: Path) -> str:
@@ -239,3 +240,94 @@ def test_no_module_hides_an_import_behind_importlib() -> None:
                 and str(node.args[0].value).startswith("clusterflow")
             ):
                 raise AssertionError(f"{path.relative_to(SRC)}:{node.lineno} imports by name")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _file_imports(path: Path, files: set[str]) -> set[str]:
+    """The files of src/ that ``path`` imports when it runs: at module level or inside a
+    function (a local import is still an edge; it only hides the circle until called).
+    ``if TYPE_CHECKING:`` blocks never run, so they are left out. ``from pkg import x``
+    is an edge to ``pkg/x.py`` when x is a module, else to ``pkg/__init__.py``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in files)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in files else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found - {_module_name(path)}
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected set of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return sorted(circles)
+
+
+def test_import_circles_are_found() -> None:
+    """The finder itself: a two-file circle and a longer one, and no false one."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert _import_circles(graph) == [["a", "b"], ["c", "d", "e"]]
+    assert _import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_two_files_of_src_import_each_other() -> None:
+    """No circle of imports among the files of src/, directly or through others.
+
+    A circle means neither file can be read (or loaded) without the other; the shared
+    piece belongs in a module both import (issue 29 broke four such pairs that way).
+    """
+    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {name: _file_imports(path, set(paths)) for name, path in paths.items()}
+    circles = _import_circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)

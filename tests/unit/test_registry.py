@@ -20,12 +20,7 @@ from clusterflow.manager import registry
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.state import ClusterState
 
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "cfhome"
-    monkeypatch.setenv(registry.ENV_HOME, str(root))
-    return root
+pytestmark = pytest.mark.usefixtures("home")
 
 
 def _me() -> dict[str, Any]:
@@ -143,6 +138,31 @@ def test_write_json_atomic_failure_keeps_the_old_file(
     with pytest.raises(TypeError):
         registry.write_json_atomic(path, {"a": object()})
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_write_json_atomic_syncs_the_new_bytes_before_the_rename(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after the rename must find the new bytes, not an empty file: the temporary
+    file, whole, is fsynced before ``os.replace`` puts it in place."""
+    path = folder / "state.json"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        assert json.loads(Path(src).read_text()) == {"a": 1}
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    registry.write_json_atomic(path, {"a": 1})
+    assert [e[0] for e in events] == ["fsync", "replace"]
+    assert events[0][1] == events[1][1]  # the file synced is the file renamed
 
 
 def test_readers_never_see_a_torn_state_while_writers_race(folder: Path) -> None:

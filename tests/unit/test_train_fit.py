@@ -30,30 +30,16 @@ from clusterflow.train import (
     fit,
 )
 from clusterflow.train.feed import Feeder
+from tiny_model import flat, make_model
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("bare_env")]
 
 ROWS = 203  # 6 global batches of 32 and a final one of 11, split 6/5 between 2 replicas
-
-
-@pytest.fixture(autouse=True)
-def _bare_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CLUSTERFLOW_MANAGER"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def make_data(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return torch.randn(rows, 6, generator=gen), torch.randint(0, 3, (rows,), generator=gen)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def reference(epochs: int = 2, **kwargs: Any) -> tuple[nn.Module, Any]:

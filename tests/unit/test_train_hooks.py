@@ -39,18 +39,7 @@ from clusterflow.train import evaluate as evaluate_module
 from clusterflow.train.checkpoint import read_final, write_final
 from clusterflow.train.cut import Checkpointer
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _bare_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "TF_CONFIG",
-        "CLUSTERFLOW_MANAGER",
-        "CLUSTERFLOW_RESTORE",
-        "CLUSTERFLOW_CLUSTER_ID",
-    ):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("bare_env")]
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,13 +21,7 @@ from clusterflow.train import (
     TrainingSession,
 )
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _bare_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("TF_CONFIG", "CLUSTERFLOW_MANAGER"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("bare_env")]
 
 
 class Recorder(Hook):

@@ -3,17 +3,12 @@ group's ``--storage`` before or after the subcommand, and bad input as one line,
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import optuna  # a test dependency (the `test` extra): its absence is a failure, not a skip
 import pytest
 
 from clusterflow.cli.main import cli, main
 
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CLUSTERFLOW_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("home")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,10 +12,7 @@ from clusterflow.manager import ray_host, registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.tune.launch import LocalTrial, RayTrial
 
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CLUSTERFLOW_HOME", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("home")
 
 
 def test_a_ray_trial_that_cannot_be_placed_ends_failed_with_starts_line(

@@ -33,12 +33,6 @@ def _settings(**kw: object) -> TuneSettings:
     return TuneSettings(**{**base, **kw})  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CLUSTERFLOW_HOME", str(tmp_path))
-    return tmp_path
-
-
 def test_samplers_and_pruners_are_optunas() -> None:
     kinds = {
         "tpe": optuna.samplers.TPESampler,

@@ -81,12 +81,6 @@ def test_a_short_token_is_refused() -> None:
         Access("127.0.0.1", "short")
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CLUSTERFLOW_HOME", str(tmp_path))
-    return tmp_path
-
-
 @pytest.mark.parametrize("bad", ["nope", "", ".", "..", "a/b", "x" * 400])
 def test_an_unknown_or_impossible_id_is_unknown(home: Path, bad: str) -> None:
     registry.create("abcdef0123")

@@ -23,9 +23,10 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
+
 log = logging.getLogger(__name__)
 
-ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
 LINK_SCORE = {"PIX": 50, "PXB": 40, "PHB": 30, "NODE": 20, "SYS": 10, "SOC": 10}
 """How good a link is (``nvidia-smi topo -m`` legend); NVLink ``NV<k>`` scores 100 + k."""
 NVIDIA_SMI_DEADLINE_S = 10.0
@@ -91,7 +92,7 @@ def choose(topology: Mapping[tuple[int, int], str], visible: Sequence[int], n: i
 def visible_gpus(env: Mapping[str, str], topology: Topology | None) -> list[int] | None:
     """The GPUs a process may use: ``CUDA_VISIBLE_DEVICES`` (ids), else every GPU in
     ``topology``; None when unknown (no GPUs, or GPUs named by UUID)."""
-    raw = env.get(ENV_VISIBLE)
+    raw = env.get(CUDA_VISIBLE_DEVICES)
     if raw is None:
         return sorted({a for a, _ in topology} | {0}) if topology else None
     names = [name.strip() for name in raw.split(",") if name.strip()]

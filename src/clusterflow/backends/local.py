@@ -17,13 +17,13 @@ from typing import IO
 
 from clusterflow.backends.api import TaskLaunch, TaskProcess
 from clusterflow.backends.gpu_topology import (
-    ENV_VISIBLE,
     Topology,
     read_topology,
     split,
     visible_gpus,
 )
 from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class LocalBackend:
     def job_env(self, task: TaskId) -> dict[str, str]:
         """The task's own GPUs, if the machine's were split."""
         gpus = self.gpus.get(str(task))
-        return {ENV_VISIBLE: gpus} if gpus is not None else {}
+        return {CUDA_VISIBLE_DEVICES: gpus} if gpus is not None else {}
 
     def launch(self, launch: TaskLaunch) -> LocalProcess:
         popen = subprocess.Popen(

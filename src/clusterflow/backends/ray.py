@@ -42,6 +42,7 @@ from clusterflow.backends.memory_watch import MemoryWatch, tree_rss, within_run
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
+    CUDA_VISIBLE_DEVICES,
     ENV_BIND_HOST,
     ENV_NODE,
     ENV_SECRET_FILE,
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 
 SUPERVISOR_MODULE = "clusterflow.backends.supervisor"
 NODE_LOCAL = frozenset(
-    {ENV_SECRET_FILE, ENV_BIND_HOST, ENV_NODE, "CUDA_VISIBLE_DEVICES", GLOO_IFNAME}
+    {ENV_SECRET_FILE, ENV_BIND_HOST, ENV_NODE, CUDA_VISIBLE_DEVICES, GLOO_IFNAME}
 )
 """Variables each node sets for itself; the manager's values mean nothing there."""
 READ_WAIT_S = 1.0

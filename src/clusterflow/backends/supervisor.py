@@ -51,10 +51,11 @@ from types import FrameType
 from typing import IO, NoReturn
 
 from clusterflow.backends.api import REPLICA_TAG
-from clusterflow.backends.gpu_topology import ENV_VISIBLE, read_topology, replica_devices
+from clusterflow.backends.gpu_topology import read_topology, replica_devices
 from clusterflow.backends.zygote import runnable
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
+    CUDA_VISIBLE_DEVICES,
     ENV_BIND_HOST,
     ENV_HEARTBEAT_S,
     ENV_LISTEN_FD,
@@ -199,7 +200,7 @@ class Supervisor:
         for index, overrides in enumerate(replicas):
             replica_env = {**env, **overrides}
             if devices is not None:
-                replica_env[ENV_VISIBLE] = devices[index]
+                replica_env[CUDA_VISIBLE_DEVICES] = devices[index]
             if index:
                 replica_env.pop(ENV_LISTEN_FD, None)
             child = subprocess.Popen(

@@ -21,9 +21,10 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from clusterflow._files import write_json_atomic
 from clusterflow.cache import plan
+from clusterflow.cache.plan import CacheExistsError
 from clusterflow.cache.store import free_for_caches, inspect, open_source
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.data.cache_map import (
@@ -45,16 +46,6 @@ SERVER_MODULE = "clusterflow.cache.server"
 LOAD_TIMEOUT_S = 600.0
 """How long ``create`` waits for the servers to load the source."""
 STOP_WAIT_S = 10.0
-
-
-class CacheExistsError(ConfigError):
-    """A cache of that name exists already (it is left as it is)."""
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def create(

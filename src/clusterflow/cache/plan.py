@@ -24,6 +24,10 @@ class CacheMemoryError(ConfigError):
     """A cache does not fit the memory its nodes can give; names the node and the shortfall."""
 
 
+class CacheExistsError(ConfigError):
+    """A cache of that name exists already (it is left as it is)."""
+
+
 def granule_for(num_records: int, partitions: int) -> int:
     """The largest power of two up to ``GRANULE`` that leaves every partition a record."""
     granule = GRANULE

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
@@ -29,8 +28,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from clusterflow._files import write_json_atomic
 from clusterflow.backends import ray_driver
 from clusterflow.cache import plan
+from clusterflow.cache.plan import CacheExistsError
 from clusterflow.cache.server import CacheServer
 from clusterflow.cache.store import free_for_caches, inspect, open_source
 from clusterflow.data.cache_map import (
@@ -104,9 +105,7 @@ class CacheNode:
         secret = folder / "secret"
         if not secret.exists():
             Credentials.from_hex(self._secret).to_file(secret)
-        tmp = folder / f".map.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(json.dumps(wire))
-        os.replace(tmp, folder / "map.json")
+        write_json_atomic(folder / "map.json", wire)
 
     def stop(self) -> None:
         self.server.close()
@@ -235,8 +234,6 @@ def create(
         CacheExistsError: the name is taken. SourceError, SchemaMismatchError,
         ConfigError, CacheMemoryError: as ``local.create``; nothing is left behind.
     """
-    from clusterflow.cache.local import CacheExistsError, write_json_atomic
-
     check_name(name)
     folder = cache_dir(name)
     if (folder / "cache.json").exists():

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from clusterflow._files import write_json_atomic
 from clusterflow.cache.store import PartitionStore, open_source
 from clusterflow.data.cache_map import CacheMap, NodeServer
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -166,9 +167,7 @@ def write_record(folder: Path, record: NodeServer) -> None:
     """Writes ``nodes/<node>.json`` atomically (readers see the old one or the new one)."""
     nodes = folder / "nodes"
     nodes.mkdir(exist_ok=True)
-    tmp = nodes / f".{record.node}.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record.to_json()))
-    os.replace(tmp, nodes / f"{record.node}.json")
+    write_json_atomic(nodes / f"{record.node}.json", record.to_json())
 
 
 def serve_local(folder: Path, node: str, shm: str, limit: int | None) -> int:

@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from clusterflow.cli.context import CONTEXT
 from clusterflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from clusterflow.data.cache_map import CacheMap
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 @click.group(name="cache", context_settings=CONTEXT)

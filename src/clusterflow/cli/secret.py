@@ -9,9 +9,8 @@ import os
 
 import click
 
+from clusterflow.cli.context import CONTEXT
 from clusterflow.errors import ConfigError
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 @click.command(context_settings=CONTEXT)

@@ -15,9 +15,10 @@ from typing import Any
 import click
 
 from clusterflow.cli import interrupts
+from clusterflow.cli.context import CONTEXT
+from clusterflow.cli.start_settings import start_layers
 from clusterflow.errors import ConfigError
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 _NOT_FOR_TRIALS = {"detach", "resume_id", "fresh", "command"}
 
 
@@ -85,7 +86,6 @@ def _start_layer(values: dict[str, Any], under: dict[str, Any] | None = None) ->
     Checked here, with the flags and the cluster file's keys named as the user wrote
     them (``--grace``, the file's ``workers``), before the study runs a trial.
     """
-    from clusterflow.cli.main import start_layers
     from clusterflow.manager.config import RunConfig, Spelling, parse_job_settings
 
     resources, labels = values.get("resources_") or (), values.get("labels_") or ()

@@ -6,6 +6,7 @@ import os
 
 import click
 
+from clusterflow.cli.context import CONTEXT
 from clusterflow.cluster.contract import ENV_UI_TOKEN
 from clusterflow.errors import ConfigError
 
@@ -13,7 +14,7 @@ from clusterflow.errors import ConfigError
 # keeps it) comes from the environment, never the command line, where `ps` would show it.
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT)
 @click.option("--port", type=int, default=8265, show_default=True, help="TCP port (0: any).")
 @click.option(
     "--host",

@@ -6,9 +6,10 @@ reads one of them takes its name from here, so a name is spelled once
 (``tests/unit/test_contract.py`` fails on a ``CLUSTERFLOW_*`` or ``manager.*`` literal
 anywhere else in ``src/``). docs/architecture.md section 3 describes who sets what when.
 
-Torchrun's variables (``RANK``, ``WORLD_SIZE``, ...) and ``TF_CONFIG`` are other
-projects' contracts; the manager sets them, and they are listed here too so
-that the table holds the whole environment.
+Torchrun's variables (``Torchrun.RANK``, ...), ``TF_CONFIG`` and ``CUDA_VISIBLE_DEVICES``
+are other projects' contracts; the manager and supervisors set them, and they are
+spelled here too (the test fails on one spelled elsewhere: ``FOREIGN_NAMES``) so that
+the table holds the whole environment.
 """
 
 from __future__ import annotations
@@ -60,6 +61,42 @@ GLOO_IFNAME: Final = "GLOO_SOCKET_IFNAME"
 interface; where the host name resolves to loopback, peers on other nodes cannot reach
 it. The Ray backend names the interface of the node's address (``backends/ray.py``)."""
 
+# Other projects' variables: spelled here once too -----------------------------------------
+
+TF_CONFIG: Final = "TF_CONFIG"
+"""TensorFlow's cluster spec and this task, as JSON (``cluster/tf_config.py``)."""
+TF_GRPC_REUSE_PORT: Final = "TF_GRPC_REUSE_PORT"
+CUDA_VISIBLE_DEVICES: Final = "CUDA_VISIBLE_DEVICES"
+"""The GPUs a process may see: set per replica by the supervisor, per trial by tune."""
+PYTHONUNBUFFERED: Final = "PYTHONUNBUFFERED"
+
+
+class Torchrun:
+    """torchrun's variables, which the manager sets so an unmodified torchrun script runs
+    (``manager/job_env.py``) and ``collective/membership.py`` reads."""
+
+    RANK: Final = "RANK"
+    WORLD_SIZE: Final = "WORLD_SIZE"
+    LOCAL_RANK: Final = "LOCAL_RANK"
+    LOCAL_WORLD_SIZE: Final = "LOCAL_WORLD_SIZE"
+    GROUP_RANK: Final = "GROUP_RANK"
+    GROUP_WORLD_SIZE: Final = "GROUP_WORLD_SIZE"
+    ROLE_RANK: Final = "ROLE_RANK"
+    ROLE_WORLD_SIZE: Final = "ROLE_WORLD_SIZE"
+    MASTER_ADDR: Final = "MASTER_ADDR"
+    MASTER_PORT: Final = "MASTER_PORT"
+    USE_AGENT_STORE: Final = "TORCHELASTIC_USE_AGENT_STORE"
+    RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
+    MAX_RESTARTS: Final = "TORCHELASTIC_MAX_RESTARTS"
+
+
+FOREIGN_NAMES: Final = frozenset(
+    {TF_CONFIG, TF_GRPC_REUSE_PORT, CUDA_VISIBLE_DEVICES, PYTHONUNBUFFERED, GLOO_IFNAME}
+    | {v for k, v in vars(Torchrun).items() if k.isupper()}
+)
+"""The variables of other projects that tasks receive; ``tests/unit/test_contract.py``
+fails on one of them spelled as a literal anywhere else in ``src/``."""
+
 Receiver = Literal["supervisor", "job", "replica", "user"]
 
 
@@ -107,23 +144,24 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_TRIAL_REPORTER: EnvVar("job", "the one task of a trial whose figures count"),
         ENV_CACHE: EnvVar("job", "the cache of `start --cache`: cache:// reads it"),
         ENV_NODE: EnvVar("job", "the node a task runs on, as cache maps name it (Ray)"),
-        "TF_CONFIG": EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
-        "TF_GRPC_REUSE_PORT": EnvVar("job", "1: TensorFlow binds beside the reserved port"),
-        "RANK": EnvVar("replica", "torchrun: this replica's global rank"),
-        "WORLD_SIZE": EnvVar("replica", "torchrun: how many replicas"),
-        "LOCAL_RANK": EnvVar("replica", "torchrun: the rank on this host (the device)"),
-        "LOCAL_WORLD_SIZE": EnvVar("replica", "torchrun: replicas on this host"),
-        "GROUP_RANK": EnvVar("replica", "torchrun: this host's index"),
-        "GROUP_WORLD_SIZE": EnvVar("replica", "torchrun: how many hosts"),
-        "ROLE_RANK": EnvVar("replica", "torchrun: the rank among replicas of one role"),
-        "ROLE_WORLD_SIZE": EnvVar("replica", "torchrun: replicas of that role"),
-        "MASTER_ADDR": EnvVar("job", "torchrun: the store's host"),
-        "MASTER_PORT": EnvVar("job", "torchrun: the store's port (the hosted store)"),
-        "TORCHELASTIC_USE_AGENT_STORE": EnvVar("job", "True: the store is hosted already"),
-        "TORCHELASTIC_RESTART_COUNT": EnvVar("job", "times this task was relaunched"),
-        "TORCHELASTIC_MAX_RESTARTS": EnvVar("job", "the run's bound on restarts"),
-        "PYTHONUNBUFFERED": EnvVar("supervisor", "1: output reaches the log line by line"),
+        TF_CONFIG: EnvVar("job", "the cluster spec and this task, TensorFlow's JSON"),
+        TF_GRPC_REUSE_PORT: EnvVar("job", "1: TensorFlow binds beside the reserved port"),
+        Torchrun.RANK: EnvVar("replica", "torchrun: this replica's global rank"),
+        Torchrun.WORLD_SIZE: EnvVar("replica", "torchrun: how many replicas"),
+        Torchrun.LOCAL_RANK: EnvVar("replica", "torchrun: the rank on this host (the device)"),
+        Torchrun.LOCAL_WORLD_SIZE: EnvVar("replica", "torchrun: replicas on this host"),
+        Torchrun.GROUP_RANK: EnvVar("replica", "torchrun: this host's index"),
+        Torchrun.GROUP_WORLD_SIZE: EnvVar("replica", "torchrun: how many hosts"),
+        Torchrun.ROLE_RANK: EnvVar("replica", "torchrun: the rank among replicas of one role"),
+        Torchrun.ROLE_WORLD_SIZE: EnvVar("replica", "torchrun: replicas of that role"),
+        Torchrun.MASTER_ADDR: EnvVar("job", "torchrun: the store's host"),
+        Torchrun.MASTER_PORT: EnvVar("job", "torchrun: the store's port (the hosted store)"),
+        Torchrun.USE_AGENT_STORE: EnvVar("job", "True: the store is hosted already"),
+        Torchrun.RESTART_COUNT: EnvVar("job", "times this task was relaunched"),
+        Torchrun.MAX_RESTARTS: EnvVar("job", "the run's bound on restarts"),
+        PYTHONUNBUFFERED: EnvVar("supervisor", "1: output reaches the log line by line"),
         GLOO_IFNAME: EnvVar("job", "Ray: the interface of the node's address, for gloo"),
+        CUDA_VISIBLE_DEVICES: EnvVar("replica", "the GPUs a replica (or a tune trial) may see"),
     }
 )
 """Every variable a task may receive or read, with who receives it and what it means."""

@@ -15,13 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from clusterflow.cluster.contract import TF_CONFIG
 from clusterflow.cluster.errors import ClusterSpecError, TFConfigError
 from clusterflow.cluster.spec import ClusterSpec, TaskId
 
 __all__ = ["TF_CONFIG_ENV", "TFConfig"]
 
-TF_CONFIG_ENV: Final = "TF_CONFIG"
-"""The environment variable TensorFlow reads."""
+TF_CONFIG_ENV: Final = TF_CONFIG
+"""The environment variable TensorFlow reads (this package's public name for
+``cluster/contract.py``'s ``TF_CONFIG``)."""
 
 # TensorFlow lets an evaluator's TF_CONFIG name the training cluster without listing the
 # evaluator itself: it is a side task that never talks to the others.

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from clusterflow.cluster import ClusterSpec, TaskId, parse_address
-from clusterflow.cluster.contract import ENV_SPEC_VERSION
+from clusterflow.cluster.contract import ENV_SPEC_VERSION, Torchrun
 from clusterflow.collective.api import MembershipError
 
 __all__ = ["REPLICA_JOBS", "Membership"]
@@ -119,17 +119,18 @@ class Membership:
             MembershipError: the variables are malformed, or disagree with the spec, or
                 this task is not a replica (a ``ps`` or ``evaluator`` task).
         """
-        env_rank = _int_var(environ, "RANK")
-        env_world = _int_var(environ, "WORLD_SIZE")
+        env_rank = _int_var(environ, Torchrun.RANK)
+        env_world = _int_var(environ, Torchrun.WORLD_SIZE)
         if (env_rank is None) != (env_world is None):
             raise MembershipError(
                 "RANK and WORLD_SIZE must be set together; got "
-                f"RANK={environ.get('RANK')!r}, WORLD_SIZE={environ.get('WORLD_SIZE')!r}"
+                f"RANK={environ.get(Torchrun.RANK)!r}, "
+                f"WORLD_SIZE={environ.get(Torchrun.WORLD_SIZE)!r}"
             )
         generation = (
-            f"{environ.get(ENV_SPEC_VERSION, '0')}.{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            f"{environ.get(ENV_SPEC_VERSION, '0')}.{environ.get(Torchrun.RESTART_COUNT, '0')}"
         )
-        agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in _TRUE
+        agent_store = environ.get(Torchrun.USE_AGENT_STORE, "").lower() in _TRUE
         master = _master(environ)
         if spec is None:
             if env_rank is None or env_world is None:
@@ -168,7 +169,7 @@ class Membership:
             # address is where the group meets.
             master = parse_address(spec.task_address(replicas[0].job, replicas[0].index))
             agent_store = False
-        if "LOCAL_RANK" in environ or "LOCAL_WORLD_SIZE" in environ:
+        if Torchrun.LOCAL_RANK in environ or Torchrun.LOCAL_WORLD_SIZE in environ:
             local_rank, local_world = _local(environ, rank, world)
         else:
             local_rank, local_world = _local_from_spec(spec, replicas, task)
@@ -230,29 +231,29 @@ def _int_var(environ: Mapping[str, str], name: str) -> int | None:
 
 
 def _master(environ: Mapping[str, str]) -> tuple[str, int] | None:
-    addr, port = environ.get("MASTER_ADDR"), _int_var(environ, "MASTER_PORT")
+    addr, port = environ.get(Torchrun.MASTER_ADDR), _int_var(environ, Torchrun.MASTER_PORT)
     if not addr and port is None:
         return None
     if not addr or port is None or not 0 < port < 65536:
         raise MembershipError(
             "MASTER_ADDR and MASTER_PORT must be set together, the port in 1..65535; got "
-            f"MASTER_ADDR={environ.get('MASTER_ADDR')!r}, "
-            f"MASTER_PORT={environ.get('MASTER_PORT')!r}"
+            f"MASTER_ADDR={environ.get(Torchrun.MASTER_ADDR)!r}, "
+            f"MASTER_PORT={environ.get(Torchrun.MASTER_PORT)!r}"
         )
     return addr, port
 
 
 def _local(environ: Mapping[str, str], rank: int, world: int) -> tuple[int, int]:
-    local_rank = _int_var(environ, "LOCAL_RANK")
-    local_world = _int_var(environ, "LOCAL_WORLD_SIZE")
+    local_rank = _int_var(environ, Torchrun.LOCAL_RANK)
+    local_world = _int_var(environ, Torchrun.LOCAL_WORLD_SIZE)
     if local_rank is None and local_world is None:
         # torchrun always sets both; a launcher that sets neither runs one replica a host.
         return 0, 1
     if local_rank is None or local_world is None:
         raise MembershipError(
             "LOCAL_RANK and LOCAL_WORLD_SIZE must be set together; got "
-            f"LOCAL_RANK={environ.get('LOCAL_RANK')!r}, "
-            f"LOCAL_WORLD_SIZE={environ.get('LOCAL_WORLD_SIZE')!r}"
+            f"LOCAL_RANK={environ.get(Torchrun.LOCAL_RANK)!r}, "
+            f"LOCAL_WORLD_SIZE={environ.get(Torchrun.LOCAL_WORLD_SIZE)!r}"
         )
     if local_world > world:
         raise MembershipError(f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}")

@@ -39,7 +39,7 @@ from clusterflow.data.cache_map import (
     find_map,
     parse_url,
 )
-from clusterflow.data.sources import arrow_columns
+from clusterflow.data.columns import arrow_columns
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 

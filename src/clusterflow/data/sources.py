@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from clusterflow.data.api import Columns, Source, SourceError, UnknownFormatError
+from clusterflow.data.cache_source import CacheSource
+from clusterflow.data.columns import arrow_columns
 from clusterflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -310,34 +312,6 @@ def _select(table: Any, columns: list[str] | None) -> Any:
     return table if columns is None else table.select(columns)
 
 
-def arrow_columns(table: Any) -> dict[str, Any]:
-    """A pyarrow table as NumPy columns the collator can take without further checks.
-
-    Fixed-width columns without nulls come out as NumPy arrays (zero copy where Arrow
-    allows); fixed-size lists as 2-D arrays (a tensor per record); everything else,
-    and numeric columns with nulls, as object arrays of Python values, so a null or a
-    ragged list fails collation naming its record instead of silently becoming NaN.
-    """
-    import pyarrow.types as pat  # type: ignore[import-untyped]
-
-    out: dict[str, Any] = {}
-    for name, column in zip(table.column_names, table.columns, strict=True):
-        kind = column.type
-        if column.null_count == 0 and (
-            pat.is_integer(kind) or pat.is_floating(kind) or pat.is_boolean(kind)
-        ):
-            out[name] = column.to_numpy()
-        elif column.null_count == 0 and pat.is_fixed_size_list(kind):
-            flat = column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
-            out[name] = flat.reshape(len(column), kind.list_size)
-        else:
-            values = column.to_pylist()
-            objects = np.empty(len(values), dtype=object)
-            objects[:] = values
-            out[name] = objects
-    return out
-
-
 def as_source(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> Source:
     """A ``Source`` from a source, a path / URL (``ArrowSource``), ``cache://NAME``
     (``CacheSource``) or columns (``TensorSource``).
@@ -346,8 +320,6 @@ def as_source(source: Source | str | os.PathLike[str] | Mapping[str, Any]) -> So
         ConfigError: the value is none of those.
     """
     if isinstance(source, str) and source.startswith("cache://"):
-        from clusterflow.data.cache_source import CacheSource  # it imports this module
-
         return CacheSource(source)
     if isinstance(source, str | os.PathLike):
         try:

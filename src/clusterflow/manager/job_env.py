@@ -29,6 +29,10 @@ from clusterflow.cluster.contract import (
     ENV_STATE_DIR,
     ENV_TASK,
     ENV_TASK_INDEX,
+    PYTHONUNBUFFERED,
+    TF_CONFIG,
+    TF_GRPC_REUSE_PORT,
+    Torchrun,
 )
 from clusterflow.manager.config import REPLICA_JOBS, RunConfig
 
@@ -77,7 +81,7 @@ def supervisor_env(
             ENV_BIND_HOST: config.host,
             ENV_HEARTBEAT_S: str(config.heartbeat_s),
             ENV_REGISTER_TIMEOUT: str(config.register_timeout_s),
-            "PYTHONUNBUFFERED": "1",
+            PYTHONUNBUFFERED: "1",
         }
     )
     return env
@@ -114,7 +118,7 @@ def job_env(
     """What the job command sees on top of its supervisor's environment: ``TF_CONFIG``,
     torchrun's variables (for the tasks that train) and ``CLUSTERFLOW_*``."""
     env = {
-        "TF_CONFIG": TFConfig(spec, task).to_json(),
+        TF_CONFIG: TFConfig(spec, task).to_json(),
         ENV_JOB: task.job,
         ENV_TASK_INDEX: str(task.index),
         ENV_SPEC_VERSION: str(now.spec_version),
@@ -123,7 +127,7 @@ def job_env(
         ENV_ATTEMPT: str(now.attempt),
         ENV_INCARNATION: str(now.restarts),  # rpc/fencing.py: older launches are refused
         # A TensorFlow gRPC server may then bind beside the reserved socket.
-        "TF_GRPC_REUSE_PORT": "1",
+        TF_GRPC_REUSE_PORT: "1",
     }
     if now.restore is not None:
         env[ENV_RESTORE] = now.restore
@@ -132,21 +136,21 @@ def job_env(
         rank, world = placed
         env.update(
             {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
+                Torchrun.RANK: str(rank),
+                Torchrun.WORLD_SIZE: str(world),
                 # One host: every rank of a local cluster is local, unless each task
                 # stands for a host of its own (--replicas-per-host, replica_env).
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world),
-                "GROUP_RANK": "0",
-                "GROUP_WORLD_SIZE": "1",
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(world),
-                "MASTER_ADDR": config.host,
-                "MASTER_PORT": str(now.store_port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "TORCHELASTIC_RESTART_COUNT": str(now.restarts),
-                "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+                Torchrun.LOCAL_RANK: str(rank),
+                Torchrun.LOCAL_WORLD_SIZE: str(world),
+                Torchrun.GROUP_RANK: "0",
+                Torchrun.GROUP_WORLD_SIZE: "1",
+                Torchrun.ROLE_RANK: str(rank),
+                Torchrun.ROLE_WORLD_SIZE: str(world),
+                Torchrun.MASTER_ADDR: config.host,
+                Torchrun.MASTER_PORT: str(now.store_port),
+                Torchrun.USE_AGENT_STORE: "True",
+                Torchrun.RESTART_COUNT: str(now.restarts),
+                Torchrun.MAX_RESTARTS: str(config.max_restarts),
             }
         )
     return env
@@ -173,14 +177,14 @@ def replica_env(config: RunConfig, task: TaskId) -> list[dict[str, str]]:
         rank = position * n + replica
         out.append(
             {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(replica),
-                "LOCAL_WORLD_SIZE": str(n),
-                "GROUP_RANK": str(position),
-                "GROUP_WORLD_SIZE": str(hosts),
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(world),
+                Torchrun.RANK: str(rank),
+                Torchrun.WORLD_SIZE: str(world),
+                Torchrun.LOCAL_RANK: str(replica),
+                Torchrun.LOCAL_WORLD_SIZE: str(n),
+                Torchrun.GROUP_RANK: str(position),
+                Torchrun.GROUP_WORLD_SIZE: str(hosts),
+                Torchrun.ROLE_RANK: str(rank),
+                Torchrun.ROLE_WORLD_SIZE: str(world),
                 ENV_REPLICA: str(replica),
             }
         )

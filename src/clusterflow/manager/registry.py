@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from clusterflow._files import write_json_atomic
 from clusterflow.cluster.contract import ENV_HOME
 from clusterflow.errors import ConfigError
 from clusterflow.manager.state import TERMINAL, ClusterState
@@ -36,6 +36,7 @@ __all__ = [
     "effective_status",
     "find",
     "home",
+    "write_json_atomic",
 ]
 
 UNREACHABLE = "unreachable"
@@ -53,24 +54,6 @@ def home() -> Path:
 
 def new_cluster_id() -> str:
     return secrets.token_hex(5)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Readers see the old file or the new one, never a torn one.
-
-    The temporary file is unique to this call, so writers in several threads or
-    processes (the manager, ``clusterflow stop``) never write into each other's.
-    """
-    text = json.dumps(data, indent=1)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,10 +80,6 @@ class Rendezvous:
         with self._cond:
             return self._spec, self._version
 
-    def address_of(self, task: TaskId) -> str | None:
-        with self._cond:
-            return self._addresses.get(task)
-
     def overdue(self) -> bool:
         """Whether the open barrier has waited longer than the registration timeout."""
         with self._cond:

@@ -12,16 +12,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-import torch
-
 from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.protocol import PSHandler, PullReply, PullRequest, PushReply, PushRequest
 from clusterflow.ps.store import VariableStore
+from clusterflow.ps.wire import Tensors
 from clusterflow.rpc import Credentials, RemoteError, RpcClient
 from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 T = TypeVar("T")
-Tensors = dict[str, torch.Tensor]
 
 
 class PSConnection(Protocol):

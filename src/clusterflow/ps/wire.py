@@ -16,6 +16,7 @@ import torch
 from clusterflow.ps.api import MalformedRequest
 
 Tensors = dict[str, torch.Tensor]
+"""Named tensors, as a message carries them and the ps and its clients hold them."""
 Wire = tuple[Any, Tensors]
 """A message as it travels: a msgpack-able body and named tensors."""
 

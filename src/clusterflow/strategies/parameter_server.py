@@ -1,4 +1,5 @@
-"""``ParameterServerStrategy`` (between-graph) and ``CentralStorageStrategy``.
+"""``ParameterServerStrategy`` (between-graph; its one-process form,
+``CentralStorageStrategy``, is in ``central_storage.py``).
 
 Every worker runs the same script (docs/parameter-server.md has it whole): build the
 strategy, create the model in ``strategy.scope()`` (its variables go to the ps tasks),
@@ -38,6 +39,7 @@ from clusterflow.ps.api import (
 from clusterflow.ps.client import PSConnection, RemotePS
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
+from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
     CutRole,
@@ -56,7 +58,6 @@ from clusterflow.strategies.ps_config import ParameterServerConfig
 from clusterflow.strategies.ps_keys import KeyLedger
 from clusterflow.strategies.ps_shards import (
     Push,
-    Tensors,
     TrackedVar,
     Values,
     buffers,
@@ -611,13 +612,3 @@ class ParameterServerStrategy(Strategy):
         self.last_push_applied = applied
         if not applied:
             self.dropped_pushes += 1
-
-
-def __getattr__(name: str) -> Any:
-    """``CentralStorageStrategy`` moved to ``strategies/central_storage.py``; scripts that
-    import it from here keep working (lazily: that module imports this one)."""
-    if name == "CentralStorageStrategy":
-        from clusterflow.strategies.central_storage import CentralStorageStrategy
-
-        return CentralStorageStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,11 +18,11 @@ from clusterflow.ps.api import Placement, PSConfig, Shard, VariableSpec, Version
 from clusterflow.ps.client import PSConnection
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
+from clusterflow.ps.wire import Tensors
 from clusterflow.rpc import RemoteError
 from clusterflow.strategies.ps_staging import HostStaging
 from clusterflow.strategies.variables import Recorded
 
-Tensors = dict[str, torch.Tensor]
 Values = tuple[list[int], dict[str, torch.Tensor]]
 """Per ps task the version pulled, and every shard's value by shard name."""
 

@@ -35,7 +35,6 @@ from clusterflow.ps.rows_protocol import (
     RowsPushReply,
     RowsPushRequest,
 )
-from clusterflow.ps.tables import join_tables
 from clusterflow.strategies.embedding import attach
 
 
@@ -369,10 +368,3 @@ class DenseReplicas:
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
-
-
-def load_tables(
-    parts: list[tuple[dict[str, Any], dict[str, torch.Tensor]]],
-) -> dict[str, torch.Tensor]:
-    """Whole tables out of a checkpoint's ps parts (``load_module``)."""
-    return join_tables(list(parts))

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from clusterflow.cluster import ClusterSpec, ClusterSpecLike, TaskId, TFConfig
+from clusterflow.cluster import TF_CONFIG_ENV, ClusterSpec, ClusterSpecLike, TaskId, TFConfig
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials
 
@@ -204,7 +204,7 @@ class TFConfigClusterResolver(ClusterResolver):
             rpc_layer=config.rpc_layer if config is not None else None,
             environment=config.environment if config is not None else None,
         )
-        self._session_master = _session_master(env.get("TF_CONFIG"))
+        self._session_master = _session_master(env.get(TF_CONFIG_ENV))
         if task_type is not None:
             self.task_type = task_type
         if task_id is not None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from clusterflow.cluster.contract import TF_CONFIG
 from clusterflow.testing.netns import EmulatedHosts, Host
 
 PORT = 6379
@@ -96,7 +97,7 @@ class RayNodes:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("CLUSTERFLOW_", "RAY_")) and k != "TF_CONFIG"
+            if not k.startswith(("CLUSTERFLOW_", "RAY_")) and k != TF_CONFIG
         }
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         # A home of its own: Ray reads ~/.ray (an auth token another cluster of this

@@ -29,12 +29,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 from clusterflow.errors import ConfigError
 from clusterflow.manager.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
 NVIDIA_SMI_DEADLINE_S = 10.0
 GPU_JOBS = ("chief", "worker")
 """Jobs whose replicas each take a device (``--replicas-per-host``)."""
@@ -65,7 +65,7 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     """The GPUs the tuner may hand out: its ``CUDA_VISIBLE_DEVICES``, else every GPU
     ``nvidia-smi -L`` lists; none on a machine without them."""
     env = os.environ if environ is None else environ
-    raw = env.get(ENV_VISIBLE)
+    raw = env.get(CUDA_VISIBLE_DEVICES)
     if raw is not None:
         return [name.strip() for name in raw.split(",") if name.strip() and name.strip() != "-1"]
     if shutil.which("nvidia-smi") is None:
@@ -88,7 +88,7 @@ def gpus_per_trial(config: RunConfig) -> int:
     """GPUs one local trial takes on a machine with GPUs: one per replica of each task
     that runs several (``--replicas-per-host``: the local manager gives each such task
     GPUs of its own), else one, which its lone-process tasks share."""
-    if ENV_VISIBLE in config.env:
+    if CUDA_VISIBLE_DEVICES in config.env:
         return 0  # the trial's own settings name its GPUs: the user placed it
     tasks = [t for t in config.tasks() if t.job in GPU_JOBS]
     return max(1, sum(n for t in tasks if (n := config.replicas_of(t)) > 1)) if tasks else 0

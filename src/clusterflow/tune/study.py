@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 from clusterflow.cluster.trial import (
     ENV_TRIAL_PARAMS,
     ENV_TRIAL_REPORT,
@@ -40,7 +40,7 @@ from clusterflow.manager.config import RunConfig
 from clusterflow.manager.restore import committed_or_none
 from clusterflow.tune import launch
 from clusterflow.tune.launch import TrialCluster
-from clusterflow.tune.placement import ENV_VISIBLE, gpus_per_trial, trials_at_once
+from clusterflow.tune.placement import gpus_per_trial, trials_at_once
 from clusterflow.tune.space import Param, check_command, distribution, fill_command, grid
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,9 @@ class StudyRunner:
         trial.set_user_attr("cluster_id", cluster.id)
         # The trial's manager sees its GPUs as a machine's manager sees the machine's: it
         # splits them between its tasks, which never see another trial's.
-        launched = launch.launch(cluster, config, {ENV_VISIBLE: ",".join(gpus)} if gpus else {})
+        launched = launch.launch(
+            cluster, config, {CUDA_VISIBLE_DEVICES: ",".join(gpus)} if gpus else {}
+        )
         shown = f" on GPUs {','.join(gpus)}" if gpus else ""
         self.echo(f"trial {trial.number} started: cluster {cluster.id}{shown} {values}")
         return _Running(trial, launched, gpus)
@@ -379,8 +381,3 @@ class StudyRunner:
 def run(settings: TuneSettings, echo: Callable[[str], None] | None = None) -> int:
     """Runs a study (see :class:`StudyRunner`); returns its exit code."""
     return StudyRunner(settings, echo).run()
-
-
-def study_path(storage: str | None) -> Path | None:
-    url = storage or default_storage()
-    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None

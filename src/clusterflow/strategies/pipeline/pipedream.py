@@ -139,10 +139,6 @@ class PipeDreamEngine:
         self._next_input: tuple[Any, torch.Tensor] | None = None
         self._next_grad: tuple[Any, torch.Tensor] | None = None
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._inflight)
-
     def step(
         self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn, microbatches: int
     ) -> torch.Tensor | None:
