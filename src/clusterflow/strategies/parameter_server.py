@@ -27,8 +27,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from clusterflow.checkpoint import CheckpointError
-from clusterflow.checkpoint.names import ps_part
 from clusterflow.data.api import SplitKey
 from clusterflow.errors import ConfigError
 from clusterflow.ps.api import (
@@ -42,9 +40,6 @@ from clusterflow.ps.placement import place
 from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
-    CutRole,
-    Part,
-    ReadPart,
     ReduceOp,
     Replicas,
     Settled,
@@ -55,6 +50,7 @@ from clusterflow.strategies.api import (
 from clusterflow.strategies.batches import deal_out
 from clusterflow.strategies.embedding import intercepting
 from clusterflow.strategies.ps_config import ParameterServerConfig
+from clusterflow.strategies.ps_cut import PSCut
 from clusterflow.strategies.ps_keys import KeyLedger
 from clusterflow.strategies.ps_shards import (
     Push,
@@ -63,13 +59,10 @@ from clusterflow.strategies.ps_shards import (
     buffers,
     declare,
     gradients,
-    hold_all,
     load_into,
-    load_states,
     pull_all,
     register_optimizer,
     specs_of,
-    states,
     tracked_in,
     wait_for_version,
 )
@@ -81,7 +74,7 @@ from clusterflow.strategies.variables import Recorded, recording
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(PSCut, Strategy):
     """Variables on ps tasks; workers pull values and push gradients.
 
     Args:
@@ -377,73 +370,6 @@ class ParameterServerStrategy(Strategy):
     def discard_staged_values(self) -> None:
         """The next ``run`` pulls the newest values, not those the last push brought back."""
         self._staged = None
-
-    # The consistent cut (CheckpointParticipant; train/cut.py drives it) --------------
-
-    @property
-    def num_ps(self) -> int:
-        return self._ps.num_ps
-
-    def cut_role(self) -> CutRole:
-        # Only the chief writes: a ps worker holds no state of the model, and its data
-        # position is the dispatcher's leases (a common step for the workers' RNG would
-        # need a barrier that async training does not have).
-        return CutRole("parameter_server", rank=self.worker_index, replicas=1, holds_model=True)
-
-    def quiesce(self) -> int:
-        """Holds every ps task's updates (pushes wait, none in flight); the cut stands at
-        ps 0's version, in sync mode the global step. See ``ps_shards.hold_all``.
-
-        Sync: first waits for this replica's last step to commit, as its next ``run``
-        would. A chief that saves right after step N would otherwise hold the ps at
-        N - 1 with the other replicas' last pushes waiting behind the hold, and a run
-        whose last step was a save step ended with a checkpoint one step short."""
-        self.flush()
-        if self.config.mode == "sync" and self._next is not None:
-            self._load_values()
-        self._cut_versions = hold_all(self._ps)
-        return self._cut_versions[0]
-
-    def parts(self) -> list[Part]:
-        """Every ps task's state: variables, slots, version, applied split keys."""
-        parts = [(ps_part(i), meta, tensors) for i, (meta, tensors) in enumerate(states(self._ps))]
-        return parts + self._sparse.parts()
-
-    def cut_meta(self) -> dict[str, Any]:
-        c = self.config
-        meta = {"mode": c.mode, "num_ps": self._ps.num_ps, "versions": self._cut_versions}
-        return meta | self._sparse.cut_meta()
-
-    def resume(self) -> None:
-        """Lets held updates through again (after :meth:`quiesce`)."""
-        for index in range(self._ps.num_ps):
-            self._ps.call(index, "resume")
-
-    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
-        """The ps tasks restore their shards as they start; a ps in this process
-        (CentralStorageStrategy) or a cluster without the manager is loaded here.
-
-        Only the chief loads, only when the manager did not name the checkpoint (then
-        the ps tasks restored it themselves), and only into parameter servers that have
-        applied nothing yet. A live ps is never written: a chief respawned alone (the
-        leading worker of a cluster without a ``chief`` job) would otherwise roll back
-        every update applied since the checkpoint, while the data service, rightly,
-        does not hand those records out again (docs/failure-semantics.md).
-        """
-        num_ps = int(meta.get("num_ps", 0))
-        if num_ps != self._ps.num_ps:
-            raise CheckpointError(
-                f"the checkpoint holds {num_ps} ps shard(s); this cluster has {self._ps.num_ps}"
-            )
-        if self.is_chief and not named and self._ps_fresh():
-            load_states(self._ps, [read(ps_part(i)) for i in range(num_ps)])
-            self._next = self._staged = None
-        self._sparse.restore(meta, read)
-        self.pull_values()
-
-    def _ps_fresh(self) -> bool:
-        """Whether every ps task has applied nothing (version 0): fresh processes."""
-        return not any(int(s.get("version", 0)) for s in self.ps_stats())
 
     def pull_values(self) -> None:
         """Waits for this replica's last step, then pulls the ps's current values: others
