@@ -1,0 +1,179 @@
+"""How the manager recovers a cluster: respawn one task, or restart them all.
+
+The actions behind ``policy.decide``'s ``RESPAWN`` and ``RESTART`` verdicts, apart from
+the loop that decides them (``controller.py``): launching a task's supervisor (through
+a warm standby when it may be respawned alone), killing the tasks being replaced,
+fencing the dead incarnation at the dispatcher and every ps before its replacement
+starts, and choosing the checkpoint every relaunched task restores, with the data
+cursor of the same cut on a whole restart (docs/failure-semantics.md).
+``Controller`` mixes it in; the state it acts on is the controller's (declared below).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
+from clusterflow.cluster import TaskId
+from clusterflow.cluster.contract import ENV_STANDBY
+from clusterflow.manager.fences import fence_ps_tasks
+
+if TYPE_CHECKING:
+    from clusterflow.data.dispatcher import DispatcherService
+    from clusterflow.manager.config import RunConfig
+    from clusterflow.manager.output import OutputRouter
+    from clusterflow.manager.policy import Verdict
+    from clusterflow.manager.registry import ClusterDir
+    from clusterflow.manager.rendezvous import Rendezvous
+    from clusterflow.manager.restore import RestorePoints
+    from clusterflow.manager.standby import StandbyPool
+    from clusterflow.manager.state import ClusterState
+    from clusterflow.manager.store_host import StoreHost
+    from clusterflow.manager.tasks import TaskRecord, TaskTable
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Respawns and whole restarts, on the controller's state."""
+
+    cluster: ClusterDir
+    config: RunConfig
+    backend: Backend
+    tasks: TaskTable
+    output: OutputRouter
+    rendezvous: Rendezvous
+    standby: StandbyPool
+    restore_points: RestorePoints
+    data: DispatcherService
+    _restarts: int
+    _memory_restarts: int
+    _attempt: int
+    _status: str
+    _store: StoreHost | None
+    _new_store: Callable[[], StoreHost]
+
+    if TYPE_CHECKING:
+
+        def _task_env(self, task: TaskId) -> dict[str, str]: ...
+
+        def _record_exit(self, task: TaskRecord, code: int, *, stopped: bool = False) -> None: ...
+
+        def _write_state(self, state: ClusterState | None = None) -> None: ...
+
+    def _launch(self, task: TaskRecord, restore: str | None) -> None:
+        """Starts ``task``'s supervisor (again), following its output into its log."""
+        task.restore = restore
+        if task.respawnable:
+
+            def assign(process: TaskProcess) -> None:
+                task.process = process
+
+            if self.standby.hand(str(task.id), assign) is not None:
+                return
+        task.process = self.backend.launch(TaskLaunch(task=task.id, env=self._task_env(task.id)))
+        if task.process.output is not None:
+            self.output.follow(
+                str(task.id), task.process.output, self.cluster.task_log(str(task.id))
+            )
+
+    def _keep_standby(self) -> None:
+        """Keeps one warm standby supervisor while a respawn may still be needed.
+
+        Only once a job declared a task respawnable (so runs that restart everything
+        pay nothing) and only while restarts remain. It is started while training runs:
+        its torch import then costs the running tasks CPU once, instead of costing the
+        replacement its start-up at every respawn.
+        """
+        first = next((t for t in self.tasks.values() if t.respawnable), None)
+        needed = (
+            first is not None
+            and self.rendezvous.spec is not None
+            and self._restarts < self.config.max_restarts
+        )
+        if not needed or first is None:
+            self.standby.keep(None)
+            return
+        task = first.id
+        self.standby.keep(
+            lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"})
+        )
+
+    def _kill(self, tasks: list[TaskRecord]) -> None:
+        """SIGKILL at once: every committed checkpoint is a consistent cut, so nothing is
+        gained by waiting for a task being replaced (and a hung one would not listen)."""
+        for task in tasks:
+            if task.process is not None and task.exit_code is None:
+                task.process.signal(signal.SIGKILL)
+        for task in tasks:
+            if task.process is not None and task.exit_code is None:
+                code = task.process.wait(10.0)
+                self._record_exit(task, -signal.SIGKILL if code is None else code, stopped=True)
+
+    def _respawn(self, verdict: Verdict) -> None:
+        """Relaunches the dead task alone; it rejoins at the next spec version."""
+        task = self.tasks[TaskId.parse(str(verdict.failed_task))]
+        self._restarts += 1
+        self._kill([task])  # it may be hung rather than gone
+        self.data.release_worker(str(task.id))
+        log.info("%s; respawning it (restart %d)", verdict.reason, self._restarts)
+        self.output.line(f"clusterflow: {verdict.reason}; respawning it")
+        self.cluster.append_event(
+            "task_respawned", task=str(task.id), reason=verdict.reason, restarts=self._restarts
+        )
+        self.tasks.relaunching(task)
+        self.data.fences.raise_to(str(task.id), task.restarts)  # the old one is a zombie now
+        fence_ps_tasks(self.cluster, self.config, self.rendezvous.current()[0], task)
+        self._launch(task, self._choose_checkpoint(restore_data=False))
+        self._write_state()
+
+    def _restart_all(self, verdict: Verdict) -> None:
+        """Stops every task and relaunches them all from the last committed checkpoint
+        (after a kill for memory: with more memory, not counted in ``restarts``)."""
+        if verdict.memory:
+            self._memory_restarts += 1
+        else:
+            self._restarts += 1
+        self._attempt += 1
+        live = [t for t in self.tasks.values() if t.exit_code is None]
+        self._kill(live)
+        log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
+        more = " with more memory" if verdict.memory else ""
+        self.output.line(f"clusterflow: {verdict.reason}; restarting every task{more}")
+        # A new barrier: the restarted supervisors register anew (new addresses), and
+        # the registration timeout counts afresh.
+        self.rendezvous.reopen()
+        self._status = "restarting"
+        for task in self.tasks.values():
+            task.address = None
+        if self._store is not None:
+            # A fresh store: the old one holds the dead incarnation's rendezvous keys.
+            self._store.close()
+            self._store = self._new_store()
+        restore = self._choose_checkpoint(restore_data=True)
+        self.cluster.append_event(
+            "cluster_restarted",
+            task=verdict.failed_task,
+            reason=verdict.reason,
+            restarts=self._restarts,
+            memory=verdict.memory,
+            checkpoint=restore,
+        )
+        for task in self.tasks.values():
+            self.tasks.relaunching(task)
+            self._launch(task, restore)
+        self._write_state()
+
+    def _choose_checkpoint(self, *, restore_data: bool) -> str | None:
+        """The step every (re)launched task restores; with ``restore_data`` the data
+        service's cursor is reset to that checkpoint's (or to nothing, without one), so
+        the data position and the parameters come from the same cut."""
+        point = self.restore_points.newest(with_cursor=restore_data)
+        if point.problem is not None:
+            self.output.line(f"clusterflow: {point.problem}")
+        if restore_data:
+            self.data.reset(point.cursor)
+        return point.step
