@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,18 @@ def _ps_chief(connection: LocalPS) -> tuple[ParameterServerStrategy, torch.nn.Mo
     return strategy, model
 
 
+def _sgd_step(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One SGD step of ``model`` on a batch, as ``strategy.run`` takes it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step_fn
+
+
 def test_a_chief_respawned_alone_never_rolls_back_a_live_ps(tmp_path: Path) -> None:
     """Issue 31: the leading worker of a cluster without a ``chief`` job, respawned alone
     while the ps lives on, restores the checkpoint without writing it into the ps.
@@ -281,13 +294,7 @@ def test_a_chief_respawned_alone_never_rolls_back_a_live_ps(tmp_path: Path) -> N
     """
     connection = LocalPS()
     strategy, model = _ps_chief(connection)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
+    step_fn = _sgd_step(model)
     strategy.run(step_fn, batch(0))
     Checkpointer(strategy, directory=str(tmp_path)).save(1)
     for step in (1, 2):
@@ -309,14 +316,7 @@ def test_a_chief_of_fresh_parameter_servers_loads_the_checkpoint_into_them(
     """The other side of the rule above: a cluster without the manager, all of it
     started again (fresh ps), resumes from the checkpoint the chief loads."""
     strategy, model = _ps_chief(LocalPS())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step_fn(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    strategy.run(step_fn, batch(0))
+    strategy.run(_sgd_step(model), batch(0))
     Checkpointer(strategy, directory=str(tmp_path)).save(1)
     strategy.pull_values()
     saved = flat(model).clone()

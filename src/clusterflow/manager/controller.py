@@ -20,7 +20,6 @@ final status in ``state.json`` also sees every line in the logs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -446,10 +445,13 @@ class Controller(Recovery):
             self.restore_points = RestorePoints(url)
             self.place = dataclasses.replace(self.place, checkpoint_url=url)
             self.cluster.append_event("checkpoints_moved", task=str(task.id), url=url)
-            with contextlib.suppress(ClusterflowError, OSError):
+            try:
                 settings = self.cluster.read_config()
                 settings["checkpoint_dir"] = url
                 registry.write_json_atomic(self.cluster.config_file, settings)
+            except (ClusterflowError, OSError) as exc:  # this run restores from it all the same
+                log.warning("cannot keep %s for --resume in the cluster's config: %s", url, exc)
+                self.output.line(f"clusterflow: --resume will not find {url}: {exc}")
             log.info("%s keeps its checkpoints at %s: restarts restore from there", task.id, url)
         return {"url": url}
 
