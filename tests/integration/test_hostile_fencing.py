@@ -188,7 +188,7 @@ def test_the_manager_fences_the_ps_before_the_replacement_speaks(
     zombie.settled(wait=True)
     assert _ps_version(address, creds) == 1
 
-    # The manager relaunches worker:1 (controller._respawn): every ps takes the new
+    # The manager relaunches worker:1 (recovery._respawn): every ps takes the new
     # incarnation before the replacement is even launched; it never speaks here.
     cluster = ClusterDir(tmp_path / "cluster")
     cluster.path.mkdir()
@@ -467,7 +467,7 @@ def _hang(state: dict[str, Any], task: str, zombie_pid: int) -> None:
 def test_the_manager_fences_a_hung_worker_before_its_replacement_starts(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    """Pins ``Controller._respawn``: ``self.data.fences.raise_to(...)`` and
+    """Pins ``Recovery._respawn`` (manager/recovery.py): ``self.data.fences.raise_to(...)`` and
     ``fence_ps_tasks(...)``, through a real manager (``clusterflow start
     --stall-timeout``). worker:1 hangs (SIGSTOP); the manager sees its step stand still,
     kills it and relaunches it, and the relaunch is held before it speaks to anyone. The

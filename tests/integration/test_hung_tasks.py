@@ -56,7 +56,7 @@ def test_a_hung_task_is_killed_and_the_cluster_restarted(
     """``task``: the whole task (its supervisor's process group) is SIGSTOPped; pins
     the heartbeat rule of ``policy._death`` (``heartbeat_age_s > heartbeat_timeout_s``).
     ``job``: only the job's process, under ``--stall-timeout 3``; pins the stall rule
-    (``step_age_s > stall``). Both pin ``Controller._kill``'s SIGKILL: the stopped
+    (``step_age_s > stall``). Both pin ``Recovery._kill``'s SIGKILL: the stopped
     processes are gone while the restarted attempt runs, not left stopped beside it.
     Without the rule the run never ends; without the SIGKILL the stopped processes
     live on into the restarted attempt."""

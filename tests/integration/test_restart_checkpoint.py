@@ -128,7 +128,7 @@ data.close()
 def test_a_whole_restart_reads_the_data_cursor_back_from_the_checkpoint(
     cf: Clusterflow, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Pins ``Controller._choose_checkpoint``'s ``self.data.reset(point.cursor)`` (with
+    """Pins ``Recovery._choose_checkpoint``'s ``self.data.reset(point.cursor)`` (with
     ``RestorePoints.newest`` reading the cursor, ``RestorePoint.cursor``): after a whole
     restart the data service hands out exactly the records the checkpoint's cursor had
     not acked, so the checkpoint's 30 records and the restarted run's together are every
