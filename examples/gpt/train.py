@@ -519,7 +519,25 @@ def run_plain(args: argparse.Namespace, config: GPTConfig, device: torch.device)
     if rank == 0:
         print(f"final val_loss {val_loss:.6f} step {args.steps}", flush=True)
     if distributed:
+        # The group is freed here, from its last Python reference, with the GIL
+        # released and its threads joined (digits_ddp.py's leave_process_group says
+        # why). First goes everything that holds it: the DDP reducer, left to free it
+        # from C++ when this function returns, would do so holding the GIL, and a gloo
+        # thread waiting for the GIL to drop a finished allreduce deadlocks it.
+        del evaluate, train_model, model, optimizer
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        del group
+        if args.strategy == "fsdp":
+            # FSDP2's parameters are DTensors, and torch 2.13's DTensor keeps their
+            # device mesh, and with it the group, in its sharding caches for good (held
+            # from C++; clearing the Python caches does not free it). The group's gloo
+            # threads then live into the interpreter's finalization, where one can abort
+            # the process (docs/failure-semantics.md, "Process exit"). Everything is
+            # written and printed: leave without finalizing.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
