@@ -27,7 +27,12 @@ def main() -> None:
     optimizer.step()
     print(f"ready rank={os.environ.get('RANK', dist.get_rank())}", flush=True)
     if owned:
+        # The DDP wrapper first: its reducer would free the group from C++ with the GIL
+        # held when main returns, which can hang on a gloo thread (examples/digits_ddp.py).
+        del model, optimizer, loss
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        del group
 
 
 if __name__ == "__main__":

@@ -270,7 +270,12 @@ def _train_worker(
     else:
         import torch.distributed as dist
 
+        # The DDP wrapper first: its reducer would free the group from C++ with the GIL
+        # held when this returns, which can hang on a gloo thread (examples/digits_ddp.py).
+        del model, opt, step
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        del group
 
 
 class _Side:

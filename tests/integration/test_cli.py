@@ -47,7 +47,10 @@ for _ in range(3):
 final = {k: v.detach().clone() for k, v in model.state_dict().items()}
 torch.save({"initial": initial, "final": final}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
 print(f"rank {rank} of {dist.get_world_size()} done")
+del ddp, opt, loss  # first: DDP's reducer would free the group from C++, holding the GIL
+group = dist.group.WORLD
 dist.destroy_process_group()
+del group  # the last reference: freed here, with its threads joined
 """
 
 ENV_SCRIPT = """\
