@@ -23,9 +23,9 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import Clusterflow
 
 from clusterflow.rpc import Credentials, RpcClient
+from conftest import Clusterflow
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -26,9 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import wait_until
 
 from clusterflow.testing import available
+from conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 

@@ -27,10 +27,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from clusterflow.manager.stopper import cluster_processes, kill_processes
+from conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

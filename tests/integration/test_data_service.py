@@ -24,7 +24,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import wait_until
 
 from clusterflow.data import (
     ArrowSource,
@@ -39,6 +38,7 @@ from clusterflow.data import (
     numpy_collate,
 )
 from clusterflow.rpc import Credentials, RemoteError, RpcServer
+from conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -17,10 +17,10 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
 
 from clusterflow.testing import EmulatedHosts, LinkShape, available, sweep_stale
 from clusterflow.testing.netns import _NAME
+from conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
 from conftest import wait_until
 
 if TYPE_CHECKING:

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LineReader, wait_until
 
 from clusterflow.manager.registry import TERMINAL
 from clusterflow.manager.stopper import cluster_processes
 from clusterflow.testing import available
+from conftest import LineReader, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

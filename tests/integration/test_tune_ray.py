@@ -26,10 +26,10 @@ from typing import Any
 
 import optuna  # a test dependency (the `test` extra): its absence is a failure, not a skip
 import pytest
-from conftest import LineReader, wait_until
 
 from clusterflow.manager.registry import TERMINAL
 from clusterflow.manager.stopper import cluster_processes
+from conftest import LineReader, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
