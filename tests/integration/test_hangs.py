@@ -13,6 +13,7 @@ which Ray does not rewrite to the machine's address as it does 127.0.0.1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -65,6 +66,11 @@ class Silent:
             self.accepted += 1
 
     def close(self) -> None:
+        # shutdown first: a bare close leaves the socket listening, in the kernel, under
+        # the accept blocked on it, and the cf fixture's `stop` then waits out Ray's join
+        # deadline (60 s) on an address that should refuse it at once.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         for conn in self._held:
             conn.close()
