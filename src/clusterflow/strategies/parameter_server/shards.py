@@ -20,7 +20,7 @@ from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.ps.wire import Tensors
 from clusterflow.rpc import RemoteError
-from clusterflow.strategies.ps_staging import HostStaging
+from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.variables import Recorded
 
 Values = tuple[list[int], dict[str, torch.Tensor]]
