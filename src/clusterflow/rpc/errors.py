@@ -93,7 +93,11 @@ class CodedError(ClusterflowError):
         if not isinstance(code, str) or not code or code in RESERVED_CODES:
             raise TypeError(f"{cls.__qualname__}: wire_code {code!r} is empty or reserved")
         known = _REMOTE_TYPES.get(code)
-        if known is not None and known.__qualname__ != f"Remote{cls.__qualname__}":
+        same = known is not None and (known.__module__, known.__qualname__) == (
+            cls.__module__,
+            f"Remote{cls.__qualname__}",
+        )  # the same class defined again (its module reloaded) takes its code back
+        if known is not None and not same:
             raise TypeError(f"{cls.__qualname__}: wire_code {code!r} is taken by {known}")
         # RemoteError first in the bases: its __init__ (code, message, ...) is the one
         # called; the registered class's constructor takes the message only.
