@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-ray_exceptions = pytest.importorskip("ray.exceptions")
-common_pb2 = pytest.importorskip("ray.core.generated.common_pb2")
+# Ray is a test dependency (the `test` extra): its absence is a failure, not a skip.
+import ray.exceptions as ray_exceptions
+from ray.core.generated import common_pb2
 
-from clusterflow.backends.ray import _ray_oom  # noqa: E402
+from clusterflow.backends.ray import _ray_oom
 
 pytestmark = pytest.mark.timeout(30)
 
