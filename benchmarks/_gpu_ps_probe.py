@@ -5,7 +5,7 @@ Run by ``benchmarks.gpu`` under ``clusterflow start --ps 1 --workers 1``. The va
 the device, and trained by sync steps of almost no compute: each step pushes its whole
 gradient from device memory and pulls the whole value back into it, so the step time is
 the GPU path's transfer time (device to host, the wire both ways, host to device), with
-the pinned staging (``ps_staging.py``) and then without it. In the same process it
+the pinned staging (``parameter_server/staging.py``) and then without it. In the same process it
 times the copies alone: the tensor to host memory and back, from
 pageable and from pinned host memory. Prints one line::
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
-from clusterflow.strategies.ps_staging import HostStaging
+from clusterflow.strategies.parameter_server.staging import HostStaging
 
 
 def _sync(device: torch.device) -> None:
@@ -73,9 +73,10 @@ def main() -> None:
         return statistics.median(times[2:])  # the first steps pay connections, warm-up
 
     ps_step = median_step()
-    # The path before ps_staging.py, for comparison in the same process: nothing staged,
-    # so the codec copies each gradient with .cpu() and values are copied from pageable
-    # memory. (A benchmark's probe may swap the strategy's private staging; code may not.)
+    # The path before parameter_server/staging.py, for comparison in the same process:
+    # nothing staged, so the codec copies each gradient with .cpu() and values are copied
+    # from pageable memory. (A benchmark's probe may swap the strategy's private staging;
+    # code may not.)
     strategy._staging = HostStaging(stage=lambda t: False)
     unstaged_step = median_step()
 

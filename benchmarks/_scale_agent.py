@@ -98,7 +98,7 @@ class Agent:
         from clusterflow.rpc import Credentials
         from clusterflow.strategies import SimpleClusterResolver
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
-        from clusterflow.strategies.ps_config import ParameterServerConfig
+        from clusterflow.strategies.parameter_server.config import ParameterServerConfig
 
         width = int(opts.pop("width"))
         split = int(opts.pop("split", 1))

@@ -208,7 +208,7 @@ def _probe(incarnation: int) -> ReconnectProbe:
     return ReconnectProbe(
         method="svc.fence",
         body={"fence": ["worker:1", incarnation]},
-        refusals=frozenset({TaskFenced.__name__}),
+        refusals=frozenset({TaskFenced.wire_code}),
     )
 
 
@@ -254,7 +254,7 @@ def test_a_call_whose_connection_died_asks_the_probe_when_it_is_back(fenced: boo
         assert not caller.is_alive()
         if fenced:
             assert isinstance(outcome[0], RemoteError), outcome
-            assert outcome[0].error_type == "TaskFenced", outcome[0]
+            assert isinstance(outcome[0], TaskFenced), outcome  # typed by its wire code
             assert "svc.hang" in str(outcome[0])
             assert book.counts("worker:1")["refused"] == {0: 1}
         else:

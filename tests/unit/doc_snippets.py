@@ -416,7 +416,7 @@ batches = list(zip(xs.split(32), ys.split(32)))
     ),
     "ps-config": Run(
         setup="import clusterflow as cf\n"
-        "from clusterflow.strategies.ps_config import ParameterServerConfig\n",
+        "from clusterflow.strategies.parameter_server.config import ParameterServerConfig\n",
         after="strategy.close()",
         cluster=("--ps", "1", "--workers", "2"),
     ),

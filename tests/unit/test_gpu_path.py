@@ -22,8 +22,8 @@ from clusterflow.ps.api import Shard, VariableSpec
 from clusterflow.ps.client import LocalPS
 from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
-from clusterflow.strategies.ps_shards import TrackedVar, gradients, load_into
-from clusterflow.strategies.ps_staging import HostStaging
+from clusterflow.strategies.parameter_server.shards import TrackedVar, gradients, load_into
+from clusterflow.strategies.parameter_server.staging import HostStaging
 
 pytestmark = pytest.mark.timeout(60)
 

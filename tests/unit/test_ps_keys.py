@@ -7,8 +7,8 @@ import pytest
 from clusterflow.data import SplitKey
 from clusterflow.errors import ConfigError
 from clusterflow.ps.protocol import PushReply
-from clusterflow.strategies.ps_config import ParameterServerConfig
-from clusterflow.strategies.ps_keys import KeyLedger
+from clusterflow.strategies.parameter_server.config import ParameterServerConfig
+from clusterflow.strategies.parameter_server.keys import KeyLedger
 
 A, B = SplitKey("ds", 0, 1), SplitKey("ds", 0, 2)
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, Any, Final
 
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.memory_watch import MemoryWatch, tree_rss, within_run
@@ -327,16 +327,31 @@ class RayProcess:
             self._done.set()
 
 
+_RAY_OOM_MARKERS: Final = ("low on memory", "Memory on the node")
+"""What Ray's raylet (2.60) writes into the death message of a worker its memory monitor
+killed: "N worker(s) were killed due to the node running low on memory" and "Memory on
+the node (IP: ..., ID: ...) was ...GB used / ...GB limit"."""
+
+
 def _ray_oom(exc: BaseException) -> bool:
-    """Whether Ray's error says its memory monitor killed the actor's worker."""
+    """Whether Ray's error says its memory monitor killed the actor's worker.
+
+    The type is the signal where Ray gives one: ``OutOfMemoryError`` (a task the
+    monitor killed). An actor's worker killed for memory reaches ``ray.get`` as a plain
+    ``ActorDiedError`` instead, and that one keeps no structured cause: Ray builds its
+    message from the death context (``ActorDiedErrorContext``, whose ``reason`` enum has
+    no memory value; the raylet puts the OOM details into ``error_message``) and drops
+    the context. So for an actor the message is the only signal, read here and nowhere
+    else; a Ray that words it otherwise makes the kill an ordinary one (no growth).
+    """
     import ray
 
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         return True
+    if not isinstance(exc, ray.exceptions.RayActorError):
+        return False
     text = str(exc)
-    return isinstance(exc, ray.exceptions.RayActorError) and (
-        "low on memory" in text or "Memory on the node" in text
-    )
+    return any(marker in text for marker in _RAY_OOM_MARKERS)
 
 
 def interface_of(address: str) -> str | None:

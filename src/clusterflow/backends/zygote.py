@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from clusterflow.cluster.contract import ENV_ZYGOTE_READY_FD
 
-PRELOAD = ("torch", "clusterflow.strategies", "clusterflow.strategies.parameter_server")
+PRELOAD = ("torch", "clusterflow.strategies", "clusterflow.strategies.parameter_server.strategy")
 FLAGS_OK = frozenset({"-u"})
 
 

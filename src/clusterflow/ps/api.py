@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc.codec import DTYPES
+from clusterflow.rpc.errors import CodedError
 
 Mode = Literal["async", "sync"]
 StalePolicy = Literal["drop", "scale"]
@@ -26,12 +27,15 @@ class PushRejected(PSError):
     """A push carried a wrong shape, dtype, unknown variable or a non-finite value."""
 
 
-class VersionTimeout(PSError):
+class VersionTimeout(PSError, CodedError):
     """A wait for a version (a pull's ``min_version``, warm-up) ran out of time.
 
     Typed so a caller that waits in bounded rounds tells a round that ran out from a
-    real failure without reading the message.
+    real failure without reading the message; its wire code makes a remote ps's answer
+    a ``VersionTimeout`` on the client too (rpc/errors.py).
     """
+
+    wire_code = "version_timeout"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,7 +5,7 @@ See docs/architecture.md section 4 for the wire contract. Public names:
 * ``RpcServer`` / ``RpcClient``: serve and call methods, with deadlines.
 * ``Request`` / ``Response``: what handlers take and give.
 * ``Credentials``: a cluster's secret; ``plain`` on loopback, ``curve`` elsewhere.
-* errors: ``RpcError`` and its kinds.
+* errors: ``RpcError`` and its kinds; ``CodedError``, an error that travels typed.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from clusterflow.rpc.codec import FRAME_BYTES, PROTOCOL_VERSION, WHOLE_BYTES
 from clusterflow.rpc.errors import (
     AuthenticationError,
     ClientClosed,
+    CodedError,
     DeadlineExceeded,
     ProtocolError,
     RemoteError,
@@ -33,6 +34,7 @@ __all__ = [
     "AuthMode",
     "AuthenticationError",
     "ClientClosed",
+    "CodedError",
     "Credentials",
     "DeadlineExceeded",
     "Handler",

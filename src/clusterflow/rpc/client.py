@@ -42,6 +42,7 @@ from clusterflow.rpc.errors import (
     DeadlineExceeded,
     ProtocolError,
     RemoteError,
+    remote_error,
 )
 from clusterflow.rpc.message import Response
 
@@ -66,14 +67,34 @@ class ReconnectProbe:
     """What a client asks when its connection came back while a call waited.
 
     The call's request or its answer may have been lost with the old connection. The
-    probe must be safe to send any number of times. An error answer whose type is in
-    ``refusals`` fails the waiting call with that answer (a ``RemoteError``); any other
-    answer leaves the call waiting, within its deadline.
+    probe must be safe to send any number of times. An error answer whose wire code is
+    in ``refusals`` (a ``CodedError``'s ``wire_code``) fails the waiting call with that
+    answer, raised as its typed ``RemoteError``; any other answer leaves the call
+    waiting, within its deadline.
     """
 
     method: str
     body: Any
     refusals: frozenset[str]
+    """Wire codes (``TaskFenced.wire_code``), never class names or message text."""
+
+
+def _wire_code(header: Mapping[str, Any]) -> str:
+    code = header.get("w", "")
+    return code if isinstance(code, str) else ""
+
+
+def _remote_error(
+    header: Mapping[str, Any], default_code: str, where: str, method: str
+) -> RemoteError:
+    """The exception for an error reply: typed by its wire code (rpc/errors.py)."""
+    return remote_error(
+        str(header.get("c", default_code)),
+        f"{where}: {header.get('b')}",
+        error_type=str(header.get("e", "")),
+        method=method,
+        wire_code=_wire_code(header),
+    )
 
 
 def split_endpoint(address: str) -> tuple[str, str]:
@@ -299,12 +320,7 @@ class RpcClient:
             if header["k"] not in (codec.KIND_REPLY, codec.KIND_ERROR):
                 raise ProtocolError(f"{method} to {self.endpoint}: a {header['k']!r} as reply")
             if header["k"] == codec.KIND_ERROR:
-                raise RemoteError(
-                    str(header.get("c", "internal")),
-                    f"{method} on {self.endpoint}: {header.get('b')}",
-                    error_type=str(header.get("e", "")),
-                    method=method,
-                )
+                raise _remote_error(header, "internal", f"{method} on {self.endpoint}", method)
             return Response(header.get("b"), codec.decode_tensors(header, frames[1:]))
 
     def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
@@ -325,14 +341,8 @@ class RpcClient:
     def _probe_answered(self, header: Mapping[str, Any], method: str) -> None:
         """Fails the waiting call if the probe was refused in a way that says so."""
         assert self._probe is not None
-        error_type = str(header.get("e", ""))
-        if header["k"] == codec.KIND_ERROR and error_type in self._probe.refusals:
-            raise RemoteError(
-                str(header.get("c", "app")),
-                f"{method} on {self.endpoint}: {header.get('b')}",
-                error_type=error_type,
-                method=method,
-            )
+        if header["k"] == codec.KIND_ERROR and _wire_code(header) in self._probe.refusals:
+            raise _remote_error(header, "app", f"{method} on {self.endpoint}", method)
         log.info("%s: %s answered %s; waiting on", method, self._probe.method, header.get("b"))
 
     def _read_monitor(self, method: str) -> bool:

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from clusterflow.cluster.contract import ENV_INCARNATION, ENV_TASK
-from clusterflow.errors import ClusterflowError
 from clusterflow.rpc.auth import Credentials
 from clusterflow.rpc.client import ReconnectProbe, RpcClient
-from clusterflow.rpc.errors import ProtocolError, RemoteError, RpcError
+from clusterflow.rpc.errors import CodedError, ProtocolError, RemoteError, RpcError
 from clusterflow.rpc.message import Handler, Request
 
 log = logging.getLogger(__name__)
@@ -59,8 +58,15 @@ push being applied to finish, short enough that an unreachable ps delays a respa
 only a little (it then learns from the replacement's first request)."""
 
 
-class TaskFenced(ClusterflowError):
-    """This task was replaced by a newer incarnation: it must stop, and applies nothing."""
+class TaskFenced(CodedError):
+    """This task was replaced by a newer incarnation: it must stop, and applies nothing.
+
+    A service's refusal reaches the client as a ``RemoteError`` that is also a
+    ``TaskFenced`` (its wire code, rpc/errors.py); ``raise_if_fenced`` turns that into
+    a plain ``TaskFenced``.
+    """
+
+    wire_code = "fenced"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +99,14 @@ def stamp(body: Any, fence: Fence | None) -> Any:
 def raise_if_fenced(exc: RemoteError) -> None:
     """Turns a service's ``TaskFenced`` answer into ``TaskFenced`` here: the zombie stops.
 
+    The answer arrives typed (a ``RemoteError`` and a ``TaskFenced``); the one raised is
+    no ``RpcError``, so a caller that retries failed calls (``except RpcError``) lets
+    it through to the training loop, which stops.
+
     Raises:
         TaskFenced: ``exc`` is that answer.
     """
-    if exc.error_type == TaskFenced.__name__:
+    if isinstance(exc, TaskFenced):
         log.error("this task was replaced and is fenced off; stopping: %s", exc)
         raise TaskFenced(str(exc)) from None
 
@@ -265,7 +275,7 @@ def watch(client: RpcClient, service: str, fence: Fence | None) -> None:
             ReconnectProbe(
                 method=f"{service}.{FENCE_METHOD}",
                 body={FENCE_KEY: fence.to_wire()},
-                refusals=frozenset({TaskFenced.__name__}),
+                refusals=frozenset({TaskFenced.wire_code}),
             )
         )
 

@@ -31,7 +31,7 @@ import zmq.utils.monitor
 from clusterflow.errors import ClusterflowError
 from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import AuthMode, Credentials
-from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.errors import CodedError, ProtocolError
 from clusterflow.rpc.message import Handler, Request, Response
 
 log = logging.getLogger(__name__)
@@ -486,10 +486,13 @@ def _advertised_host(host: str) -> str:
 
 
 def _error_frames(request_id: int, method: str, code: str, error: object) -> list[Any]:
+    """An error reply: ``c`` the reason, ``e`` the class name (for messages), and for a
+    ``CodedError`` ``w`` its wire code, by which the client raises the typed error."""
     error_type = type(error).__name__ if isinstance(error, BaseException) else ""
-    return codec.encode(
-        codec.KIND_ERROR, request_id, method, str(error), None, c=code, e=error_type
-    )
+    extra = {"c": code, "e": error_type}
+    if isinstance(error, CodedError) and error.wire_code:
+        extra["w"] = error.wire_code
+    return codec.encode(codec.KIND_ERROR, request_id, method, str(error), None, **extra)
 
 
 def _tracked(frames: list[Any], on_sent: Callable[[Any], None]) -> list[Any]:

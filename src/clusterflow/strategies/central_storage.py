@@ -1,6 +1,6 @@
 """CentralStorageStrategy: TensorFlow's one-process parameter server.
 
-Its own module so ``parameter_server.py`` holds only the distributed strategy; this one
+Its own module so ``parameter_server/strategy.py`` holds only the distributed strategy; this one
 is that strategy over an in-process store (``ps.client.LocalPS``), synchronous.
 """
 

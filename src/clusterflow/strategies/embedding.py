@@ -5,7 +5,7 @@ are created on the ``meta`` device: a 50M-row table allocates nothing on the wor
 When the scope closes each such module is switched to ``PSEmbedding`` /
 ``PSEmbeddingBag`` (subclasses: ``isinstance`` holds, the constructor's settings stay),
 whose forward de-duplicates the batch's ids, fetches those rows from the ps tasks
-through its ``TableSession`` (``ps_tables.py``), and runs torch's own
+through its ``TableSession`` (``parameter_server/tables.py``), and runs torch's own
 ``F.embedding``/``F.embedding_bag`` over the small local block of rows. Backward fills
 that block's gradient: one row per unique id, already coalesced, which the session
 pushes as ``(ids, rows)``. ``sparse=True`` or not, the result is the same.

@@ -63,7 +63,7 @@ from clusterflow.strategies.api import (
     SoloParticipant,
     Strategy,
 )
-from clusterflow.strategies.ps_sparse import DENSE_PART
+from clusterflow.strategies.parameter_server.sparse import DENSE_PART
 from clusterflow.strategies.variables import recording
 
 log = logging.getLogger(__name__)

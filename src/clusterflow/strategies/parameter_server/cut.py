@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 from clusterflow.checkpoint import CheckpointError
 from clusterflow.checkpoint.names import ps_part
 from clusterflow.strategies.api import CutRole, Part, ReadPart
-from clusterflow.strategies.ps_shards import hold_all, load_states, states
+from clusterflow.strategies.parameter_server.shards import hold_all, load_states, states
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from clusterflow.ps.api import PSConfig
     from clusterflow.ps.client import PSConnection
-    from clusterflow.strategies.ps_shards import Values
-    from clusterflow.strategies.ps_sparse import SparseSide
+    from clusterflow.strategies.parameter_server.shards import Values
+    from clusterflow.strategies.parameter_server.sparse import SparseSide
 
 
 class PSCut:
@@ -63,7 +63,7 @@ class PSCut:
 
     def quiesce(self) -> int:
         """Holds every ps task's updates (pushes wait, none in flight); the cut stands at
-        ps 0's version, in sync mode the global step. See ``ps_shards.hold_all``.
+        ps 0's version, in sync mode the global step. See ``shards.hold_all``.
 
         Sync: first waits for this replica's last step to commit, as its next ``run``
         would. A chief that saves right after step N would otherwise hold the ps at

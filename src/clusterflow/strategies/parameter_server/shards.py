@@ -19,8 +19,7 @@ from clusterflow.ps.client import PSConnection
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
 from clusterflow.ps.wire import Tensors
-from clusterflow.rpc import RemoteError
-from clusterflow.strategies.ps_staging import HostStaging
+from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.variables import Recorded
 
 Values = tuple[list[int], dict[str, torch.Tensor]]
@@ -271,10 +270,9 @@ def wait_for_version(ps: PSConnection, version: int, deadline: float) -> None:
             ps.call(0, "wait_version", body)
             return
         except VersionTimeout:
-            continue  # in process (CentralStorage): a round that ran out
-        except RemoteError as exc:
-            if exc.error_type != VersionTimeout.__name__:  # a real error, not a round
-                raise
+            # A round that ran out: raised here (CentralStorage, in process), or a ps's
+            # answer, typed by its wire code. Anything else is a real failure.
+            continue
 
 
 # The consistent cut ----------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A worker's side of the ps-sharded embedding tables: pull rows, push row gradients.
 
 ``ParameterServerStrategy`` builds one ``TableSession`` when its scope made tables
-(``embedding.py``). Per step, each table module's forward asks ``lookup`` for the
+(``strategies/embedding.py``). Per step, each table module's forward asks ``lookup`` for the
 unique rows of its batch: the session splits them by shard, pulls each shard's rows
 (one ``ps.rows_pull`` per ps task, in parallel), and hands back a leaf tensor. At
 ``optimizer.step()`` the strategy calls ``push``: per ps task one ``ps.rows_push`` with

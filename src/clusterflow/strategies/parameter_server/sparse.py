@@ -25,9 +25,9 @@ from clusterflow.ps.api import PSConfig
 from clusterflow.ps.client import PSConnection
 from clusterflow.ps.protocol import PushReply
 from clusterflow.strategies.api import Part, ReadPart
-from clusterflow.strategies.ps_config import ParameterServerConfig
-from clusterflow.strategies.ps_keys import KeyLedger
-from clusterflow.strategies.ps_tables import DenseReplicas, TableSession
+from clusterflow.strategies.parameter_server.config import ParameterServerConfig
+from clusterflow.strategies.parameter_server.keys import KeyLedger
+from clusterflow.strategies.parameter_server.tables import DenseReplicas, TableSession
 from clusterflow.strategies.resolver import ClusterResolver
 from clusterflow.strategies.variables import Recorded
 

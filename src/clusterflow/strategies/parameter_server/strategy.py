@@ -1,5 +1,5 @@
 """``ParameterServerStrategy`` (between-graph; its one-process form,
-``CentralStorageStrategy``, is in ``central_storage.py``).
+``CentralStorageStrategy``, is in ``strategies/central_storage.py``).
 
 Every worker runs the same script (docs/parameter-server.md has it whole): build the
 strategy, create the model in ``strategy.scope()`` (its variables go to the ps tasks),
@@ -12,8 +12,9 @@ message per ps task) and clears them, so torch's local step does nothing: the up
 happens on the ps, with the optimizer's current hyper-parameters (a schedule's lr).
 In async mode each push's reply carries the shard's fresh values, so the next step
 needs no pull; in sync mode the pull of the next version starts right after the push,
-in the background, and the next ``run`` waits for it. Helpers: ``ps_config.py`` (the
-settings), ``ps_shards.py`` (moving shards), ``ps_keys.py`` (exactly-once data).
+in the background, and the next ``run`` waits for it. Helpers, beside it in this
+package: ``config.py`` (the settings), ``shards.py`` (moving shards), ``keys.py``
+(exactly-once data).
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from clusterflow.strategies.api import (
 )
 from clusterflow.strategies.batches import deal_out
 from clusterflow.strategies.embedding import intercepting
-from clusterflow.strategies.ps_config import ParameterServerConfig
-from clusterflow.strategies.ps_cut import PSCut
-from clusterflow.strategies.ps_keys import KeyLedger
-from clusterflow.strategies.ps_shards import (
+from clusterflow.strategies.parameter_server.config import ParameterServerConfig
+from clusterflow.strategies.parameter_server.cut import PSCut
+from clusterflow.strategies.parameter_server.keys import KeyLedger
+from clusterflow.strategies.parameter_server.shards import (
     Push,
     TrackedVar,
     Values,
@@ -66,8 +67,8 @@ from clusterflow.strategies.ps_shards import (
     tracked_in,
     wait_for_version,
 )
-from clusterflow.strategies.ps_sparse import SparseSide
-from clusterflow.strategies.ps_staging import HostStaging
+from clusterflow.strategies.parameter_server.sparse import SparseSide
+from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
 
@@ -118,7 +119,7 @@ class ParameterServerStrategy(PSCut, Strategy):
             deadline=self._deadline,
         )
         self._vars: list[TrackedVar] = []
-        # Pinned host buffers for variables on a GPU, reused every step (ps_staging.py).
+        # Pinned host buffers for variables on a GPU, reused every step (staging.py).
         self._staging = HostStaging()
         self._by_tensor: dict[int, TrackedVar] = {}
         self.placement = Placement()
