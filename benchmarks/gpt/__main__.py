@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 
 from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, result
-from benchmarks._gpt_runs import Run, clusterflow, launch, torchrun
+from benchmarks.gpt.runs import Run, clusterflow, launch, torchrun
 
 
 def model_args(quick: bool) -> list[str]:

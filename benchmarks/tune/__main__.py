@@ -1,7 +1,7 @@
 """Tuning: what running trials as clusters costs, what parallel trials gain, what TPE gains.
 
 - ``parallel_speedup``: wall time of a study of 8 one-core trials (each spins a core for
-  half a second or so, benchmarks/_tune_job.py) at ``--parallel 1`` over the same study at
+  half a second or so, benchmarks/tune/job.py) at ``--parallel 1`` over the same study at
   ``--parallel 2``. Goal >= 1.7 on 2 cores.
 - ``overhead_s``: per trial, the ``--parallel 1`` study's wall time less the same 8
   commands run one after another as plain subprocesses, over 8: starting and stopping a
@@ -42,7 +42,7 @@ def _study(parallel: int) -> float:
     code = tune.run(
         f"bench-{next(_names)}",
         params={"x": "uniform:0:1"},
-        command=[sys.executable, "-m", "benchmarks._tune_job", "{x}", WORK],
+        command=[sys.executable, "-m", "benchmarks.tune.job", "{x}", WORK],
         metric="score",
         trials=TRIALS,
         parallel=parallel,
@@ -60,7 +60,7 @@ def _bare() -> float:
     start = time.perf_counter()
     for i in range(TRIALS):
         x = str(i / TRIALS)
-        subprocess.run([sys.executable, "-m", "benchmarks._tune_job", x, WORK], check=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.tune.job", x, WORK], check=True)
     return time.perf_counter() - start
 
 
