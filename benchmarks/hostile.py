@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import parser, result
+from benchmarks.common import parser, result
 from clusterflow.rpc import Credentials, RpcClient
 from clusterflow.rpc.fuzz import FIELDS, WireProbe, hostile_stream, raw_garbage
 

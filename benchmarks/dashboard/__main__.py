@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,

@@ -15,7 +15,7 @@ network namespaces on a bridge, needs root), so its nodes have addresses of thei
 and this benchmark sends nothing beyond the machine. The nodes share this machine's
 cores, so the figure is Ray's scheduling and the manager's round trips, not more
 hardware. Rounds alternate the sides, in an order reversed each round
-(``_common.alternate``).
+(``common.alternate``).
 
     python -m benchmarks.ray [--quick] [--rounds N] [--verbose]
 """
@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, alternate, parser, ratio, result
 from benchmarks.launch import ROOT, trial
 from clusterflow.testing import available
 from clusterflow.testing.ray_nodes import RayNodes

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, report, timed
+from benchmarks.common import MachineLoad, Spread, alternate, parser, ratio, report, timed
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "recovery" / "job.py"

@@ -40,7 +40,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
 from benchmarks.scale import allreduce, control, hosts, tf_peer
 
 EFFICIENT = 0.9

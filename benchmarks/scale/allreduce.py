@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks._common import Spread, alternate
+from benchmarks.common import Spread, alternate
 from benchmarks.scale.hosts import (
     BUCKET_BYTES,
     COMPUTE_S,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Spread, alternate
+from benchmarks.common import Spread, alternate
 
 REPO = Path(__file__).resolve().parents[2]
 SCALE = 200

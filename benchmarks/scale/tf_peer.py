@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks._common import Spread
+    from benchmarks.common import Spread
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "CLUSTERFLOW_TF_PYTHON"
@@ -83,7 +83,7 @@ def measure(
     sizes: list[int], steps: int, rounds: int, python: str, verbose: bool
 ) -> dict[int, Spread]:
     """Per-worker steps/s of TensorFlow's ParameterServerStrategy at each size."""
-    from benchmarks._common import Spread
+    from benchmarks.common import Spread
     from benchmarks.scale.hosts import COMPUTE_S, LAYERS, LINK_BIT, SCALE, WIDTH
     from clusterflow.testing import EmulatedHosts, LinkShape
 

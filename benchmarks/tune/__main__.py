@@ -11,7 +11,7 @@
   (in-process Optuna, no clusters: it measures the sampler, not the platform). Goal <= 0.7.
 
 The three timed sides (p1, p2, bare) run in alternating rounds; each round's ratios,
-and their median with the smallest and largest (benchmarks/_common.py).
+and their median with the smallest and largest (benchmarks/common.py).
 
     python -m benchmarks.tune [--quick] [--rounds N] [--verbose]
 """
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, result
+from benchmarks.common import MachineLoad, Spread, alternate, parser, result
 
 TRIALS = 8
 WORK = "8"  # million loop iterations: half a second or so of one core

@@ -49,7 +49,7 @@ def test_the_hosts_roles_need_only_the_standard_library_and_tensorflow() -> None
     # there without them (the driver imports them inside its functions).
     code = (
         "import sys\n"
-        "for name in ('torch', 'psutil', 'clusterflow', 'benchmarks._common', "
+        "for name in ('torch', 'psutil', 'clusterflow', 'benchmarks.common', "
         "'benchmarks.scale.hosts'):\n"
         "    sys.modules[name] = None\n"
         "from benchmarks.scale import tf_peer\n"
