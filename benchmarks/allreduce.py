@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,

@@ -29,7 +29,7 @@ every partition is local; the Ray test measures it across nodes). ``vs_ray_data`
 cache records/s / Ray Data's records/s (goal >= 1.5; left out, with the reason printed,
 when ``ray.data`` does not import, e.g. without pandas).
 
-Rounds alternate the sides in an order reversed each round (``_common.alternate``);
+Rounds alternate the sides in an order reversed each round (``common.alternate``);
 each side's turn is the best of 3 passes.
 
     python -m benchmarks.cache [--quick] [--rounds N] [--verbose]
@@ -53,7 +53,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     alternate,
     one_thread_per_process,

@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,

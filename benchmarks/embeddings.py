@@ -5,7 +5,7 @@ A DLRM-like model: 4 ``nn.EmbeddingBag`` tables of 64 columns (1M, 2M, 5M and 10
 law (Zipf, a=1.1), 13 dense features, an MLP 269-256-64-1, batch 2048 per worker,
 Adagrad. Two workers and two ps tasks per side, every process on one torch thread; all
 sides start first and stay up, then each round runs one timed window of every side in
-turn (the others idle), in an order reversed each round (``benchmarks/_common.py``).
+turn (the others idle), in an order reversed each round (``benchmarks/common.py``).
 
 * ``bytes_vs_dense``: bytes a worker moves per step for the tables (ids and rows pulled,
   ids and gradient rows pushed) / the bytes of pulling the four tables whole.
@@ -34,7 +34,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import (
+from benchmarks._torchrec_peer import DIM, batches, top_mlp
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,
@@ -44,7 +45,6 @@ from benchmarks._common import (
     report,
     settle,
 )
-from benchmarks._torchrec_peer import DIM, batches, top_mlp
 
 BATCH = 2048
 WORKERS = 2

@@ -8,8 +8,8 @@
   got none; ``fuzz_internal``: answers of code ``internal`` (a handler raised on bad
   input). ``fuzz_rss_growth_mib``: the larger growth of the two processes.
 * ``partition_runs``, ``lost``, ``duplicated``, ``max_stall_s``, ``stall_bound_s``:
-  partition scenarios on emulated hosts (``benchmarks/_hostile_partition.py``, and cuts
-  from the manager under ``clusterflow start``, ``benchmarks/_hostile_start.py``); records
+  partition scenarios on emulated hosts (``benchmarks/scenarios/partition.py``, and cuts
+  from the manager under ``clusterflow start``, ``benchmarks/scenarios/start.py``); records
   lost and applied twice over all of them (the counter model), and, of the times a task
   sat without progress or failure, the one nearest its documented bound (the largest
   stall / bound) with that bound; ``stalls_within_bound`` counts the runs within theirs.
@@ -18,7 +18,7 @@
   requests a ps or the dispatcher served after the fence was raised (goal 0);
   ``zombie_ended_after_heal_s``: the longest from the heal to a zombie's exit.
 * ``lossy_max_param_diff``, ``lossy_throughput_ratio``: sync ps training on a clean and
-  on a slow, lossy link (``benchmarks/_hostile_lossy.py``): the largest difference of
+  on a slow, lossy link (``benchmarks/scenarios/lossy.py``): the largest difference of
   the final parameters (goal 0) and steps/s lossy / clean.
 
 Usage::
@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import parser, result
+from benchmarks.common import parser, result
 from clusterflow.rpc import Credentials, RpcClient
 from clusterflow.rpc.fuzz import FIELDS, WireProbe, hostile_stream, raw_garbage
 
@@ -154,8 +154,8 @@ def fuzz(total: int, workdir: Path, verbose: bool) -> dict[str, float]:
 
 
 def partitions(workdir: Path) -> dict[str, float]:
-    """Every scenario of ``_hostile_partition`` once, on fresh emulated hosts."""
-    from benchmarks._hostile_partition import SCENARIOS, run
+    """Every scenario of ``scenarios.partition`` once, on fresh emulated hosts."""
+    from benchmarks.scenarios.partition import SCENARIOS, run
     from clusterflow.testing import available
 
     if not available():
@@ -189,9 +189,9 @@ def partitions(workdir: Path) -> dict[str, float]:
 
 
 def start_partitions(workdir: Path) -> dict[str, Any]:
-    """Cuts from the manager under ``clusterflow start`` (``_hostile_start``): one run,
+    """Cuts from the manager under ``clusterflow start`` (``scenarios.start``): one run,
     each cut a partition scenario; its stalls (cut to the cut-off task's exit) and bounds."""
-    from benchmarks._hostile_start import RECORDS, run
+    from benchmarks.scenarios.start import RECORDS, run
 
     result = run(workdir)
     for cut in result.cuts:
@@ -216,8 +216,8 @@ def start_partitions(workdir: Path) -> dict[str, Any]:
 
 
 def lossy(workdir: Path) -> dict[str, float]:
-    """Sync training on a clean and on a slow, lossy link (``_hostile_lossy``)."""
-    from benchmarks._hostile_lossy import compare
+    """Sync training on a clean and on a slow, lossy link (``scenarios.lossy``)."""
+    from benchmarks.scenarios.lossy import compare
     from clusterflow.testing import available
 
     if not available():

@@ -33,7 +33,7 @@ from typing import IO
 
 import psutil
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, alternate, parser, ratio, result
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = "benchmarks/_launch_probe.py"

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,

@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,

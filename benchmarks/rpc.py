@@ -23,7 +23,7 @@ import socket
 import time
 from multiprocessing.connection import Connection
 
-from benchmarks._common import MachineLoad, Spread, alternate, best_of, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, alternate, best_of, parser, ratio, result
 
 PAYLOAD_BYTES = 64 * 1024 * 1024
 BURST = 3

@@ -1,4 +1,4 @@
-"""``benchmarks/gpu.py`` runs: its ``--cpu-smoke`` on CPU, so the GPU script does not rot.
+"""``python -m benchmarks.gpu`` runs: its ``--cpu-smoke`` on CPU, so the GPU script does not rot.
 
 The script is meant for a machine with a GPU that this suite does not have; the smoke
 run goes through every part it runs there (torchrun's DDP, MultiWorkerMirrored through

@@ -11,7 +11,7 @@ moves only by the replacement's pushes.
 A zombie whose connection died with its request in flight learns it too: its client
 asks ``<service>.fence`` when the connection comes back (``ReconnectProbe``). Proved on
 loopback (a server restarted under a waiting call) and across a real partition of
-emulated hosts that heals after the replacement ran (``benchmarks/_hostile_partition``).
+emulated hosts that heals after the replacement ran (``benchmarks/scenarios/partition``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 import torch
-from benchmarks import _hostile_partition
+from benchmarks.scenarios import partition
 
 from clusterflow.cluster import ClusterSpec, TaskId
 from clusterflow.cluster.contract import ENV_INCARNATION, ENV_SECRET, ENV_TASK
@@ -283,7 +283,7 @@ def test_a_zombie_healed_after_its_replacement_ran_applies_nothing_and_stops(
     ``DeadlineExceeded`` then; how long it took is ``benchmarks/hostile.py``'s figure,
     not this test's). Nothing of it was served after the fence; every record of the
     counter model is counted exactly once."""
-    outcome = _hostile_partition.run(
+    outcome = partition.run(
         "zombie_heals_after_replacement", tmp_path / "zombie", cut_s=10.0, prefix="fence"
     )
     assert outcome.fenced, outcome

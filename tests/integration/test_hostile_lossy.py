@@ -3,7 +3,7 @@
 Issue 19's link: 20 Mbit/s, 50 ms of one-way delay, 1% loss and 0.1% reordering, on
 every host's link both ways (the userspace relay of ``clusterflow.testing.relay``: this
 kernel has no ``sch_netem``). Two sync workers and a ps on three emulated hosts run the
-same deterministic steps on clean links, then on those; ``benchmarks/_hostile_lossy``
+same deterministic steps on clean links, then on those; ``benchmarks/scenarios/lossy``
 is the scenario, and ``benchmarks/hostile.py`` reports the throughput it costs (a
 figure, not this test's business).
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from benchmarks import _hostile_lossy as scenario
+from benchmarks.scenarios import lossy as scenario
 
 from clusterflow.testing import available
 

@@ -2,7 +2,7 @@
 
 One real cluster (``--chief --ps 1 --workers 2``, the counter model through ``fit()``),
 the manager and every task each inside an emulated host (``start --backend hosts``),
-runs once for the module (``benchmarks/_hostile_start.py``): first ``worker:0``'s host
+runs once for the module (``benchmarks/scenarios/start.py``): first ``worker:0``'s host
 is cut from ``ps:0``'s, then ``worker:1``'s from the manager's, each until the manager
 has respawned the task and the replacement trained, then ``ps:0``'s from the manager's
 until the manager has restarted every task; each link heals.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from benchmarks import _hostile_start as scenario
+from benchmarks.scenarios import start as scenario
 
 from clusterflow.rpc.auth import Credentials
 from clusterflow.testing import available

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import (  # noqa: E402
+from benchmarks.common import (  # noqa: E402
     MachineLoad,
     Spread,
     alternate,

@@ -14,34 +14,34 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _scale_tf  # noqa: E402
+from benchmarks.scale import tf_peer  # noqa: E402
 
 
 def test_a_named_python_is_taken_and_a_missing_one_is_one_line_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(_scale_tf.ENV_PYTHON, raising=False)
-    assert _scale_tf.find_python(sys.executable) == sys.executable
+    monkeypatch.delenv(tf_peer.ENV_PYTHON, raising=False)
+    assert tf_peer.find_python(sys.executable) == sys.executable
     missing = str(tmp_path / "python3")
     with pytest.raises(SystemExit, match=r"--tf-python: '.*python3' is not an executable"):
-        _scale_tf.find_python(missing)
-    monkeypatch.setenv(_scale_tf.ENV_PYTHON, missing)
-    with pytest.raises(SystemExit, match=_scale_tf.ENV_PYTHON):
-        _scale_tf.find_python(None)
+        tf_peer.find_python(missing)
+    monkeypatch.setenv(tf_peer.ENV_PYTHON, missing)
+    with pytest.raises(SystemExit, match=tf_peer.ENV_PYTHON):
+        tf_peer.find_python(None)
 
 
 def test_without_tensorflow_here_or_named_the_rows_are_skipped_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(_scale_tf.ENV_PYTHON, raising=False)
+    monkeypatch.delenv(tf_peer.ENV_PYTHON, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
         lambda name, *a: None if name == "tensorflow" else real(name, *a),
     )
-    with pytest.raises(_scale_tf.TensorFlowMissing, match="--tf-python"):
-        _scale_tf.find_python(None)
+    with pytest.raises(tf_peer.TensorFlowMissing, match="--tf-python"):
+        tf_peer.find_python(None)
 
 
 def test_the_hosts_roles_need_only_the_standard_library_and_tensorflow() -> None:
@@ -49,11 +49,11 @@ def test_the_hosts_roles_need_only_the_standard_library_and_tensorflow() -> None
     # there without them (the driver imports them inside its functions).
     code = (
         "import sys\n"
-        "for name in ('torch', 'psutil', 'clusterflow', 'benchmarks._common', "
-        "'benchmarks._scale_hosts'):\n"
+        "for name in ('torch', 'psutil', 'clusterflow', 'benchmarks.common', "
+        "'benchmarks.scale.hosts'):\n"
         "    sys.modules[name] = None\n"
-        "from benchmarks import _scale_tf\n"
-        "_scale_tf.main()\n"
+        "from benchmarks.scale import tf_peer\n"
+        "tf_peer.main()\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", code, "nonsense"],
@@ -64,4 +64,5 @@ def test_the_hosts_roles_need_only_the_standard_library_and_tensorflow() -> None
         timeout=60,
     )
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("usage: python -m benchmarks._scale_tf")
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("usage: python -m benchmarks.scale.tf_peer")

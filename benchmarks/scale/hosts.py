@@ -10,7 +10,7 @@ moves about 2 Gbit/s with a whole core, so at full size the CPU, not the link, w
 every figure. What is not scaled: per-message costs (RPC, Python, the kernel), which are
 real and so count against every design here more than they would at full size.
 
-Compute is **emulated** (``_scale_agent.Emulated``): a step sleeps its compute time, as a
+Compute is **emulated** (``agent.Emulated``): a step sleeps its compute time, as a
 GPU computes while the CPU waits. Communication is real: clusterflow's RPC and ps, gloo.
 
 Sides at each size N (N workers, each on its own host):
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Spread, alternate
+from benchmarks.common import Spread, alternate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCALE = 200
 """Link rate and bytes are divided by this (module docstring)."""
 LINK_BIT = 10_000_000_000
@@ -77,7 +77,7 @@ class AgentFailed(SystemExit):
 
 
 class Agent:
-    """One host's ``_scale_agent`` process: JSON commands in, JSON answers out."""
+    """One host's ``agent`` process: JSON commands in, JSON answers out."""
 
     def __init__(self, host: Any, log_dir: Path, replica: int = 0) -> None:
         self.host = host
@@ -86,7 +86,7 @@ class Agent:
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
         self.log = open(log_dir / f"agent-{host.index}-{replica}.log", "w")  # noqa: SIM115
         self.proc = host.popen(
-            [sys.executable, "-m", "benchmarks._scale_agent", self.address],
+            [sys.executable, "-m", "benchmarks.scale.agent", self.address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -30,19 +30,6 @@ BUSY = 0.1
 """Above this share of the CPU used by other processes, the report flags the run."""
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float, poll_s: float = 0.05) -> Any:
-    """``predicate()``'s first true value, polled; ``TimeoutError`` naming ``what`` after
-    ``timeout`` seconds (a scenario's wait on a condition, never a bare sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:g}s")
-        time.sleep(poll_s)
-
-
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m benchmarks.{name}",

@@ -1,7 +1,7 @@
 """Tuning: what running trials as clusters costs, what parallel trials gain, what TPE gains.
 
 - ``parallel_speedup``: wall time of a study of 8 one-core trials (each spins a core for
-  half a second or so, benchmarks/_tune_job.py) at ``--parallel 1`` over the same study at
+  half a second or so, benchmarks/tune/job.py) at ``--parallel 1`` over the same study at
   ``--parallel 2``. Goal >= 1.7 on 2 cores.
 - ``overhead_s``: per trial, the ``--parallel 1`` study's wall time less the same 8
   commands run one after another as plain subprocesses, over 8: starting and stopping a
@@ -11,7 +11,7 @@
   (in-process Optuna, no clusters: it measures the sampler, not the platform). Goal <= 0.7.
 
 The three timed sides (p1, p2, bare) run in alternating rounds; each round's ratios,
-and their median with the smallest and largest (benchmarks/_common.py).
+and their median with the smallest and largest (benchmarks/common.py).
 
     python -m benchmarks.tune [--quick] [--rounds N] [--verbose]
 """
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, result
+from benchmarks.common import MachineLoad, Spread, alternate, parser, result
 
 TRIALS = 8
 WORK = "8"  # million loop iterations: half a second or so of one core
@@ -42,7 +42,7 @@ def _study(parallel: int) -> float:
     code = tune.run(
         f"bench-{next(_names)}",
         params={"x": "uniform:0:1"},
-        command=[sys.executable, "-m", "benchmarks._tune_job", "{x}", WORK],
+        command=[sys.executable, "-m", "benchmarks.tune.job", "{x}", WORK],
         metric="score",
         trials=TRIALS,
         parallel=parallel,
@@ -60,7 +60,7 @@ def _bare() -> float:
     start = time.perf_counter()
     for i in range(TRIALS):
         x = str(i / TRIALS)
-        subprocess.run([sys.executable, "-m", "benchmarks._tune_job", x, WORK], check=True)
+        subprocess.run([sys.executable, "-m", "benchmarks.tune.job", x, WORK], check=True)
     return time.perf_counter() - start
 
 

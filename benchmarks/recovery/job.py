@@ -1,4 +1,4 @@
-"""The job the recovery benchmark kills: ``python _recovery_job.py MODE OUT``.
+"""The job the recovery benchmark kills: ``python benchmarks/recovery/job.py MODE OUT``.
 
 ``async``: a worker of an asynchronous parameter-server run (respawned alone when it
 dies). ``allreduce``: a replica of MultiWorkerMirroredStrategy, checkpointing every 10

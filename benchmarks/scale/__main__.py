@@ -2,19 +2,19 @@
 
 Four parts, one RESULT line (docs/scaling.md explains the model and the figures):
 
-* **Data plane** (``_scale_hosts.py``, needs root): 1, 2, 4, 8 workers (also 16 and 32
+* **Data plane** (``hosts.py``, needs root): 1, 2, 4, 8 workers (also 16 and 32
   without ``--quick``), each on its own emulated host (``clusterflow.testing``), for
   async ps with 1/2/4/8 shards (and 16 from 32 workers on), sync ps,
   ``MultiWorkerMirroredStrategy`` (gloo ring) and hand-written DDP. Compute is EMULATED
   (a step sleeps its GPU time); communication is real. Links are 10 Gbit/s with bytes
-  and rate scaled down together by ``_scale_hosts.SCALE`` (so two cores can move them):
+  and rate scaled down together by ``hosts.SCALE`` (so two cores can move them):
   transfer times are full-size ones. Then TensorFlow's ParameterServerStrategy on the
-  same hosts, links and model (``_scale_tf.py``), where a Python with TensorFlow is
+  same hosts, links and model (``tf_peer.py``), where a Python with TensorFlow is
   named (``--tf-python`` or ``CLUSTERFLOW_TF_PYTHON``) or this one has it; the
   benchmark installs nothing.
-* **Control plane** (``_scale_control.py``): one manager, 1,000 simulated registrants.
+* **Control plane** (``control.py``): one manager, 1,000 simulated registrants.
 * **The ps on loopback**: the 64 MiB push+pull against raw TCP (``benchmarks.ps``).
-* **All-reduce algorithms** (``_scale_allreduce.py``, needs root): the largest size's
+* **All-reduce algorithms** (``allreduce.py``, needs root): the largest size's
   replicas on hosts of 2 (4 without ``--quick``) that share one 10 Gbit/s link each, as
   ``--replicas-per-host`` lays them out: gloo's flat ring against
   ``CommunicationOptions(algorithm="hierarchical")``.
@@ -40,8 +40,8 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from benchmarks import _scale_allreduce, _scale_control, _scale_hosts, _scale_tf
-from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, one_thread_per_process, parser, ratio, result
+from benchmarks.scale import allreduce, control, hosts, tf_peer
 
 EFFICIENT = 0.9
 """Per-worker efficiency a shard count must reach to count as enough shards."""
@@ -55,20 +55,20 @@ def _data_plane(
     if not available():
         print("data plane skipped: emulated hosts need root and iproute2")
         return {}, None
-    figures = _scale_hosts.run(sizes, steps, rounds, verbose)
+    figures = hosts.run(sizes, steps, rounds, verbose)
     largest, out = max(sizes), {}
     shards_needed = {}
     best = {}
     # One worker's steps/s does not depend on the shard count (its own link carries the
     # same bytes): the best of them is the base, so a noisy low base never lifts a ratio.
-    base = max(figures.per_worker[f"async{s}"][1].median for s in _scale_hosts.SHARDS)
+    base = max(figures.per_worker[f"async{s}"][1].median for s in hosts.SHARDS)
     for n in sizes:
-        counts = _scale_hosts.shard_counts(n)
+        counts = hosts.shard_counts(n)
         effs = {s: figures.per_worker[f"async{s}"][n].median / base for s in counts}
         best[n] = max(effs.values())
         enough = [s for s, e in effs.items() if e >= EFFICIENT]
         shards_needed[n] = min(enough) if enough else None
-        mib = 0.5 * _scale_hosts.SCALE
+        mib = 0.5 * hosts.SCALE
         print(
             f"async ps at {n} workers: efficiency by shards "
             + ", ".join(f"{s}: {e:.2f}" for s, e in effs.items())
@@ -90,21 +90,21 @@ def _data_plane(
     out["bf16_vs_fp32_10g"] = ratio(c["ring_heavy_bf16"][largest], c["ring_heavy"][largest])
     out["async_vs_ddp_10g"] = ratio(c["async_slow"][largest], c["ddp_slow"][largest])
     # None measured enough: twice the most measured, the rule's next step.
-    most = max(_scale_hosts.shard_counts(largest))
+    most = max(hosts.shard_counts(largest))
     out["shards_needed_largest"] = float(shards_needed[largest] or 2 * most)
     try:
-        python = _scale_tf.find_python(tf_python)
-    except _scale_tf.TensorFlowMissing as exc:
+        python = tf_peer.find_python(tf_python)
+    except tf_peer.TensorFlowMissing as exc:
         print(f"TensorFlow ParameterServerStrategy: skipped ({exc})")
         return out, figures
-    tf_rates = _scale_tf.measure(sizes, steps, rounds, python, verbose)
-    shards = max(_scale_hosts.SHARDS)
+    tf_rates = tf_peer.measure(sizes, steps, rounds, python, verbose)
+    shards = max(hosts.SHARDS)
     ours = figures.per_worker[f"async{shards}"]
     for n in sizes:
         vs = ours[n].median / tf_rates[n].median
         print(
             f"at {n} workers: async ps ({shards} shards) / TensorFlow PSS "
-            f"({_scale_tf.PS_TASKS} ps), per-worker steps/s: {vs:.2f}"
+            f"({tf_peer.PS_TASKS} ps), per-worker steps/s: {vs:.2f}"
         )
     out["async_vs_tf_pss_10g"] = ours[largest].median / tf_rates[largest].median
     return out, figures
@@ -141,7 +141,7 @@ def main() -> None:
         "--save",
         type=Path,
         help="write the data plane's curves to this JSON file (python -m "
-        "benchmarks._scale_plots OUT_DIR A.json B.json plots runs together)",
+        "benchmarks.scale.plots OUT_DIR A.json B.json plots runs together)",
     )
     p.add_argument(
         "--sizes",
@@ -151,7 +151,7 @@ def main() -> None:
     p.add_argument(
         "--tf-python",
         help="a Python that has TensorFlow, for its ParameterServerStrategy rows "
-        f"(default ${_scale_tf.ENV_PYTHON}, else this Python if it has TensorFlow)",
+        f"(default ${tf_peer.ENV_PYTHON}, else this Python if it has TensorFlow)",
     )
     p.add_argument(
         "--parts",
@@ -166,8 +166,8 @@ def main() -> None:
     sizes = args.sizes or ([1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     figures: dict[str, float | Spread] = {}
     if "control" in args.parts:
-        control = _scale_control.run()
-        for key, value in control.items():
+        plane = control.run()
+        for key, value in plane.items():
             print(f"control plane, 1,000 simulated tasks: {key} = {value:,.1f}")
     curves = None
     if "data" in args.parts:
@@ -180,9 +180,9 @@ def main() -> None:
         )
         figures.update(data)
     if "control" in args.parts:
-        figures.update({k: control[k] for k in ("manager_heartbeats_per_s", "heartbeat_p99_ms")})
-        figures["dispatcher_leases_per_s"] = control["dispatcher_leases_per_s"]
-        figures["register_1000_s"] = control["register_1000_s"]
+        figures.update({k: plane[k] for k in ("manager_heartbeats_per_s", "heartbeat_p99_ms")})
+        figures["dispatcher_leases_per_s"] = plane["dispatcher_leases_per_s"]
+        figures["register_1000_s"] = plane["register_1000_s"]
     if "ps" in args.parts:
         from benchmarks.ps import bandwidth
 
@@ -191,19 +191,17 @@ def main() -> None:
         n = max(sizes)
         fits = [k for k in ((2,) if args.quick else (4, 2)) if n % k == 0 and n // k >= 2]
         if fits:
-            shared = _scale_allreduce.run(
-                n, fits[0], 4 if args.quick else 6, rounds, verbose=args.verbose
-            )
+            shared = allreduce.run(n, fits[0], 4 if args.quick else 6, rounds, verbose=args.verbose)
             figures["hier_vs_flat_10g"] = shared["hier_vs_flat_10g"]
         else:
             print(f"all-reduce algorithms: skipped ({n} replicas make no two hosts of 2 or 4)")
     if args.save is not None and curves is not None:
-        _scale_hosts.save(curves, args.save)
+        hosts.save(curves, args.save)
     if args.plots is not None and curves is not None:
         if importlib.util.find_spec("matplotlib") is None:
             print("plots skipped: matplotlib is not installed (pip install matplotlib)")
         else:
-            from benchmarks._scale_plots import plot
+            from benchmarks.scale.plots import plot
 
             for path in plot(curves, sizes, args.plots):
                 print(f"plot: {path}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from clusterflow.testing import EmulatedHosts, LinkShape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PS_PORT = 7410
 STEPS = 30
 WARMUP = 5
@@ -140,7 +140,7 @@ def _one(hosts: EmulatedHosts, workdir: Path) -> Run:
     try:
         workers = [
             hosts[1 + i].popen(
-                [sys.executable, "-m", "benchmarks._hostile_lossy", str(workdir)],
+                [sys.executable, "-m", "benchmarks.scenarios.lossy", str(workdir)],
                 env=_env(workdir, hosts, i),
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,

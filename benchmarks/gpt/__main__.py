@@ -3,7 +3,7 @@
 The model is ``examples/gpt`` (2 blocks of width 64, context 64 with ``--quick``), the
 global batch the same for every side (32 records), two replicas (or two workers and a
 ps, or two pipeline stages), one torch thread each. Each round runs every side once,
-in an order reversed every round (``_common.alternate``); each ratio is taken within a
+in an order reversed every round (``common.alternate``); each ratio is taken within a
 round. Keys:
 
 * ``mirrored_vs_torchrun_ddp``: MultiWorkerMirroredStrategy through ``fit`` under
@@ -26,8 +26,8 @@ import statistics
 import tempfile
 from collections.abc import Callable
 
-from benchmarks._common import MachineLoad, Spread, one_thread_per_process, parser, result
-from benchmarks._gpt_runs import Run, clusterflow, launch, torchrun
+from benchmarks.common import MachineLoad, Spread, one_thread_per_process, parser, result
+from benchmarks.gpt.runs import Run, clusterflow, launch, torchrun
 
 
 def model_args(quick: bool) -> list[str]:

@@ -3,7 +3,7 @@
 Two figures from the measured curves: per-worker steps/s against workers for every
 side, and the same as efficiency (over one worker of the same side).
 
-    python -m benchmarks._scale_plots OUT_DIR A.json [B.json ...]
+    python -m benchmarks.scale.plots OUT_DIR A.json [B.json ...]
 
 plots the curves that runs saved with ``--save`` together (a size in several files:
 the last file's), for runs of different sizes that no single quiet slot holds.
@@ -76,10 +76,10 @@ def plot(figures: Any, sizes: list[int], out: Path) -> list[Path]:
 
 
 def main() -> None:
-    from benchmarks._scale_hosts import load
+    from benchmarks.scale.hosts import load
 
     if len(sys.argv) < 3:
-        raise SystemExit("usage: python -m benchmarks._scale_plots OUT_DIR A.json [B.json ...]")
+        raise SystemExit("usage: python -m benchmarks.scale.plots OUT_DIR A.json [B.json ...]")
     figures = load([Path(a) for a in sys.argv[2:]])
     sizes = sorted({n for curve in figures.per_worker.values() for n in curve})
     for path in plot(figures, sizes, Path(sys.argv[1])):

@@ -3,7 +3,7 @@
 * ``worker_respawn_s``: an asynchronous parameter-server cluster (1 ps, 2 workers). The
   job process of ``worker:1`` is SIGKILLed; the figure is the time from the kill to the
   first update the respawned worker has applied (its first line in ``steps.log``, which
-  ``_recovery_job.py`` writes after each applied push). Median over the trials. Each
+  ``job.py`` writes after each applied push). Median over the trials. Each
   trial starts from a steady state: training runs and the manager's standby supervisor
   (a warm Python with torch imported, ``backends/zygote.py``) is ready.
 * ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers, checkpointing every 10
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, report, timed
+from benchmarks.common import MachineLoad, Spread, alternate, parser, ratio, report, timed
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "benchmarks" / "_recovery_job.py"
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "benchmarks" / "recovery" / "job.py"
 CLI = [sys.executable, "-m", "clusterflow.cli.main"]
 TIMEOUT_S = 120.0
 

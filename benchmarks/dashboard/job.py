@@ -1,4 +1,4 @@
-"""The job of ``benchmarks/dashboard.py``: training that counts its own samples.
+"""The job of ``benchmarks.dashboard``: training that counts its own samples.
 
 Each worker trains the MLP 784-512-512-10 (the ps and all-reduce benchmarks' model) with
 async ``ParameterServerStrategy`` (``ps``) or ``MultiWorkerMirroredStrategy``
@@ -7,7 +7,7 @@ watching dashboard's ``data.status`` calls land on a busy dispatcher), and appen
 ``time samples`` to ``PROGRESS_DIR/<task>`` every 10 steps: the benchmark reads
 throughput from there, not from anything the dashboard shows.
 
-    python benchmarks/_dashboard_job.py DATA.parquet PROGRESS_DIR ps|allreduce
+    python benchmarks/dashboard/job.py DATA.parquet PROGRESS_DIR ps|allreduce
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Twice, once per strategy: a real cluster (``ps``: 1 ps and 2 workers running async
 parameter-server training; ``allreduce``: 2 workers running MultiWorkerMirroredStrategy;
-both ``benchmarks/_dashboard_job.py``, the MLP 784-512-512-10 of the ps and all-reduce
+both ``benchmarks/dashboard/job.py``, the MLP 784-512-512-10 of the ps and all-reduce
 benchmarks, batch 128, records leased from the manager's data service) runs throughout,
 and so does ``clusterflow ui``.
 A headless Chromium (Debian's ``chromium``, driven by Playwright) either shows the
@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import (
+from benchmarks.common import (
     MachineLoad,
     Spread,
     alternate,
@@ -44,7 +44,7 @@ from benchmarks._common import (
 )
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = (sys.executable, "-m", "clusterflow.cli.main")
 RECORDS = 8192
 START_TIMEOUT_S = 180.0
@@ -107,7 +107,7 @@ class Bench:
     def start(self) -> None:
         data = self.root / "data.parquet"
         _write_data(data)
-        job = [sys.executable, str(ROOT / "benchmarks" / "_dashboard_job.py")]
+        job = [sys.executable, str(ROOT / "benchmarks" / "dashboard" / "job.py")]
         job += [str(data), str(self.progress), self.kind]
         shape = ["--ps", "1", "--workers", "2"] if self.kind == "ps" else ["--workers", "2"]
         started = subprocess.run(

@@ -2,7 +2,7 @@
 
 ``launch_vs_local``: ``clusterflow start --backend ray --workers 2`` on a three-node Ray
 cluster / ``clusterflow start --workers 2`` (local processes), both running
-``benchmarks/_ray_probe.py`` (imports torch, joins the process group, one DDP step, prints
+``benchmarks/ray/probe.py`` (imports torch, joins the process group, one DDP step, prints
 ``ready rank=R``). Timed from just before the CLI starts until both ranks' lines were read
 from its output (``benchmarks.launch.trial``). Goal <= 1.5.
 
@@ -15,7 +15,7 @@ network namespaces on a bridge, needs root), so its nodes have addresses of thei
 and this benchmark sends nothing beyond the machine. The nodes share this machine's
 cores, so the figure is Ray's scheduling and the manager's round trips, not more
 hardware. Rounds alternate the sides, in an order reversed each round
-(``_common.alternate``).
+(``common.alternate``).
 
     python -m benchmarks.ray [--quick] [--rounds N] [--verbose]
 """
@@ -29,12 +29,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from benchmarks._common import MachineLoad, Spread, alternate, parser, ratio, result
+from benchmarks.common import MachineLoad, Spread, alternate, parser, ratio, result
 from benchmarks.launch import ROOT, trial
 from clusterflow.testing import available
 from clusterflow.testing.ray_nodes import RayNodes
 
-PROBE = str(ROOT / "benchmarks" / "_ray_probe.py")
+PROBE = str(ROOT / "benchmarks" / "ray" / "probe.py")
 ADDRESS = "10.77.0.1:6379"
 """The head's address: host 0 of the emulated hosts."""
 

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import wait_for
+from benchmarks.scenarios import wait_for
 from clusterflow.testing.netns import EmulatedHosts
 
-ROOT = Path(__file__).resolve().parents[1]
-"""The repository: the hosts' processes run ``python -m benchmarks._hostile_partition``."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository: the hosts' processes run ``python -m benchmarks.scenarios.partition``."""
 RECORDS = 240
 EPOCHS = 1
 SPLIT = 10
@@ -126,7 +126,7 @@ def run(scenario: str, workdir: Path, *, cut_s: float = 14.0, prefix: str = "hos
     # The cut-off launch's ps deadline: shorter than the cut (it gives up and exits), or
     # longer (it outlives the cut: a zombie once healed).
     deadline_s = 60.0 if zombie else 10.0
-    me = [sys.executable, "-m", "benchmarks._hostile_partition"]
+    me = [sys.executable, "-m", "benchmarks.scenarios.partition"]
     with EmulatedHosts(3, prefix=prefix) as hosts:
         serve = hosts[0].popen(
             [*me, "serve", str(workdir), f"{hosts[0].address}:{PS_PORT}"],
@@ -236,7 +236,7 @@ def _tail(path: Path) -> str:
 def _release(hosts: EmulatedHosts, workdir: Path, task: str, incarnation: int) -> None:
     """The manager's part of a relaunch: the old launch's leases back, its fence raised."""
     done = hosts[0].run(
-        [sys.executable, "-m", "benchmarks._hostile_partition", "relaunch", str(workdir),
+        [sys.executable, "-m", "benchmarks.scenarios.partition", "relaunch", str(workdir),
          f"{hosts[0].address}:{PS_PORT}", task, str(incarnation)],
         env=_env(workdir, hosts, 0, 0),
         cwd=ROOT,
@@ -245,7 +245,7 @@ def _release(hosts: EmulatedHosts, workdir: Path, task: str, incarnation: int) -
         raise RuntimeError(f"relaunch of {task} failed: {done.stderr.strip()[-300:]}")
 
 
-# The processes (python -m benchmarks._hostile_partition ROLE ...) --------------------
+# The processes (python -m benchmarks.scenarios.partition ROLE ...) --------------------
 
 
 def _serve(workdir: Path, address: str) -> None:

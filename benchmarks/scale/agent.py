@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._scale_hosts import LAYERS
+from benchmarks.scale.hosts import LAYERS
 
 torch.set_num_threads(1)
 BATCH = 16

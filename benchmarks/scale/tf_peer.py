@@ -1,6 +1,6 @@
 """TensorFlow's ParameterServerStrategy on the scale harness: the peer of the async ps rows.
 
-The same emulated hosts, links and model as ``_scale_hosts`` (8 square layers of
+The same emulated hosts, links and model as ``hosts`` (8 square layers of
 ``WIDTH``, 10 Gbit/s scaled by ``SCALE``, 0.3 s of emulated compute a step), run as
 TensorFlow users run it: a chief holding a ``ClusterCoordinator``, ``n`` workers and 8
 ps tasks (TensorFlow places the 8 variables round-robin, one per ps, as 8 shards of the
@@ -24,8 +24,8 @@ TensorFlow lives in a Python of its own (docs/benchmarks.md has the recipe); the
 benchmark finds it through ``--tf-python``, ``CLUSTERFLOW_TF_PYTHON`` or its own
 interpreter, and installs nothing.
 
-    python -m benchmarks._scale_tf server          # in a host: TF_CONFIG names the task
-    python -m benchmarks._scale_tf chief STEPS ROUNDS COMPUTE_S LAYERS WIDTH  # one JSON line
+    python -m benchmarks.scale.tf_peer server          # in a host: TF_CONFIG names the task
+    python -m benchmarks.scale.tf_peer chief STEPS ROUNDS COMPUTE_S LAYERS WIDTH  # one JSON line
 
 The hosts' roles import only the standard library and TensorFlow: TensorFlow's Python
 need not have clusterflow installed.
@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks._common import Spread
+    from benchmarks.common import Spread
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "CLUSTERFLOW_TF_PYTHON"
 PS_TASKS = 8
 """One ps per variable, as the async ps's 8 shards."""
@@ -83,8 +83,8 @@ def measure(
     sizes: list[int], steps: int, rounds: int, python: str, verbose: bool
 ) -> dict[int, Spread]:
     """Per-worker steps/s of TensorFlow's ParameterServerStrategy at each size."""
-    from benchmarks._common import Spread
-    from benchmarks._scale_hosts import COMPUTE_S, LAYERS, LINK_BIT, SCALE, WIDTH
+    from benchmarks.common import Spread
+    from benchmarks.scale.hosts import COMPUTE_S, LAYERS, LINK_BIT, SCALE, WIDTH
     from clusterflow.testing import EmulatedHosts, LinkShape
 
     out: dict[int, Spread] = {}
@@ -156,7 +156,7 @@ def _start(
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     pipe = subprocess.PIPE if capture else subprocess.DEVNULL
     return host.popen(  # type: ignore[no-any-return]
-        [python, "-m", "benchmarks._scale_tf", *args],
+        [python, "-m", "benchmarks.scale.tf_peer", *args],
         stdout=pipe,
         stderr=pipe,
         text=True,
@@ -258,7 +258,7 @@ def main() -> None:
         _chief(int(steps), int(rounds), float(compute_s), int(layers), int(width))
     else:
         raise SystemExit(
-            "usage: python -m benchmarks._scale_tf server | chief STEPS ROUNDS S LAYERS WIDTH"
+            "usage: python -m benchmarks.scale.tf_peer server | chief STEPS ROUNDS S LAYERS WIDTH"
         )
 
 

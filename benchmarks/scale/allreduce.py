@@ -2,9 +2,9 @@
 
 N replicas on H = N / k emulated hosts of k replicas each (as ``--replicas-per-host k``
 lays them out: contiguous ranks a host), every host's one link shaped at 10 Gbit/s
-(scaled as in ``_scale_hosts``) and shared by its k replicas; traffic between replicas of
+(scaled as in ``hosts``) and shared by its k replicas; traffic between replicas of
 one host stays inside the host, unshaped, as between GPUs of one machine. Sides on the
-same gloo group and model (``_scale_hosts.WIDTH``), in alternating windows, each
+same gloo group and model (``hosts.WIDTH``), in alternating windows, each
 ``MultiWorkerMirroredStrategy`` with one ``CommunicationOptions.algorithm``:
 
 * ``flat``: ``backend``, gloo's ring over all N ranks;
@@ -24,8 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks._common import Spread, alternate
-from benchmarks._scale_hosts import (
+from benchmarks.common import Spread, alternate
+from benchmarks.scale.hosts import (
     BUCKET_BYTES,
     COMPUTE_S,
     LINK_BIT,

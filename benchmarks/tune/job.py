@@ -1,6 +1,6 @@
-"""A one-core trial for benchmarks/tune.py: fixed CPU work, then its score reported.
+"""A one-core trial for benchmarks/tune/: fixed CPU work, then its score reported.
 
-``python -m benchmarks._tune_job X WORK`` spins WORK million loop iterations (no
+``python -m benchmarks.tune.job X WORK`` spins WORK million loop iterations (no
 sleep: the trial must hold a core, so two at once need two cores), then reports
 ``score = -(X - 0.3)**2``. Run alone (no trial environment) it just does the work.
 """

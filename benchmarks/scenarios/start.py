@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import wait_for
+from benchmarks.scenarios import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 3000
 EPOCHS = 1
 SPLIT = 10
@@ -182,7 +182,7 @@ def run(workdir: Path, scenarios: tuple[str, ...] = SCENARIOS) -> Run:
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
         }
-        job = [sys.executable, "-m", "benchmarks._hostile_start", str(out), str(records)]
+        job = [sys.executable, "-m", "benchmarks.scenarios.start", str(out), str(records)]
         started = subprocess.run(
             placement.manager_argv(
                 [sys.executable, "-m", "clusterflow.cli.main", "start", "--detach",
@@ -275,7 +275,7 @@ def _cut(hosts: Any, cluster: _Cluster, scenario: str) -> Cut | None:
     )
 
 
-# The job (python -m benchmarks._hostile_start OUT RECORDS), one per task ------------------
+# The job (python -m benchmarks.scenarios.start OUT RECORDS), one per task ------------------
 
 
 def _job(out: Path, path: str) -> None:

@@ -13,7 +13,7 @@ minutes (``--budget-s``). They run in the order bandwidth, gpt, ps, shared, scal
 * **shared**: plain DDP with 2 processes on the one GPU under torchrun: whether NCCL
   accepts two ranks on one device (``shared_gpu_nccl=ok|refused|timed_out``).
 * **bandwidth**: a ps worker whose one 64 MiB variable is on the GPU, sync steps of no
-  compute (``_gpu_ps_probe.py``): ``ps_gpu_push_pull_GBps`` (2 x 64 MiB per step) against
+  compute (``ps_probe.py``): ``ps_gpu_push_pull_GBps`` (2 x 64 MiB per step) against
   the raw copy of the tensor to host memory and back (``copy_pinned_GBps``,
   ``copy_pageable_GBps``); ``ps_vs_pinned_copy`` is their ratio; ``staged_vs_unstaged``
   is the speed-up of the pinned staging over the ``.cpu()`` path it replaced.
@@ -41,9 +41,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._gpt_runs import REPO, Run, clusterflow, launch, torchrun
+from benchmarks.gpt.runs import REPO, Run, clusterflow, launch, torchrun
 
-PROBE = str(REPO / "benchmarks" / "_gpu_ps_probe.py")
+PROBE = str(REPO / "benchmarks" / "gpu" / "ps_probe.py")
 
 
 def gpt_args(smoke: bool, device: str) -> list[str]:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "gpt" / "train.py")
 _THROUGHPUT = re.compile(r"throughput tokens_per_s ([0-9.eE+-]+)")
 _FINAL = re.compile(r"final val_loss ([0-9.eE+-]+|nan) step (\d+)")

@@ -1,0 +1,1 @@
+"""``python -m benchmarks.recovery`` (``__main__.py``) and ``job.py``, the job it kills."""
