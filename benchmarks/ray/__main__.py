@@ -47,7 +47,7 @@ def ray_cluster() -> Iterator[RayNodes]:
     removed: not ``ray stop``, which kills every Ray process of the machine.
     """
     # Every node tells gloo its interface, as clusterflow does for its own tasks
-    # (backends/ray.py): the host name resolves to loopback on the emulated hosts, and
+    # (backends/ray_backend.py): the host name resolves to loopback on the emulated hosts, and
     # Ray Train's workers would otherwise advertise 127.0.0.1 to each other.
     with RayNodes(3, prefix="raybench", node_env={"GLOO_SOCKET_IFNAME": "eth0"}) as nodes:
         assert nodes.address == ADDRESS

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clusterflow.backends.memory_watch import FLOOR, HEADROOM, MemoryWatch, within_run
-from clusterflow.backends.ray import RayBackend
+from clusterflow.backends.ray_backend import RayBackend
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
 from clusterflow.manager import memory_sizing

@@ -107,7 +107,7 @@ class ManagerHost:
     def start(self) -> str | None:
         """Places the whole cluster, then runs it on a thread; the one-line error if it
         cannot be placed within the placement timeout (nothing is then held)."""
-        from clusterflow.backends.ray import RayBackend
+        from clusterflow.backends.ray_backend import RayBackend
         from clusterflow.backends.ray_placement import reserve
         from clusterflow.manager.controller import Controller
 
