@@ -28,6 +28,7 @@ DDP_SCRIPT = """\
 import os, sys
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before the group forms, so it holds none (examples/digits_ddp.py)
 from torch import nn
 
 dist.init_process_group("gloo")  # everything from the environment: RANK, MASTER_PORT...
