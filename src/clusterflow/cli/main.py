@@ -24,7 +24,7 @@ from clusterflow.cli import follow, interrupts
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.context import CONTEXT
 from clusterflow.cli.secret import secret
-from clusterflow.cli.start_settings import read_yaml, start_layers
+from clusterflow.cli.start_settings import read_yaml, start_flags, start_layers
 from clusterflow.cli.tune import make_tune
 from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -171,30 +171,10 @@ def start(
       clusterflow start --ps 1 --workers 2 -- python train.py --epochs 3
     """
     from clusterflow.manager import registry
-    from clusterflow.manager.config import RunConfig, parse_job_settings
+    from clusterflow.manager.config import RunConfig
     from clusterflow.rpc import Credentials
 
-    flags = {
-        "chief": chief,
-        "ps": ps,
-        "workers": workers,
-        "evaluator": evaluator,
-        "replicas_per_host": replicas_per_host,
-        "max_restarts": max_restarts,
-        "checkpoint_dir": checkpoint_dir,
-        "stall_timeout_s": stall_timeout,
-        "backend": backend,
-        "address": address,
-        "job_dir": job_dir,
-        "memory": memory,
-        "cache": cache,
-        "command": command or None,
-        "ps_command": ps_cmd or None,
-        "untracked": untracked,
-        "resources": parse_job_settings(resources_, "resources") if resources_ else None,
-        "labels": parse_job_settings(labels_, "labels") if labels_ else None,
-        "grace_s": grace,
-    }
+    flags = {**start_flags(click.get_current_context().params), "command": command or None}
     if fresh and not resume_id:
         raise ConfigError("--fresh goes with --resume ID (a new cluster starts fresh anyway)")
     layers, spellings = start_layers(

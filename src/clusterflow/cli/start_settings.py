@@ -14,7 +14,7 @@ import click
 
 from clusterflow.errors import ClusterflowError, ConfigError
 
-__all__ = ["START_FLAGS", "load_cluster_file", "read_yaml", "start_layers"]
+__all__ = ["START_FLAGS", "load_cluster_file", "read_yaml", "start_flags", "start_layers"]
 
 
 def _yaml_problem(exc: Exception) -> str:
@@ -63,6 +63,39 @@ START_FLAGS = {
 }
 """``start``'s (and ``tune``'s) option for each setting it gives: what an error names
 when the bad value came from the command line (``--grace``, never the field ``grace_s``)."""
+
+
+def start_flags(values: dict[str, Any]) -> dict[str, Any]:
+    """``start``'s options, as click hands them over (its parameter names), as the
+    settings they give (``RunConfig`` fields; ``None`` where not given).
+
+    One table for ``start`` and for ``tune``, which takes the same options for its
+    trials' clusters. The command is not among them: ``start``'s runs on every task,
+    ``tune``'s is the trials'.
+    """
+    from clusterflow.manager.config import parse_job_settings
+
+    resources, labels = values.get("resources_") or (), values.get("labels_") or ()
+    return {
+        "chief": values.get("chief"),
+        "ps": values.get("ps"),
+        "workers": values.get("workers"),
+        "evaluator": values.get("evaluator"),
+        "replicas_per_host": values.get("replicas_per_host"),
+        "max_restarts": values.get("max_restarts"),
+        "checkpoint_dir": values.get("checkpoint_dir"),
+        "stall_timeout_s": values.get("stall_timeout"),
+        "backend": values.get("backend"),
+        "address": values.get("address"),
+        "job_dir": values.get("job_dir"),
+        "memory": values.get("memory"),
+        "cache": values.get("cache"),
+        "ps_command": values.get("ps_cmd") or None,
+        "untracked": values.get("untracked"),
+        "resources": parse_job_settings(resources, "resources") if resources else None,
+        "labels": parse_job_settings(labels, "labels") if labels else None,
+        "grace_s": values.get("grace"),
+    }
 
 
 def start_layers(

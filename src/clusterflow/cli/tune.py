@@ -16,7 +16,7 @@ import click
 
 from clusterflow.cli import interrupts
 from clusterflow.cli.context import CONTEXT
-from clusterflow.cli.start_settings import start_layers
+from clusterflow.cli.start_settings import start_flags, start_layers
 from clusterflow.errors import ConfigError
 
 _NOT_FOR_TRIALS = {"detach", "resume_id", "fresh", "command"}
@@ -86,29 +86,9 @@ def _start_layer(values: dict[str, Any], under: dict[str, Any] | None = None) ->
     Checked here, with the flags and the cluster file's keys named as the user wrote
     them (``--grace``, the file's ``workers``), before the study runs a trial.
     """
-    from clusterflow.manager.config import RunConfig, Spelling, parse_job_settings
+    from clusterflow.manager.config import RunConfig, Spelling
 
-    resources, labels = values.get("resources_") or (), values.get("labels_") or ()
-    flags = {
-        "chief": values.get("chief"),
-        "ps": values.get("ps"),
-        "workers": values.get("workers"),
-        "evaluator": values.get("evaluator"),
-        "replicas_per_host": values.get("replicas_per_host"),
-        "max_restarts": values.get("max_restarts"),
-        "checkpoint_dir": values.get("checkpoint_dir"),
-        "stall_timeout_s": values.get("stall_timeout"),
-        "backend": values.get("backend"),
-        "address": values.get("address"),
-        "job_dir": values.get("job_dir"),
-        "memory": values.get("memory"),
-        "cache": values.get("cache"),
-        "ps_command": values.get("ps_cmd") or None,
-        "untracked": values.get("untracked"),
-        "resources": parse_job_settings(resources, "resources") if resources else None,
-        "labels": parse_job_settings(labels, "labels") if labels else None,
-        "grace_s": values.get("grace"),
-    }
+    flags = start_flags(values)
     (_, layer, given), (_, in_file, in_flags) = start_layers(flags, values.get("config_file"))
     layer.pop("command", None)
     RunConfig.merge(
