@@ -7,6 +7,7 @@ clusters (``cf``).
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,20 @@ _NOT_CLUSTER = {
 }
 CLUSTER_VARIABLES = tuple(sorted(set(contract.TASK_ENVIRONMENT) - _NOT_CLUSTER))
 """Every variable of ``contract.TASK_ENVIRONMENT`` that ties a process to a cluster."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT is delivered, whoever started the suite.
+
+    A shell without job control starts a background command (``pytest &`` in a script)
+    with SIGINT ignored, Python then keeps it ignored, and every process the tests start
+    inherits that: the tests that press Ctrl-C on the CLI (test_hangs.py,
+    test_cli_interrupts.py) would fail for the runner's sake, not the code's. The
+    interpreter's own handler is put back, so the CLI children start with SIGINT's
+    default, as they do under a terminal or CI.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
