@@ -104,11 +104,7 @@ def create(
         record = _wait_loaded(folder, node, proc, timeout_s)
         if not record.status.startswith("ready"):
             _stop_process(proc.pid, folder)
-            raise (
-                plan.CacheMemoryError(record.status.removeprefix("failed: "))
-                if ("does not fit" in record.status)
-                else ConfigError(f"cache {name!r} failed to load: {record.status}")
-            )
+            raise _load_failure(name, record)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -116,6 +112,14 @@ def create(
     cache = replace(cache, partitions=measured, status="ready")
     write_json_atomic(folder / "cache.json", cache.to_json())
     return cache.with_servers({node: record})
+
+
+def _load_failure(name: str, record: NodeServer) -> ConfigError:
+    """The error for a server that failed to load, by the kind its record carries: a
+    shortfall of memory is told in the store's own words (names the node, the shortfall)."""
+    if record.failure == plan.MEMORY:
+        return plan.load_error(record.status.removeprefix("failed: "), record.failure)
+    return ConfigError(f"cache {name!r} failed to load: {record.status}")
 
 
 def _spawn(folder: Path, node: str, shm: str, limit: int | None) -> subprocess.Popen[bytes]:

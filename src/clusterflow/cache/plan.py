@@ -24,6 +24,23 @@ class CacheMemoryError(ConfigError):
     """A cache does not fit the memory its nodes can give; names the node and the shortfall."""
 
 
+MEMORY = "memory"
+"""The kind of a load failure that is a shortfall of memory (``CacheMemoryError``)."""
+
+
+def failure_kind(exc: BaseException) -> str:
+    """What kind of failure ``exc`` is, as a node's load failure travels to the command
+    that created the cache (a Ray actor's reply, a local server's record): ``MEMORY`` or
+    ``config``. The creator decides by this, never by the message's words."""
+    return MEMORY if isinstance(exc, CacheMemoryError) else "config"
+
+
+def load_error(message: str, kind: str) -> ConfigError:
+    """The error a node's load failure of ``kind`` (``failure_kind``) raises where the
+    cache was asked for: a ``CacheMemoryError`` for a shortfall of memory."""
+    return CacheMemoryError(message) if kind == MEMORY else ConfigError(message)
+
+
 class CacheExistsError(ConfigError):
     """A cache of that name exists already (it is left as it is)."""
 

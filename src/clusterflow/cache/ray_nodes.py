@@ -89,7 +89,7 @@ class CacheNode:
         try:
             self.server.load(source, [tuple(p) for p in parts], limit)  # type: ignore[misc]
         except ClusterflowError as exc:
-            return {"error": str(exc), "type": type(exc).__name__}
+            return {"error": str(exc), "failure": plan.failure_kind(exc)}
         return self.server.record().to_json()
 
     def record(self) -> dict[str, Any]:
@@ -281,8 +281,7 @@ def create(
         for node, ref in loads.items():
             got = ray.get(ref, timeout=LOAD_S)
             if "error" in got:
-                error = plan.CacheMemoryError if got["type"] == "CacheMemoryError" else ConfigError
-                raise error(got["error"])
+                raise plan.load_error(got["error"], got["failure"])
             records[node] = NodeServer.from_json(got)
         sizes = {i: b for r in records.values() for i, b in r.bytes.items()}
         cache = CacheMap(

@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from clusterflow._files import write_json_atomic
+from clusterflow.cache.plan import failure_kind
 from clusterflow.cache.store import PartitionStore, open_source
 from clusterflow.data.cache_map import CacheMap, NodeServer
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -95,8 +96,8 @@ class CacheServer:
         source = open_source(source_url)
         return self.store.load(source, parts, limit)
 
-    def record(self, status: str = "ready") -> NodeServer:
-        """This server as the partition map lists it."""
+    def record(self, status: str = "ready", failure: str = "") -> NodeServer:
+        """This server as the partition map lists it (``failure``: see ``NodeServer``)."""
         return NodeServer(
             node=self.node,
             address=self.address,
@@ -104,6 +105,7 @@ class CacheServer:
             files=self.store.files(),
             bytes=self.store.sizes(),
             status=status,
+            failure=failure,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -186,7 +188,7 @@ def serve_local(folder: Path, node: str, shm: str, limit: int | None) -> int:
     try:
         server.load(plan.source, mine, limit)
     except ClusterflowError as exc:
-        write_record(folder, server.record(f"failed: {exc}"))
+        write_record(folder, server.record(f"failed: {exc}", failure=failure_kind(exc)))
         server.close()
         return 1
     write_record(folder, server.record("ready"))

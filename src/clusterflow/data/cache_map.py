@@ -80,6 +80,9 @@ class NodeServer:
     """Partition index -> bytes it takes there."""
     status: str = "ready"
     """``loading``, ``ready`` or ``failed: <reason>``."""
+    failure: str = ""
+    """For a ``failed`` server, what kind of failure (``cache.plan.failure_kind``), so the
+    command waiting for it decides by a field rather than by the reason's words."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +92,7 @@ class NodeServer:
             "files": {str(k): v for k, v in self.files.items()},
             "bytes": {str(k): v for k, v in self.bytes.items()},
             "status": self.status,
+            "failure": self.failure,
         }
 
     @classmethod
@@ -100,6 +104,7 @@ class NodeServer:
             files={int(k): str(v) for k, v in (data.get("files") or {}).items()},
             bytes={int(k): int(v) for k, v in (data.get("bytes") or {}).items()},
             status=str(data.get("status", "ready")),
+            failure=str(data.get("failure", "")),
         )
 
 
