@@ -149,7 +149,7 @@ def test_the_gpt_examples_plain_scripts_free_their_group_before_they_return(
     and so at exit.
     Without the ``del``, the DDP reducer frees the group from C++ when the function's
     locals go, with the GIL held, while a gloo thread may wait for the GIL to drop a
-    finished allreduce: a deadlock (1 torchrun run in 5-10 hung so, and failed CI).
+    finished allreduce: a deadlock (1 torchrun run in 10 hung so, and failed CI).
     FSDP: torch's DTensor caches keep the group whatever the script drops, so the script
     leaves with ``os._exit(0)`` before it returns: no line from either hook, exit 0. The
     FSDP run aborted at exit once in a full suite run (``terminate called without an
