@@ -27,7 +27,7 @@ from clusterflow.ps.protocol import (
     QuiesceRequest,
     WaitVersionRequest,
 )
-from clusterflow.ps.rows_protocol import RowsPullRequest, RowsPushRequest
+from clusterflow.ps.rows_protocol import RowsPullRequest, RowsPushReply, RowsPushRequest
 from clusterflow.ps.service import PSService
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, RemoteError
@@ -105,6 +105,10 @@ def test_replies_travel_and_come_back_equal() -> None:
         ("push", {"worker": "w", "version": 0}, {"w": torch.ones(2)}, "neither a gradient"),
         ("push", {"worker": "w", "version": 0, "keys": ["7"]}, {}, "'keys' must be"),
         ("push", {"worker": "w", "version": 0, "keys": [["d", "0", 1]]}, {}, "'keys' must be"),
+        # The row push decodes its keys with the same decoder (it once took these).
+        ("rows_push", {"worker": "w", "keys": [["d", "0", 1]]}, {}, "'keys' must be"),
+        ("rows_push", {"worker": "w", "keys": [["d", True, 1]]}, {}, "'keys' must be"),
+        ("rows_push", {"worker": "w", "keys": [["d", 0.5, 1]]}, {}, "'keys' must be"),
         ("pull", {"dtype": "int8"}, {}, "no floating wire dtype 'int8'"),
         ("pull", {"dtype": "__class__"}, {}, "no floating wire dtype"),
         ("pull", [1, 2], {}, "body must be a map"),
@@ -200,3 +204,11 @@ def test_both_halves_refuse_unbounded_waits_and_versions(request_type: Any, body
     half of the contract bounds it as the dense half does (ps/wire.py ``BOUNDED``)."""
     with pytest.raises(MalformedRequest, match="must be in"):
         request_type.from_wire(body, {})
+
+
+@pytest.mark.parametrize("reply", [PushReply, RowsPushReply])
+def test_a_push_replys_duplicates_are_decoded_as_strictly_as_a_pushs_keys(reply: Any) -> None:
+    ok = reply.from_wire({"applied": True, "version": 1, "duplicates": [["d", 0, 3]]}, {})
+    assert ok.duplicates == (("d", 0, 3),)
+    with pytest.raises(MalformedRequest, match="'duplicates' must be"):
+        reply.from_wire({"applied": True, "version": 1, "duplicates": [["d", False, 3]]}, {})

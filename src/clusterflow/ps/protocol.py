@@ -19,12 +19,13 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from clusterflow.ps.api import MalformedRequest, PSConfig
+from clusterflow.ps.applied import Key
 from clusterflow.ps.loans import Loan
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
 from clusterflow.ps.store import VariableStore
 from clusterflow.ps.tables import RowStore
-from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds, split_keys
 from clusterflow.ps.wire import request_body as _body
 from clusterflow.rpc.codec import DTYPES
 
@@ -60,28 +61,6 @@ def _all_of(method: str, key: str, items: Any, kind: type) -> Any:
     if items is not None and not all(isinstance(item, kind) for item in items):
         raise MalformedRequest(f"ps.{method} request: {key!r} must list {kind.__name__}s")
     return items
-
-
-SplitKeyWire = tuple[str, int, int]
-"""``clusterflow.data.SplitKey`` on the wire: ``(dataset, epoch, split)``."""
-
-
-def _split_keys(method: str, value: Any) -> tuple[SplitKeyWire, ...]:
-    """A list of ``[dataset, epoch, split]`` triples, or ``MalformedRequest``."""
-    if value is None:
-        return ()
-    ok = isinstance(value, list | tuple) and all(
-        isinstance(k, list | tuple)
-        and len(k) == 3
-        and isinstance(k[0], str)
-        and all(isinstance(n, int) and not isinstance(n, bool) for n in k[1:])
-        for k in value
-    )
-    if not ok:
-        raise MalformedRequest(
-            f"ps.{method}: 'keys' must be [dataset, epoch, split] triples, got {value!r:.80}"
-        )
-    return tuple((str(d), int(e), int(s)) for d, e, s in value)
 
 
 def _wire_dtype(method: str, value: Any) -> str | None:
@@ -198,7 +177,7 @@ class PushRequest:
     grads: Tensors = field(default_factory=dict)
     buffers: Tensors = field(default_factory=dict)
     """Values of non-trainable variables (the chief's batch-norm statistics)."""
-    keys: tuple[SplitKeyWire, ...] = ()
+    keys: tuple[Key, ...] = ()
     """The ``(dataset, epoch, split)`` keys of the data splits this update completes:
     a ps applies an update at most once per key."""
     hyper: list[dict[str, Any]] | None = None
@@ -245,7 +224,7 @@ class PushRequest:
             version=_field(cls.METHOD, b, "version", int, _REQUIRED),
             grads=grads,
             buffers=buffers,
-            keys=_split_keys(cls.METHOD, b.get("keys")),
+            keys=split_keys(cls.METHOD, "keys", b.get("keys")),
             hyper=_field(cls.METHOD, b, "hyper", list, None),
             commit=_field(cls.METHOD, b, "commit", bool, False),
             want_values=_field(cls.METHOD, b, "want_values", bool, False),
@@ -374,7 +353,7 @@ class PushReply:
     staleness: int = 0
     values: Tensors = field(default_factory=dict)
     """The values after the push, when the request wanted them."""
-    duplicates: tuple[SplitKeyWire, ...] = ()
+    duplicates: tuple[Key, ...] = ()
     """Keys of the push this ps applied before: its gradients were not applied again."""
 
     def to_wire(self) -> Wire:
@@ -395,7 +374,7 @@ class PushReply:
             reason=str(body.get("reason") or ""),
             staleness=int(body.get("staleness") or 0),
             values=tensors,
-            duplicates=_split_keys("push reply", body.get("duplicates")),
+            duplicates=split_keys("push reply", "duplicates", body.get("duplicates")),
         )
 
 

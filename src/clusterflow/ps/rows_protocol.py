@@ -18,7 +18,7 @@ from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.applied import Key
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
 from clusterflow.ps.tables import RowStore
-from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds, split_keys
 from clusterflow.ps.wire import request_body as _body
 
 IDS = "i/"
@@ -31,13 +31,6 @@ def _number(method: str, body: Mapping[str, Any], key: str, default: float) -> f
         raise MalformedRequest(f"ps.{method}: {key!r} must be a number, got {value!r:.40}")
     in_bounds(method, key, float(value))
     return float(value)
-
-
-def _keys(value: Any) -> tuple[Key, ...]:
-    try:
-        return tuple((str(d), int(e), int(s)) for d, e, s in value or ())
-    except (TypeError, ValueError):
-        raise MalformedRequest(f"ps.rows_push: bad split keys {value!r:.80}") from None
 
 
 def _split(method: str, tensors: Tensors, *prefixes: str) -> list[dict[str, torch.Tensor]]:
@@ -180,7 +173,7 @@ class RowsPushRequest:
             version=int(_number(cls.METHOD, b, "version", 0)),
             ids=ids,
             grads=grads,
-            keys=_keys(b.get("keys")),
+            keys=split_keys(cls.METHOD, "keys", b.get("keys")),
             hyper=dict(hyper),
             timeout=_number(cls.METHOD, b, "timeout", DEFAULT_TIMEOUT_S),
         )
@@ -211,7 +204,7 @@ class RowsPushReply:
             version=int(body["version"]),
             reason=str(body.get("reason") or ""),
             staleness=int(body.get("staleness") or 0),
-            duplicates=_keys(body.get("duplicates")),
+            duplicates=split_keys("rows_push reply", "duplicates", body.get("duplicates")),
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from clusterflow.ps.api import MalformedRequest
+from clusterflow.ps.applied import Key
 
 Tensors = dict[str, torch.Tensor]
 """Named tensors, as a message carries them and the ps and its clients hold them."""
@@ -22,6 +23,26 @@ Wire = tuple[Any, Tensors]
 
 DEFAULT_TIMEOUT_S = 60.0
 """How long a ps waits for a version or a quiesced store when a request names no bound."""
+
+
+def split_keys(method: str, field: str, value: Any) -> tuple[Key, ...]:
+    """A message's list of split keys, ``[dataset, epoch, split]`` triples (``None``:
+    none), or ``MalformedRequest``: the one decoder for the dense and the row pushes and
+    their replies, so both refuse the same bodies (a string epoch, a bool, a pair)."""
+    if value is None:
+        return ()
+    ok = isinstance(value, list | tuple) and all(
+        isinstance(k, list | tuple)
+        and len(k) == 3
+        and isinstance(k[0], str)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in k[1:])
+        for k in value
+    )
+    if not ok:
+        raise MalformedRequest(
+            f"ps.{method}: {field!r} must be [dataset, epoch, split] triples, got {value!r:.80}"
+        )
+    return tuple((str(d), int(e), int(s)) for d, e, s in value)
 
 
 def request_body(method: str, body: Any) -> Mapping[str, Any]:
