@@ -229,12 +229,8 @@ class SplitKey(NamedTuple):
     split: int
 
     def to_wire(self) -> list[Any]:
+        """As the ps reads it (``ps/wire.split_keys``, the one decoder of split keys)."""
         return [self.dataset, self.epoch, self.split]
-
-    @classmethod
-    def from_wire(cls, item: Any) -> SplitKey:
-        dataset, epoch, split = item
-        return cls(str(dataset), int(epoch), int(split))
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
