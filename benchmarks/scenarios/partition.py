@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scenarios import wait_for
+from benchmarks.common import wait_for
 from clusterflow.testing.netns import EmulatedHosts
 
 ROOT = Path(__file__).resolve().parents[2]
