@@ -244,10 +244,16 @@ def test_a_split_key_moves_rows_once_and_rows_are_coalesced() -> None:
 def test_sync_rows_wait_for_every_replica_and_average() -> None:
     store = _store("sync", replicas=2)
     grads = {"t": (torch.tensor([1]), -torch.ones(1, 2))}
-    assert store.push(worker="a", version=0, grads=grads).reason == "buffered"
-    assert store.version == 0
-    store.push(worker="b", version=0, grads={"t": (torch.tensor([1]), -3 * torch.ones(1, 2))})
-    assert store.version == 1
+    first = store.push(worker="a", version=0, grads=grads)
+    assert (first.applied, first.reason, store.version) == (True, "committed", 0)  # waits for b
+    last = store.push(
+        worker="b", version=0, grads={"t": (torch.tensor([1]), -3 * torch.ones(1, 2))}
+    )
+    assert (last.reason, last.commit, store.version) == (
+        "applied",
+        {"version": 0, "workers": ["a", "b"]},
+        1,
+    )
     assert store.pull({"t": torch.tensor([1])})[1]["t"].tolist() == [[2.0, 2.0]]
     store.leave("b")  # the others' steps stop waiting for a replica that left
     store.push(worker="a", version=1, grads=grads)

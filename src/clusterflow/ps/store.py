@@ -1,7 +1,10 @@
-"""The variables of one ps task, their optimizer, and the rules that apply pushes.
+"""The variables of one ps task, their optimizer, and how a push reaches them.
 
-Pure of networking: ``service.py`` maps RPC methods onto this class, so every rule
-(sync aggregation, staleness, split-key de-duplication, quiescing) is tested in-process.
+Pure of networking: ``service.py`` maps RPC methods onto this class, so every rule is
+tested in-process. The rules that decide whether and when a push applies (version, sync
+aggregation, staleness, split-key de-duplication, quiescing) are ``engine.py``'s, shared
+with the embedding tables; this module checks gradients, averages them and steps the
+optimizer.
 
 Sync mode with several ps tasks needs one decision per step about *which* replicas'
 gradients form the step, or shards could average different sets (TensorFlow's
@@ -15,18 +18,17 @@ handed back whole.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from clusterflow.ps import optimizer as optim_bridge
-from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
-from clusterflow.ps.applied import AppliedKeys, Key
+from clusterflow.ps.api import PSConfig, PSError, PushRejected
+from clusterflow.ps.applied import AppliedKeys
+from clusterflow.ps.engine import ApplyEngine, Part, PushResult
 from clusterflow.ps.loans import Loan, LoanBook, pooled_copy
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.rpc.codec import DTYPES
@@ -34,25 +36,7 @@ from clusterflow.rpc.codec import DTYPES
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Pending:
-    grads: dict[str, torch.Tensor]
-    keys: list[Key]
-    hyper: list[dict[str, Any]]
-
-
-@dataclass(slots=True)
-class PushResult:
-    applied: bool
-    version: int
-    reason: str = ""
-    staleness: int = 0
-    commit: dict[str, Any] | None = None
-    """sync, ps 0: the step this push completed ({"version", "workers"}), to fan out."""
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    duplicates: list[Key] = field(default_factory=list)
-    """Keys of the push applied before: its gradients are not applied (async: the push
-    is refused; sync: it joins the step as an empty part, so no step waits for it)."""
+__all__ = ["PushResult", "VariableStore"]
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
@@ -73,7 +57,8 @@ class VariableStore:
 
     def __init__(self, ps_index: int = 0) -> None:
         self.ps_index = ps_index
-        self._cond = threading.Condition()
+        self._engine: ApplyEngine[torch.Tensor] = ApplyEngine(f"ps:{ps_index}", self._apply)
+        self._cond = self._engine.cond
         self.config: PSConfig | None = None
         self.vars: dict[str, torch.Tensor] = {}
         self.trainable: dict[str, bool] = {}
@@ -81,17 +66,22 @@ class VariableStore:
         self.optimizer_spec: OptimizerSpec | None = None
         self.group_of: dict[str, int] = {}
         self._opt_group: dict[int, int] = {}
-        self.version = 0
-        self.applied = AppliedKeys()
-        """Split keys whose update this shard applied: each is applied at most once."""
-        self._pending: dict[int, dict[str, _Pending]] = {}
-        self._commits: dict[int, list[str]] = {}
-        self.stats: Counter[str] = Counter()
-        self._held = False
-        self._busy = 0
-        self._departed: set[str] = set()
         self._loans = LoanBook()
         """Variables that replies in flight still read (``ps/loans.py``)."""
+
+    @property
+    def version(self) -> int:
+        """Steps applied to these variables."""
+        return self._engine.version
+
+    @property
+    def applied(self) -> AppliedKeys:
+        """Split keys whose update this shard applied: each is applied at most once."""
+        return self._engine.applied
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self._engine.stats
 
     # Set-up -----------------------------------------------------------------------
 
@@ -187,12 +177,7 @@ class VariableStore:
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.version < min_version:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise VersionTimeout(
-                        f"ps:{self.ps_index} is at version {self.version}; version "
-                        f"{min_version} did not come within {timeout:g}s"
-                    )
+            self._engine.wait_version(min_version, deadline, timeout)
             return self.version, self._copy(names, lend)
 
     def _copy(self, names: list[str] | None, lend: Loan | None) -> dict[str, torch.Tensor]:
@@ -247,29 +232,22 @@ class VariableStore:
         deadline = time.monotonic() + timeout
         with self._cond:
             config = self._ready()
-            while self._held:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise PSError(f"ps:{self.ps_index} stayed quiesced for {timeout:g}s")
+            admitted = self._engine.admit(config, worker, keys, deadline, timeout)
             self.stats["pushes"] += 1
-            self._departed.discard(worker)  # a respawned replica takes part again
-            keyed = [(str(d), int(e), int(s)) for d, e, s in keys]
-            duplicates = self.applied.applied(keyed)
-            if duplicates:
-                self.stats["duplicate_keys"] += 1
-            if duplicates and config.mode == "async":
-                return PushResult(False, self.version, "duplicate", duplicates=duplicates)
+            if admitted.refused is not None:
+                return admitted.refused
             for name, value in checked_buffers.items():
                 self._writable(name)
                 self.vars[name].copy_(value)
+            part = Part(checked if not admitted.duplicates else {}, admitted.keys, hyper or [])
             if config.mode == "async":
-                values = self._apply_async(config, version, checked, keyed, hyper)
-                if values.applied and want_values:
-                    values.values = self._copy(None, lend)
-                return values
-            if duplicates:  # an empty part: the step neither waits for it nor applies it
-                checked, keyed = {}, []
-            result = self._buffer_sync(config, worker, version, checked, keyed, hyper, commit)
-            result.duplicates = duplicates
+                result = self._engine.apply_async(config, version, part)
+                if result.applied and want_values:
+                    result.values = self._copy(None, lend)
+                return result
+            # A duplicate joins as an empty part: the step neither waits for it nor applies it.
+            result = self._engine.buffer_sync(config, worker, version, part, commit)
+            result.duplicates = admitted.duplicates
             return result
 
     def _ready(self) -> PSConfig:
@@ -356,123 +334,14 @@ class VariableStore:
                 for g, lr in zip(opt.param_groups, saved, strict=True):
                     g["lr"] = lr
 
-    def _apply_async(
-        self,
-        config: PSConfig,
-        version: int,
-        grads: dict[str, torch.Tensor],
-        keys: list[Key],
-        hyper: list[dict[str, Any]] | None,
-    ) -> PushResult:
-        staleness = max(0, self.version - version)
-        if config.too_stale(staleness):
-            if config.stale_policy == "drop":
-                self.stats["dropped_stale"] += 1
-                return PushResult(False, self.version, "stale", staleness)
-            self.stats["scaled_stale"] += 1
-        self._step(grads, hyper, config.async_lr_scale(staleness))
-        self.applied.add(keys)
-        self.version += 1
-        self.stats["applied"] += 1
-        self._cond.notify_all()
-        return PushResult(True, self.version, "", staleness)
+    def _apply(self, parts: list[Part[torch.Tensor]], lr_scale: float) -> None:
+        """The engine's step: one over the average of ``parts`` (the lock is held).
 
-    def _buffer_sync(
-        self,
-        config: PSConfig,
-        worker: str,
-        version: int,
-        grads: dict[str, torch.Tensor],
-        keys: list[Key],
-        hyper: list[dict[str, Any]] | None,
-        commit: bool,
-    ) -> PushResult:
-        if version < self.version:
-            self.stats["dropped_late"] += 1
-            return PushResult(False, self.version, "late", self.version - version)
-        if version > self.version:
-            raise PSError(
-                f"push for version {version}, but ps:{self.ps_index} is at {self.version}"
-            )
-        self._pending.setdefault(version, {})[worker] = _Pending(grads, keys, hyper or [])
-        if not commit:
-            return PushResult(True, self.version, "buffered")
-        commits = self._commits.setdefault(version, [])
-        if worker not in commits:
-            commits.append(worker)
-        quorum = self._quorum(config, version)
-        if len(commits) < quorum:
-            return PushResult(True, self.version, "committed")
-        chosen = commits[:quorum]
-        self._apply_sync_locked(version, chosen)
-        return PushResult(
-            True, self.version, "applied", commit={"version": version, "workers": chosen}
-        )
-
-    def _quorum(self, config: PSConfig, version: int) -> int:
-        """Pushes sync step ``version`` takes: N, or fewer once replicas left for good.
-
-        A replica that committed to this step and then left still counts for it: the
-        replicas still present push to this step too, and had the step been taken
-        without them their pushes would be dropped as late, and their data lost.
+        An empty part (a duplicate) counts in the average as it did in the step.
         """
-        committed = self._commits.get(version, [])
-        left_after_committing = sum(1 for worker in committed if worker in self._departed)
-        present = config.num_replicas - len(self._departed) + left_after_committing
-        return max(1, min(config.replicas_per_step, present))
-
-    def leave(self, worker: str) -> dict[str, Any] | None:
-        """A replica will push no more (its data ran out): steps stop waiting for it.
-
-        Sync training ends unevenly: without this, the last replicas would wait forever
-        for a step that needs replicas which already finished. Returns the step this
-        completed, if the lower quorum completed one (ps 0 then fans it out).
-        """
-        with self._cond:
-            self._departed.add(worker)
-            config = self.config
-            if config is None or config.mode != "sync":
-                return None
-            commits = self._commits.get(self.version, [])
-            quorum = self._quorum(config, self.version)
-            if not commits or len(commits) < quorum:
-                return None
-            version = self.version
-            chosen = commits[:quorum]
-            self._apply_sync_locked(version, chosen)
-            return {"version": version, "workers": chosen}
-
-    def apply_sync(self, version: int, workers: list[str], timeout: float = 60.0) -> int:
-        """Applies step ``version`` as the average of ``workers``' buffered gradients.
-
-        Called on every shard but ps 0 when ps 0 decided the step.
-
-        Raises:
-            PSError: a chosen worker's gradients never reached this shard.
-        """
-        with self._cond:
-            if version < self.version:
-                return self.version  # already applied (a retried fan-out)
-            if version > self.version:
-                raise PSError(
-                    f"apply of version {version}, but ps:{self.ps_index} is at {self.version}"
-                )
-            pending = self._pending.get(version, {})
-            missing = [w for w in workers if w not in pending]
-            if missing:
-                raise PSError(
-                    f"ps:{self.ps_index} has no gradients of {missing} for version {version}"
-                )
-            self._apply_sync_locked(version, workers)
-            return self.version
-
-    def _apply_sync_locked(self, version: int, workers: list[str]) -> None:
-        pending = self._pending.pop(version, {})
-        parts = [pending[w] for w in workers]
-        for p in parts:
-            if p.keys and self.applied.applied(p.keys):
-                # Applied before (ps 0 said so at the commit): an empty part here too.
-                p.grads, p.keys = {}, []
+        if len(parts) == 1:
+            self._step(parts[0].grads, parts[0].hyper, lr_scale)
+            return
         names = set().union(*(p.grads for p in parts))
         averaged = {}
         for name in names:
@@ -481,45 +350,31 @@ class VariableStore:
             for g in grads[1:]:
                 total.add_(g)
             averaged[name] = total.div_(len(parts))
-        self._step(averaged, parts[0].hyper if parts else None, 1.0)
-        for p in parts:
-            self.applied.add(p.keys)
-        dropped = len(pending) - len(parts)
-        if dropped > 0:
-            self.stats["dropped_late"] += dropped
-        for old in [v for v in self._pending if v <= version]:
-            self.stats["dropped_late"] += len(self._pending.pop(old))
-        self._commits.pop(version, None)
-        self.version = version + 1
-        self.stats["applied"] += 1
-        self._cond.notify_all()
+        self._step(averaged, parts[0].hyper if parts else None, lr_scale)
+
+    def leave(self, worker: str) -> dict[str, Any] | None:
+        """A replica will push no more; the step this completed, if any (``engine.py``)."""
+        return self._engine.leave(self.config, worker)
+
+    def apply_sync(self, version: int, workers: list[str]) -> int:
+        """Applies step ``version`` that ps 0 decided (``ApplyEngine.apply_sync``)."""
+        return self._engine.apply_sync(version, workers)
 
     # Checkpoint hooks -------------------------------------------------------------
 
     def quiesce(self, timeout: float = 60.0) -> int:
-        """Holds new pushes and waits for in-flight ones; returns the version held at."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            self._held = True
-            while self._busy:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise PSError(f"ps:{self.ps_index}: pushes still in flight after {timeout:g}s")
-            return self.version
+        """Holds new pushes and waits for in-flight fan-outs; returns the version held at."""
+        return self._engine.quiesce(timeout)
 
     def resume(self) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
+        self._engine.resume()
 
     def begin_fanout(self) -> None:
         """Marks a sync step's fan-out to other shards as in flight (quiesce waits for it)."""
-        with self._cond:
-            self._busy += 1
+        self._engine.begin_fanout()
 
     def end_fanout(self) -> None:
-        with self._cond:
-            self._busy -= 1
-            self._cond.notify_all()
+        self._engine.end_fanout()
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything needed to resume: variables, optimizer slots, version, applied split keys."""
@@ -555,12 +410,11 @@ class VariableStore:
             self.vars = {k[4:]: v.clone() for k, v in tensors.items() if k.startswith("var/")}
             self._loans = LoanBook()  # new tensors: replies in flight read the old ones
             self.trainable = {str(k): bool(v) for k, v in meta["trainable"].items()}
-            self.version = int(meta["version"])
-            self.applied = AppliedKeys.from_state(meta.get("applied_keys"))
+            self._engine.restore(
+                int(meta["version"]), AppliedKeys.from_state(meta.get("applied_keys"))
+            )
             self.optimizer = None
             self.optimizer_spec = None
-            self._pending.clear()
-            self._commits.clear()
             if meta.get("optimizer"):
                 spec = OptimizerSpec.from_dict(meta["optimizer"])
                 self.set_optimizer(spec, meta["group_of"])  # the lock is re-entrant

@@ -9,29 +9,33 @@ gradients as ``(ids, values)``; the rules are the dense ones (``store.py``):
 * sync: a step applies once every present replica pushed (the average of their
   gradients, row by row). Each shard decides alone, which is sound because a table
   step takes *every* replica (backup workers are refused with tables): every shard
-  waits for the same set.
+  waits for the same set. So every row push commits on its own shard.
 * exactly-once: a push names the ``(dataset, epoch, split)`` keys it completes, and a
   key is applied at most once (``AppliedKeys``), in the checkpointed state too.
 
+Those rules are written once, in ``engine.py``, for the dense variables too; this
+module checks row gradients, averages them row by row and steps the row optimizers.
 Pure of networking, as ``VariableStore``; ``protocol.py`` serves it as ``ps.rows_*``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from clusterflow.ps.api import PSConfig, PSError, PushRejected, VersionTimeout
+from clusterflow.ps.api import PSConfig, PSError, PushRejected
 from clusterflow.ps.applied import AppliedKeys, Key
+from clusterflow.ps.engine import ApplyEngine, Part, PushResult
 from clusterflow.ps.rows import RowOptimizer, RowOptimizerSpec, TableSpec, coalesce
 
-RowGrads = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Rows = tuple[torch.Tensor, torch.Tensor]
+"""One table's (ids, gradient rows)."""
+RowGrads = dict[str, Rows]
 """Per table: (global ids, gradient rows)."""
 
 
@@ -43,29 +47,28 @@ class TableShard:
     optimizer: RowOptimizer | None = None
 
 
-@dataclass(slots=True)
-class RowsPushResult:
-    applied: bool
-    version: int
-    reason: str = ""
-    staleness: int = 0
-    duplicates: list[Key] = field(default_factory=list)
-
-
 class RowStore:
     """Every table's rows held by one ps task; see the module docstring."""
 
     def __init__(self, ps_index: int = 0) -> None:
         self.ps_index = ps_index
-        self._cond = threading.Condition()
+        self._engine: ApplyEngine[Rows] = ApplyEngine(f"ps:{ps_index} (tables)", self._apply)
+        self._cond = self._engine.cond
         self.config: PSConfig | None = None
         self.tables: dict[str, TableShard] = {}
-        self.version = 0
-        self.applied = AppliedKeys()
-        self.stats: Counter[str] = Counter()
-        self._pending: dict[int, dict[str, tuple[RowGrads, list[Key], dict[str, Any]]]] = {}
-        self._departed: set[str] = set()
-        self._held = False
+
+    @property
+    def version(self) -> int:
+        """Table steps applied (a count of its own, beside the dense variables')."""
+        return self._engine.version
+
+    @property
+    def applied(self) -> AppliedKeys:
+        return self._engine.applied
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self._engine.stats
 
     # Set-up -----------------------------------------------------------------------
 
@@ -90,6 +93,7 @@ class RowStore:
             if self.config is None:
                 self.config = config
                 self.ps_index = self.ps_index if shard is None else shard
+                self._engine.name = f"ps:{self.ps_index} (tables)"
             elif shard is not None and shard != self.ps_index:
                 raise PSError(
                     f"ps:{self.ps_index} was created as shard {self.ps_index}, not {shard}"
@@ -150,12 +154,7 @@ class RowStore:
         deadline = time.monotonic() + timeout
         with self._cond:
             local = {name: self._local(name, ids) for name, ids in wanted.items()}
-            while self.version < min_version:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise VersionTimeout(
-                        f"ps:{self.ps_index} tables are at version {self.version}; version "
-                        f"{min_version} did not come within {timeout:g}s"
-                    )
+            self._engine.wait_version(min_version, deadline, timeout)
             self.stats["rows_pulled"] += sum(int(ix.numel()) for ix in local.values())
             out = {name: self.tables[name].values[ix] for name, ix in local.items()}
             return self.version, out
@@ -186,7 +185,7 @@ class RowStore:
         keys: list[Key] | tuple[Key, ...] = (),
         hyper: Mapping[str, Any] | None = None,
         timeout: float = 60.0,
-    ) -> RowsPushResult:
+    ) -> PushResult:
         """Applies (async) or buffers and maybe applies (sync) one worker's row gradients.
 
         ``hyper`` maps a table to its group's current hyper-parameters (an lr schedule).
@@ -202,25 +201,18 @@ class RowStore:
             config = self.config
             if config is None:
                 raise PSError(f"ps:{self.ps_index} has no tables yet")
-            while self._held:
-                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    raise PSError(f"ps:{self.ps_index} stayed quiesced for {timeout:g}s")
+            admitted = self._engine.admit(config, worker, keys, deadline, timeout)
             self.stats["row_pushes"] += 1
-            self._departed.discard(worker)
-            keyed = [(str(d), int(e), int(s)) for d, e, s in keys]
-            duplicates = self.applied.applied(keyed)
-            if duplicates:
-                self.stats["duplicate_keys"] += 1
-                if config.mode == "async":
-                    return RowsPushResult(False, self.version, "duplicate", duplicates=duplicates)
-                checked, keyed = {}, []
+            if admitted.refused is not None:
+                return admitted.refused
+            part = Part(checked if not admitted.duplicates else {}, admitted.keys, hyper or {})
             if config.mode == "async":
-                return self._apply_async(config, version, checked, keyed, hyper or {})
-            result = self._buffer_sync(config, worker, version, checked, keyed, hyper or {})
+                return self._engine.apply_async(config, version, part)
+            result = self._engine.buffer_sync(config, worker, version, part, commit=True)
             # Tables alone: this reply decides the step's keys (``KeyLedger.sync_reply``);
             # without the duplicates its new keys would count as applied, and be acked,
             # although the push joined the step empty.
-            result.duplicates = duplicates
+            result.duplicates = admitted.duplicates
             return result
 
     def _check(self, grads: RowGrads) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -245,25 +237,6 @@ class RowStore:
             out[name] = coalesce(local, values)
         return out
 
-    def _apply_async(
-        self,
-        config: PSConfig,
-        version: int,
-        grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        keys: list[Key],
-        hyper: Mapping[str, Any],
-    ) -> RowsPushResult:
-        staleness = max(0, self.version - version)
-        if config.too_stale(staleness) and config.stale_policy == "drop":
-            self.stats["dropped_stale"] += 1
-            return RowsPushResult(False, self.version, "stale", staleness)
-        self._step(grads, hyper, config.async_lr_scale(staleness))
-        self.applied.add(keys)
-        self.version += 1
-        self.stats["applied"] += 1
-        self._cond.notify_all()
-        return RowsPushResult(True, self.version, "", staleness)
-
     def _step(
         self,
         grads: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
@@ -283,36 +256,14 @@ class RowStore:
             opt.apply(table.values, local, values, scale)
             self.stats["rows_applied"] += int(local.numel())
 
-    def _buffer_sync(
-        self,
-        config: PSConfig,
-        worker: str,
-        version: int,
-        grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        keys: list[Key],
-        hyper: Mapping[str, Any],
-    ) -> RowsPushResult:
-        if version < self.version:
-            self.stats["dropped_late"] += 1
-            return RowsPushResult(False, self.version, "late", self.version - version)
-        if version > self.version:
-            raise PSError(
-                f"rows push for version {version}, but ps:{self.ps_index} tables are at "
-                f"{self.version}"
-            )
-        self._pending.setdefault(version, {})[worker] = (grads, keys, dict(hyper))
-        self._maybe_apply_sync(config)
-        return RowsPushResult(True, self.version, "buffered")
-
-    def _maybe_apply_sync(self, config: PSConfig) -> None:
-        parts = self._pending.get(self.version, {})
-        present = max(1, config.num_replicas - len(self._departed - set(parts)))
-        if not parts or len(parts) < present:
+    def _apply(self, parts: list[Part[Rows]], lr_scale: float) -> None:
+        """The engine's step: one over the row-wise average of ``parts`` (the lock is held)."""
+        if len(parts) == 1:
+            self._step(parts[0].grads, parts[0].hyper, lr_scale)
             return
-        self._pending.pop(self.version)
-        summed: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for grads, _, _ in parts.values():
-            for name, pair in grads.items():
+        summed: dict[str, list[Rows]] = {}
+        for part in parts:
+            for name, pair in part.grads.items():
                 summed.setdefault(name, []).append(pair)
         averaged = {}
         for name, pairs in summed.items():
@@ -320,31 +271,19 @@ class RowStore:
                 torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
             )
             averaged[name] = (ids, values.div_(len(parts)))
-        self._step(averaged, next(iter(parts.values()))[2], 1.0)
-        for _, keys, _ in parts.values():
-            self.applied.add(keys)
-        self.version += 1
-        self.stats["applied"] += 1
-        self._cond.notify_all()
+        self._step(averaged, parts[0].hyper, lr_scale)
 
     def leave(self, worker: str) -> None:
         """A replica will push no more: sync steps stop waiting for it."""
-        with self._cond:
-            self._departed.add(worker)
-            if self.config is not None and self.config.mode == "sync":
-                self._maybe_apply_sync(self.config)
+        self._engine.leave(self.config, worker)
 
     # Checkpoint hooks -------------------------------------------------------------
 
     def quiesce(self, timeout: float = 60.0) -> int:
-        with self._cond:
-            self._held = True
-            return self.version
+        return self._engine.quiesce(timeout)
 
     def resume(self) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
+        self._engine.resume()
 
     def add_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Adds the tables' rows, optimizer state, version and applied keys to a ps state."""
@@ -373,13 +312,14 @@ class RowStore:
         saved = meta.get("tables")
         with self._cond:
             self.tables.clear()
-            self._pending.clear()
             if not saved:
-                self.config, self.version, self.applied = None, 0, AppliedKeys()
+                self.config = None
+                self._engine.restore(0, AppliedKeys())
                 return
             self.config = PSConfig.from_dict(saved["config"])
-            self.version = int(saved["version"])
-            self.applied = AppliedKeys.from_state(saved.get("applied_keys"))
+            self._engine.restore(
+                int(saved["version"]), AppliedKeys.from_state(saved.get("applied_keys"))
+            )
             for name, entry in saved["tables"].items():
                 spec = TableSpec.from_dict(entry["spec"])
                 table = TableShard(spec, self.ps_index, tensors[f"table/{name}/rows"].clone())
