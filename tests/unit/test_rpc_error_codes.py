@@ -188,3 +188,77 @@ def test_wait_for_version_raises_a_ps_failure_at_once(serve: Any, credentials: C
         ps.close()
     assert not isinstance(info.value, VersionTimeout)
     assert len(rounds) == 1
+
+
+def _report(body: Any) -> Any:
+    from clusterflow.manager.trial_reports import line
+
+    return line(body)
+
+
+def _lease(body: Any) -> Any:
+    from clusterflow.data.dispatcher import DispatcherService
+
+    return DispatcherService()._on_lease(Request("data.lease", body, {}, b""))
+
+
+def _cache_read(body: Any) -> Any:
+    from clusterflow.cache import server
+
+    return server._body(Request("cache.read", body, {}, b""))
+
+
+def _ps_pull(body: Any) -> Any:
+    from clusterflow.ps.protocol import PullRequest
+
+    return PullRequest.from_wire(body, {})
+
+
+def _worker_run(body: Any) -> Any:
+    from clusterflow.strategies.coordinator.protocol import RunRequest
+
+    return RunRequest.from_wire(body)
+
+
+@pytest.mark.parametrize(
+    ("parse", "kind", "what"),
+    [
+        (_ps_pull, "MalformedRequest", "ps.pull request body"),
+        (_worker_run, "MalformedMessage", "worker.run"),
+        (_lease, "MalformedBody", "data.lease body"),
+        (_cache_read, "MalformedBody", "cache.read body"),
+        (_report, "MalformedBody", "trial.report body"),
+    ],
+)
+def test_a_body_that_is_not_a_map_is_one_error_whichever_contract_reads_it(
+    parse: Callable[[Any], Any], kind: str, what: str
+) -> None:
+    """Pins ``rpc.message.body_map`` as every contract's first check (issue 29: four
+    services raised four unrelated errors for it): each raises a ``MalformedBody``, of
+    its service's kind, naming the message and the value."""
+    with pytest.raises(
+        rpc_errors.MalformedBody, match=f"{what}.* must be a map, got \\[1, 2\\]"
+    ) as info:
+        parse([1, 2])
+    assert type(info.value).__name__ == kind
+
+
+def test_a_malformed_body_reaches_the_client_as_malformed_body(
+    serve: Any, credentials: Credentials
+) -> None:
+    """By its wire code: a caller tells a request it got wrong (never worth a retry)
+    from the service's other refusals by type."""
+    from clusterflow.ps.protocol import PullRequest
+
+    def pull(request: Request) -> None:
+        PullRequest.from_wire(request.body, request.tensors)
+
+    server = serve({"ps.pull": pull})
+    with (
+        RpcClient(server.address, credentials, deadline=10) as client,
+        pytest.raises(RemoteError) as info,
+    ):
+        client.call("ps.pull", [1, 2])
+    error = info.value
+    assert isinstance(error, rpc_errors.MalformedBody) and isinstance(error, RemoteError)
+    assert (error.code, error.error_type) == ("app", "MalformedRequest")

@@ -108,7 +108,7 @@ def test_history_reports_every_epoch_inside_a_trial(in_trial: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "words"),
     [
-        ([1, 2], "takes a map"),
+        ([1, 2], "trial.report body must be a map"),
         ({"step": "1", "metrics": {}}, "step must be a whole number"),
         ({"step": 1, "metrics": {"a": "x"}}, "figure a is not a number"),
         ({"step": 1, "metrics": {"": 1}}, "bad figure name"),

@@ -36,7 +36,7 @@ from clusterflow.cache.plan import failure_kind
 from clusterflow.cache.store import PartitionStore, open_source
 from clusterflow.data.cache_map import CacheMap, NodeServer
 from clusterflow.errors import ClusterflowError, ConfigError
-from clusterflow.rpc import Credentials, Request, RpcServer
+from clusterflow.rpc import Credentials, Request, RpcServer, body_map
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +150,7 @@ class CacheServer:
 
 
 def _body(request: Request) -> Mapping[str, Any]:
-    if not isinstance(request.body, Mapping):
-        raise ConfigError(f"{request.method} needs a mapping body, got {request.body!r}")
-    return request.body
+    return body_map(f"{request.method} body", request.body)
 
 
 def _int(body: Mapping[str, Any], key: str) -> int:

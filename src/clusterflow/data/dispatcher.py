@@ -37,7 +37,7 @@ from clusterflow.data.api import (
 )
 from clusterflow.data.leases import Grant, GrantStatus, LeaseBook
 from clusterflow.errors import ConfigError
-from clusterflow.rpc import Request
+from clusterflow.rpc import Request, body_map
 from clusterflow.rpc.fencing import FenceBook
 
 log = logging.getLogger(__name__)
@@ -321,9 +321,7 @@ class DispatcherService:
 
 
 def _body(request: Request) -> Mapping[str, Any]:
-    if not isinstance(request.body, Mapping):
-        raise ConfigError(f"{request.method} needs a mapping body, got {request.body!r}")
-    return request.body
+    return body_map(f"{request.method} body", request.body)
 
 
 def _lease_ids(value: Any) -> list[int]:

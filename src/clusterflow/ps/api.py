@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc.codec import DTYPES
-from clusterflow.rpc.errors import CodedError
+from clusterflow.rpc.errors import CodedError, MalformedBody
 
 Mode = Literal["async", "sync"]
 StalePolicy = Literal["drop", "scale"]
@@ -18,9 +18,10 @@ class PSError(ClusterflowError):
     """A parameter-server request was refused; the message names the variable or value."""
 
 
-class MalformedRequest(PSError):
+class MalformedRequest(PSError, MalformedBody):
     """A ``ps.*`` request that breaks the wire contract: an unknown method, a missing or
-    mistyped field (``ps/protocol.py`` defines them)."""
+    mistyped field (``ps/protocol.py`` defines them). The rpc layer's ``MalformedBody``,
+    of the ps's kind."""
 
 
 class PushRejected(PSError):

@@ -15,6 +15,7 @@ import torch
 
 from clusterflow.ps.api import MalformedRequest
 from clusterflow.ps.applied import Key
+from clusterflow.rpc.message import body_map
 
 Tensors = dict[str, torch.Tensor]
 """Named tensors, as a message carries them and the ps and its clients hold them."""
@@ -47,11 +48,7 @@ def split_keys(method: str, field: str, value: Any) -> tuple[Key, ...]:
 
 def request_body(method: str, body: Any) -> Mapping[str, Any]:
     """A request's body as a map (``None`` is an empty one), or ``MalformedRequest``."""
-    if body is None:
-        return {}
-    if not isinstance(body, Mapping):
-        raise MalformedRequest(f"ps.{method} request body must be a map, got {body!r:.80}")
-    return body
+    return body_map(f"ps.{method} request body", body, none_is_empty=True, error=MalformedRequest)
 
 
 MAX_WAIT_S = 3600.0

@@ -18,11 +18,12 @@ from clusterflow.rpc.errors import (
     ClientClosed,
     CodedError,
     DeadlineExceeded,
+    MalformedBody,
     ProtocolError,
     RemoteError,
     RpcError,
 )
-from clusterflow.rpc.message import Handler, Request, Response
+from clusterflow.rpc.message import Handler, Request, Response, body_map
 from clusterflow.rpc.server import DEFAULT_MAX_MESSAGE_BYTES, RpcServer
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Credentials",
     "DeadlineExceeded",
     "Handler",
+    "MalformedBody",
     "ProtocolError",
     "RemoteError",
     "Request",
@@ -45,6 +47,7 @@ __all__ = [
     "RpcClient",
     "RpcError",
     "RpcServer",
+    "body_map",
     "is_loopback",
     "split_endpoint",
 ]

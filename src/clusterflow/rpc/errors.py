@@ -119,3 +119,16 @@ def remote_error(
     """
     cls = _REMOTE_TYPES.get(wire_code, RemoteError) if wire_code else RemoteError
     return cls(code, message, error_type=error_type, method=method)
+
+
+class MalformedBody(CodedError):
+    """A request's or reply's body breaks its contract: not a map, a field missing or of
+    another type. The sender's bug, so no caller retries it.
+
+    The one error every wire contract raises for it (``body_map`` checks the map); a
+    service's own kind (``ps``'s ``MalformedRequest``, the coordinator's
+    ``MalformedMessage``) subclasses it, so a caller may catch either, locally or, by
+    the wire code, remotely.
+    """
+
+    wire_code = "malformed"

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.errors import MalformedBody, ProtocolError
 
 if TYPE_CHECKING:
     import torch
@@ -65,3 +65,19 @@ def map_body(handler: Handler) -> Handler:
         return handler(request)
 
     return checked
+
+
+def body_map(
+    what: str, body: Any, *, none_is_empty: bool = False, error: type[MalformedBody] = MalformedBody
+) -> Mapping[str, Any]:
+    """``body`` as a map, or ``error`` (a ``MalformedBody``) naming ``what`` and the value.
+
+    Every typed message's parser starts here, so a body that is not a map is refused
+    alike whichever service it reached. ``none_is_empty``: a contract whose fields are
+    all optional takes an absent body as an empty one.
+    """
+    if body is None and none_is_empty:
+        return {}
+    if not isinstance(body, Mapping):
+        raise error(f"{what} must be a map, got {body!r:.80}")
+    return body

@@ -18,6 +18,8 @@ from enum import StrEnum
 from typing import Any
 
 from clusterflow.ps.api import Shard, VariableSpec
+from clusterflow.rpc.errors import MalformedBody
+from clusterflow.rpc.message import body_map
 from clusterflow.strategies.api import StrategyError
 
 __all__ = [
@@ -46,8 +48,9 @@ METHOD_STOP = "worker.stop"
 """The coordinator closed: ``serve_worker`` returns and the task can exit 0."""
 
 
-class MalformedMessage(StrategyError):
-    """A ``worker.*`` request or reply does not have the contract's fields and types."""
+class MalformedMessage(StrategyError, MalformedBody):
+    """A ``worker.*`` request or reply does not have the contract's fields and types
+    (the rpc layer's ``MalformedBody``, of the strategies' kind)."""
 
 
 def digest_of(payload: bytes) -> str:
@@ -69,9 +72,7 @@ class StrategySettings:
 
 
 def _map(what: str, body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise MalformedMessage(f"{what} must be a map, got {body!r:.80}")
-    return body
+    return body_map(what, body, error=MalformedMessage)
 
 
 def _get(what: str, body: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
