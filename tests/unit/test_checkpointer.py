@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from clusterflow.checkpoint import CheckpointError, CheckpointStorage
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR, ENV_RESTORE, ps_part
 from clusterflow.errors import ConfigError
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.ps.restore import restore_shard
 from clusterflow.ps.store import VariableStore
 from clusterflow.strategies import SimpleClusterResolver

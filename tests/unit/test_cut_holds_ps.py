@@ -25,7 +25,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from clusterflow.checkpoint import CheckpointStorage, CheckpointWriteError
 from clusterflow.checkpoint.names import DATA_PART, ps_part
 from clusterflow.ps.api import PSError
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.ps.store import VariableStore
 from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy

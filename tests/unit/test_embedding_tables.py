@@ -18,9 +18,9 @@ from torch import nn
 
 from clusterflow.errors import ConfigError
 from clusterflow.ps.api import PSConfig, PushRejected
+from clusterflow.ps.handler import PSHandler
 from clusterflow.ps.protocol import (
     ApplyRequest,
-    PSHandler,
     PullReply,
     PullRequest,
     PushReply,

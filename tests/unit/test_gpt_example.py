@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 

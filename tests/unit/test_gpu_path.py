@@ -19,7 +19,7 @@ from clusterflow.collective.api import CollectiveError, CommunicationOptions
 from clusterflow.collective.group import CollectiveGroup, select_device
 from clusterflow.collective.membership import Membership
 from clusterflow.ps.api import Shard, VariableSpec
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 from clusterflow.strategies.parameter_server.shards import TrackedVar, gradients, load_into

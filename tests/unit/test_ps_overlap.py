@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from clusterflow.data import SplitKey
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.ps.protocol import PushReply, PushRequest
 from clusterflow.strategies import SimpleClusterResolver
 from clusterflow.strategies.parameter_server import ParameterServerStrategy

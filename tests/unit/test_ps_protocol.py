@@ -10,7 +10,9 @@ import torch
 
 from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.api import MalformedRequest, PSConfig, PSError
-from clusterflow.ps.client import LocalPS, PSConnection
+from clusterflow.ps.client import PSConnection
+from clusterflow.ps.handler import PSHandler
+from clusterflow.ps.local import LocalPS
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import (
     METHODS,
@@ -18,7 +20,6 @@ from clusterflow.ps.protocol import (
     CreateRequest,
     LeaveRequest,
     OptimizerRequest,
-    PSHandler,
     PSState,
     PullReply,
     PullRequest,
@@ -212,3 +213,22 @@ def test_a_push_replys_duplicates_are_decoded_as_strictly_as_a_pushs_keys(reply:
     assert ok.duplicates == (("d", 0, 3),)
     with pytest.raises(MalformedRequest, match="'duplicates' must be"):
         reply.from_wire({"applied": True, "version": 1, "duplicates": [["d", False, 3]]}, {})
+
+
+def test_the_request_types_load_nothing_of_the_server_side() -> None:
+    """Issue 29: a worker that needs the ``ps.*`` types must not load the ps (its store,
+    its tables, its handler); ``ps/protocol.py`` once imported all three."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, clusterflow.ps.protocol, clusterflow.ps.rows_protocol, clusterflow.ps.client;"
+        "print(sorted(m for m in sys.modules if m in ("
+        "'clusterflow.ps.store', 'clusterflow.ps.tables', 'clusterflow.ps.handler',"
+        "'clusterflow.ps.engine', 'clusterflow.ps.loans')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterflow.errors import ConfigError
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.ps.placement import MinSizePartitioner
 from clusterflow.strategies import SimpleClusterResolver, StrategyError
 from clusterflow.strategies.central_storage import CentralStorageStrategy

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.strategies import MultiWorkerMirroredStrategy, SimpleClusterResolver
 from clusterflow.strategies.api import Replicas
 from clusterflow.strategies.central_storage import CentralStorageStrategy

@@ -1,9 +1,10 @@
 """The worker's side of the parameter server: one connection per ps task.
 
 ``RemotePS`` talks to ps tasks over RPC, one message per ps task per request, several
-ps tasks in parallel. ``LocalPS`` serves the same requests in process
+ps tasks in parallel. ``LocalPS`` (``ps/local.py``) serves the same requests in process
 (``CentralStorageStrategy``: one local ps, no network). Both speak ``ps/protocol.py``:
-its types on the way in and out, its one ``PSHandler`` at the other end.
+its types on the way in and out, its one ``PSHandler`` at the other end. This module
+loads nothing of the ps itself.
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from clusterflow.cluster import ClusterSpec
-from clusterflow.ps.protocol import PSHandler, PullReply, PullRequest, PushReply, PushRequest
-from clusterflow.ps.store import VariableStore
-from clusterflow.ps.wire import Tensors
+from clusterflow.ps.protocol import PullReply, PullRequest, PushReply, PushRequest
+from clusterflow.ps.wire import Tensors, Wire
 from clusterflow.rpc import Credentials, RemoteError, RpcClient
 from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 T = TypeVar("T")
+
+
+class Request(Protocol):
+    """A typed ``ps.*`` request (``ps/protocol.py``, ``ps/rows_protocol.py``)."""
+
+    @property
+    def METHOD(self) -> str: ...
+
+    def to_wire(self) -> Wire: ...
 
 
 class PSConnection(Protocol):
@@ -126,30 +135,7 @@ class RemotePS:
             self._pool.shutdown(wait=False)
 
 
-class LocalPS:
-    """One in-process ps: the same calls, no network, no copies on the wire."""
-
-    def __init__(self, store: VariableStore | None = None) -> None:
-        self.store = store or VariableStore(0)
-        self.handler = PSHandler(self.store)
-
-    @property
-    def num_ps(self) -> int:
-        return 1
-
-    def call(
-        self, index: int, method: str, body: Any = None, tensors: Tensors | None = None
-    ) -> tuple[Any, Tensors]:
-        return self.handler.dispatch(method, body, tensors or {})
-
-    def pull(self, index: int, request: PullRequest) -> PullReply:
-        return self.handler.pull(request)
-
-    def push(self, index: int, request: PushRequest) -> PushReply:
-        return self.handler.push(request)
-
-    def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
-        return [fn(i) for i in indices]
-
-    def close(self) -> None:
-        pass
+def send(ps: PSConnection, index: int, request: Request) -> Wire:
+    """Sends a typed request to ps task ``index``; the reply as it travels, for the
+    reply type's ``from_wire``. Every request a worker makes goes out through its type."""
+    return ps.call(index, request.METHOD, *request.to_wire())

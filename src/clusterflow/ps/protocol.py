@@ -1,10 +1,13 @@
-"""The ``ps.*`` wire contract: its request and reply types, and the one handler serving them.
+"""The ``ps.*`` wire contract: its request and reply types, built by the worker and
+parsed by the ps from the same definition.
 
-A worker reaches its ps tasks two ways: over RPC (``RemotePS`` to ``PSService``) or in
-process (``LocalPS``, under ``CentralStorageStrategy``). Both ends go through the types
-here and through ``PSHandler``, so the two paths cannot drift apart (they once did: the
-in-process path dropped a pull's and a push's timeout). docs/architecture.md section 4
-describes the contract.
+Nothing here imports the server side (the store, the tables, ``ps/handler.py``), so a
+worker that needs the types does not load the ps. A worker reaches its ps tasks two
+ways: over RPC (``RemotePS`` to ``PSService``) or in process (``LocalPS``, under
+``CentralStorageStrategy``). Both ends go through the types here and through one
+``PSHandler``, so the two paths cannot drift apart (they once did: the in-process path
+dropped a pull's and a push's timeout). docs/architecture.md section 4 describes the
+contract.
 
 Tensor names on the wire carry a role prefix: ``g/`` gradients and ``b/`` buffer values
 in a push; plain variable names in a pull's and a push's reply.
@@ -12,7 +15,7 @@ in a push; plain variable names in a pull's and a push's reply.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -20,11 +23,8 @@ import torch
 
 from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.applied import Key
-from clusterflow.ps.loans import Loan
 from clusterflow.ps.optimizer import OptimizerSpec
-from clusterflow.ps.rows_protocol import ROWS_METHODS, rows_dispatch
-from clusterflow.ps.store import VariableStore
-from clusterflow.ps.tables import RowStore
+from clusterflow.ps.rows_protocol import ROWS_METHODS
 from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds, split_keys
 from clusterflow.ps.wire import request_body as _body
 from clusterflow.rpc.codec import DTYPES
@@ -71,14 +71,6 @@ def _wire_dtype(method: str, value: Any) -> str | None:
     ):
         raise MalformedRequest(f"ps.{method} request: no floating wire dtype {value!r:.40}")
     return None if value is None else str(value)
-
-
-def wire_cast(tensors: Tensors, dtype: str | None) -> Tensors:
-    """Casts floating tensors to the wire dtype (bf16 halves the bytes of a pull)."""
-    if dtype in (None, "float32"):
-        return tensors
-    target = getattr(torch, str(dtype))
-    return {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
 
 
 # Requests ---------------------------------------------------------------------------
@@ -326,6 +318,29 @@ class PSState:
         return cls(meta=dict(meta), tensors=tensors)
 
 
+@dataclass(frozen=True, slots=True)
+class ControlRequest:
+    """A request with no fields: ``resume`` (let held pushes through), ``state`` (the
+    ``PSState`` to checkpoint), ``stats`` (counters, for tests and the dashboard)."""
+
+    METHOD: str
+
+    def to_wire(self) -> Wire:
+        return None, {}
+
+    @classmethod
+    def from_wire(cls, method: str, body: Any, tensors: Tensors) -> ControlRequest:
+        if method not in CONTROL:
+            raise MalformedRequest(f"ps.{method} is no request without fields")
+        _body(method, body)  # absent, or a map: its fields are ignored
+        return cls(method)
+
+
+CONTROL = ("resume", "state", "stats")
+"""The methods ``ControlRequest`` carries."""
+RESUME, STATE, STATS = (ControlRequest(m) for m in CONTROL)
+
+
 # Replies ----------------------------------------------------------------------------
 
 
@@ -378,150 +393,39 @@ class PushReply:
         )
 
 
-# The handler ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VersionReply:
+    """The version a ps reached or holds at: ``wait_version``'s, ``quiesce``'s and
+    ``apply``'s reply."""
 
-FanOut = Callable[[ApplyRequest], None]
-"""ps 0's way to tell every other shard which replicas form a sync step."""
+    version: int
+
+    def to_wire(self) -> Wire:
+        return {"version": self.version}, {}
+
+    @classmethod
+    def from_wire(cls, body: Any, tensors: Tensors) -> VersionReply:
+        b = _body("version reply", body)
+        return cls(version=_field("version reply", b, "version", int, _REQUIRED))
 
 
-class PSHandler:
-    """Serves every ``ps.*`` method on one ``VariableStore``: the one place requests meet it.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateReply:
+    """The variables this ``create`` made (those that existed are kept, not listed)."""
 
-    Args:
-        store: the variables of this ps task.
-        fan_out: called when a push (or a leave) on ps 0 completes a sync step that other
-            shards must apply too; None where this is the only shard.
-    """
+    created: list[str]
 
-    def __init__(self, store: VariableStore, fan_out: FanOut | None = None) -> None:
-        self.store = store
-        self._fan_out = fan_out
-        self.tables = RowStore(store.ps_index)
-        """This task's rows of the embedding tables (``ps.rows_*``, ``ps/tables.py``)."""
+    def to_wire(self) -> Wire:
+        return {"created": self.created}, {}
 
-    def create(self, request: CreateRequest) -> list[str]:
-        return self.store.create(request.config, request.variables, request.values)
+    @classmethod
+    def from_wire(cls, body: Any, tensors: Tensors) -> CreateReply:
+        b = _body("create reply", body)
+        created = _field("create reply", b, "created", list, _REQUIRED)
+        return cls(created=_all_of("create reply", "created", created, str))
 
-    def optimizer(self, request: OptimizerRequest) -> None:
-        self.store.set_optimizer(request.spec, request.group_of)
 
-    def pull(self, request: PullRequest, lend: Loan | None = None) -> PullReply:
-        version, values = self.store.pull(request.names, request.min_version, request.timeout, lend)
-        return PullReply(version=version, values=wire_cast(values, request.dtype))
-
-    def push(self, request: PushRequest, lend: Loan | None = None) -> PushReply:
-        result = self.store.push(
-            worker=request.worker,
-            version=request.version,
-            grads=request.grads,
-            buffers=request.buffers,
-            keys=request.keys,
-            hyper=request.hyper,
-            commit=request.commit,
-            want_values=request.want_values,
-            timeout=request.timeout,
-            lend=lend,
-        )
-        if result.commit is not None:
-            self._commit(result.commit)
-        return PushReply(
-            applied=result.applied,
-            version=result.version,
-            reason=result.reason,
-            staleness=result.staleness,
-            values=wire_cast(result.values, request.values_dtype),
-            duplicates=tuple(result.duplicates),
-        )
-
-    def apply(self, request: ApplyRequest) -> int:
-        return self.store.apply_sync(request.version, request.workers)
-
-    def wait_version(self, request: WaitVersionRequest) -> int:
-        return self.store.wait_version(request.version, request.timeout)
-
-    def quiesce(self, request: QuiesceRequest) -> int:
-        # The cut's step: the dense version, or the tables' where only tables train.
-        return max(self.store.quiesce(request.timeout), self.tables.quiesce(request.timeout))
-
-    def resume(self) -> None:
-        self.store.resume()
-        self.tables.resume()
-
-    def state(self) -> PSState:
-        meta, tensors = self.store.state()
-        self.tables.add_state(meta, tensors)
-        return PSState(meta=meta, tensors=tensors)
-
-    def load_state(self, request: PSState) -> None:
-        self.store.load_state(request.meta, request.tensors)
-        self.tables.load_state(request.meta, request.tensors)
-
-    def leave(self, request: LeaveRequest) -> None:
-        self.tables.leave(request.worker)
-        commit = self.store.leave(request.worker)
-        if commit is not None:
-            self._commit(commit)
-
-    def stats(self) -> dict[str, Any]:
-        stats = self.store.snapshot_stats()
-        if self.tables.tables:
-            stats["rows"] = self.tables.snapshot_stats()
-            stats["version"] = max(int(stats["version"]), self.tables.version)
-        return stats
-
-    def _commit(self, commit: Mapping[str, Any]) -> None:
-        if self._fan_out is None:
-            return
-        request = ApplyRequest(version=int(commit["version"]), workers=list(commit["workers"]))
-        self.store.begin_fanout()  # quiesce waits for the fan-out, as for a push
-        try:
-            self._fan_out(request)
-        finally:
-            self.store.end_fanout()
-
-    def dispatch(self, method: str, body: Any, tensors: Tensors, lend: Loan | None = None) -> Wire:
-        """Serves one request as it travels (``method`` without the ``ps.`` prefix).
-
-        ``lend``: a pull's or a push's reply may carry the live variables under this
-        loan, whose ``sent`` the caller must hand the reply's tracker (``ps/loans.py``);
-        without it, they are snapshots.
-
-        Raises:
-            MalformedRequest: an unknown method, or a body the contract does not allow.
-            PSError: the store refused the request (its message says why).
-        """
-        if method == "create":
-            return {"created": self.create(CreateRequest.from_wire(body, tensors))}, {}
-        if method == "optimizer":
-            self.optimizer(OptimizerRequest.from_wire(body, tensors))
-            return None, {}
-        if method == "pull":
-            return self.pull(PullRequest.from_wire(body, tensors), lend).to_wire()
-        if method == "push":
-            return self.push(PushRequest.from_wire(body, tensors), lend).to_wire()
-        if method == "apply":
-            return {"version": self.apply(ApplyRequest.from_wire(body, tensors))}, {}
-        if method == "wait_version":
-            return {"version": self.wait_version(WaitVersionRequest.from_wire(body, tensors))}, {}
-        if method == "quiesce":
-            return {"version": self.quiesce(QuiesceRequest.from_wire(body, tensors))}, {}
-        if method == "resume":
-            self.resume()
-            return None, {}
-        if method == "state":
-            return self.state().to_wire()
-        if method == "load_state":
-            self.load_state(PSState.from_wire(body, tensors))
-            return None, {}
-        if method == "leave":
-            self.leave(LeaveRequest.from_wire(body, tensors))
-            return None, {}
-        if method == "stats":
-            return self.stats(), {}
-        if method in ROWS_METHODS:
-            return rows_dispatch(self.tables, method, body, tensors)
-        raise MalformedRequest(f"unknown ps method {method!r}")
-
+# The methods ------------------------------------------------------------------------
 
 METHODS: tuple[str, ...] = (
     "create",
@@ -538,4 +442,4 @@ METHODS: tuple[str, ...] = (
     "stats",
     *ROWS_METHODS,
 )
-"""Every method ``PSHandler.dispatch`` serves, registered as ``ps.<name>``."""
+"""Every method of the contract, registered as ``ps.<name>`` (``ps/handler.py`` serves them)."""

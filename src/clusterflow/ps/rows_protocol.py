@@ -17,7 +17,6 @@ import torch
 from clusterflow.ps.api import MalformedRequest, PSConfig
 from clusterflow.ps.applied import Key
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
-from clusterflow.ps.tables import RowStore
 from clusterflow.ps.wire import DEFAULT_TIMEOUT_S, Tensors, Wire, in_bounds, split_keys
 from clusterflow.ps.wire import request_body as _body
 
@@ -208,6 +207,39 @@ class RowsPushReply:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RowsReadRequest:
+    """This ps's shard of one table, whole (export, tests)."""
+
+    METHOD: ClassVar[str] = "rows_read"
+    table: str
+
+    def to_wire(self) -> Wire:
+        return {"table": self.table}, {}
+
+    @classmethod
+    def from_wire(cls, body: Any, tensors: Tensors) -> RowsReadRequest:
+        name = _body(cls.METHOD, body).get("table")
+        if not isinstance(name, str):
+            raise MalformedRequest("ps.rows_read needs a 'table' name")
+        return cls(table=name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RowsReadReply:
+    version: int
+    ids: torch.Tensor
+    """The global ids of the shard's rows, in the order of ``rows``."""
+    rows: torch.Tensor
+
+    def to_wire(self) -> Wire:
+        return {"version": self.version}, {"ids": self.ids, "rows": self.rows}
+
+    @classmethod
+    def from_wire(cls, body: Any, tensors: Tensors) -> RowsReadReply:
+        return cls(version=int(body["version"]), ids=tensors["ids"], rows=tensors["rows"])
+
+
 ROWS_METHODS: tuple[str, ...] = (
     "rows_create",
     "rows_optimizer",
@@ -215,47 +247,3 @@ ROWS_METHODS: tuple[str, ...] = (
     "rows_push",
     "rows_read",
 )
-
-
-def rows_dispatch(store: RowStore, method: str, body: Any, tensors: Tensors) -> Wire:
-    """Serves one ``ps.rows_*`` request on ``store`` (``PSHandler.dispatch`` routes here).
-
-    Raises:
-        MalformedRequest: a body or tensors the contract does not allow.
-        PSError: the store refused (an id out of range: ``TableIndexError``).
-    """
-    if method == "rows_create":
-        request = RowsCreateRequest.from_wire(body, tensors)
-        return {"created": store.create(request.config, request.tables, request.shard)}, {}
-    if method == "rows_optimizer":
-        store.set_optimizer(RowsOptimizerRequest.from_wire(body, tensors).optimizers)
-        return None, {}
-    if method == "rows_pull":
-        pull = RowsPullRequest.from_wire(body, tensors)
-        version, rows = store.pull(pull.ids, pull.min_version, pull.timeout)
-        return RowsPullReply(version=version, rows=rows).to_wire()
-    if method == "rows_push":
-        push = RowsPushRequest.from_wire(body, tensors)
-        result = store.push(
-            worker=push.worker,
-            version=push.version,
-            grads={k: (push.ids[k], push.grads[k]) for k in push.ids},
-            keys=push.keys,
-            hyper=push.hyper,
-            timeout=push.timeout,
-        )
-        reply = RowsPushReply(
-            applied=result.applied,
-            version=result.version,
-            reason=result.reason,
-            staleness=result.staleness,
-            duplicates=tuple(result.duplicates),
-        )
-        return reply.to_wire()
-    if method == "rows_read":
-        name = _body(method, body).get("table")
-        if not isinstance(name, str):
-            raise MalformedRequest("ps.rows_read needs a 'table' name")
-        ids, values = store.read_rows(name)
-        return {"version": store.version}, {"ids": ids, "rows": values}
-    raise MalformedRequest(f"unknown ps method {method!r}")

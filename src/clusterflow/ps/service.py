@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from clusterflow.cluster import ClusterSpec
+from clusterflow.ps.handler import PSHandler
 from clusterflow.ps.loans import Loan
-from clusterflow.ps.protocol import METHODS, ApplyRequest, PSHandler
+from clusterflow.ps.protocol import METHODS, ApplyRequest
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, Request, Response, RpcClient
 from clusterflow.rpc.fencing import FENCE_KEY, FenceBook

@@ -1,12 +1,12 @@
 """CentralStorageStrategy: TensorFlow's one-process parameter server.
 
 Its own module so ``parameter_server/strategy.py`` holds only the distributed strategy; this one
-is that strategy over an in-process store (``ps.client.LocalPS``), synchronous.
+is that strategy over an in-process store (``ps.local.LocalPS``), synchronous.
 """
 
 from __future__ import annotations
 
-from clusterflow.ps.client import LocalPS
+from clusterflow.ps.local import LocalPS
 from clusterflow.strategies.parameter_server import ParameterServerStrategy
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from clusterflow.checkpoint import CheckpointError
 from clusterflow.checkpoint.names import ps_part
+from clusterflow.ps.client import send
+from clusterflow.ps.protocol import RESUME
 from clusterflow.strategies.api import CutRole, Part, ReadPart
 from clusterflow.strategies.parameter_server.shards import hold_all, load_states, states
 
@@ -88,7 +90,7 @@ class PSCut:
     def resume(self) -> None:
         """Lets held updates through again (after :meth:`quiesce`)."""
         for index in range(self._ps.num_ps):
-            self._ps.call(index, "resume")
+            send(self._ps, index, RESUME)
 
     def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
         """The ps tasks restore their shards as they start; a ps in this process

@@ -15,9 +15,20 @@ from typing import Any
 import torch
 
 from clusterflow.ps.api import Placement, PSConfig, Shard, VariableSpec, VersionTimeout
-from clusterflow.ps.client import PSConnection
+from clusterflow.ps.client import PSConnection, send
 from clusterflow.ps.optimizer import OptimizerSpec
-from clusterflow.ps.protocol import PullRequest, PushReply, PushRequest
+from clusterflow.ps.protocol import (
+    STATE,
+    CreateRequest,
+    OptimizerRequest,
+    PSState,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    QuiesceRequest,
+    VersionReply,
+    WaitVersionRequest,
+)
 from clusterflow.ps.wire import Tensors
 from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.variables import Recorded
@@ -125,7 +136,7 @@ def declare(
             for s in shards
         ]
         values = {s.name: shard_of(by_name[s.variable].tensor.detach(), s) for s in shards}
-        ps.call(index, "create", {"config": config.to_dict(), "vars": decl}, values)
+        send(ps, index, CreateRequest(config=config, variables=decl, values=values))
 
     ps.map(create, range(ps.num_ps))
 
@@ -247,10 +258,9 @@ def register_optimizer(
     ps: PSConnection, optimizer: torch.optim.Optimizer, tracked: Sequence[tuple[int, TrackedVar]]
 ) -> None:
     """Builds ``optimizer`` on every ps task over its shards of the ``(group, var)`` pairs."""
-    spec = OptimizerSpec.of(optimizer).to_dict()
     group_of = {shard.name: g for g, var in tracked for shard in var.shards}
-    body = {"spec": spec, "group_of": group_of}
-    ps.map(lambda i: ps.call(i, "optimizer", body), range(ps.num_ps))
+    request = OptimizerRequest(spec=OptimizerSpec.of(optimizer), group_of=group_of)
+    ps.map(lambda i: send(ps, i, request), range(ps.num_ps))
 
 
 def wait_for_version(ps: PSConnection, version: int, deadline: float) -> None:
@@ -264,10 +274,10 @@ def wait_for_version(ps: PSConnection, version: int, deadline: float) -> None:
     Raises:
         RpcError, PSError: the ps failed otherwise than by a round running out.
     """
-    body = {"version": version, "timeout": deadline / 2}
+    request = WaitVersionRequest(version=version, timeout=deadline / 2)
     while True:
         try:
-            ps.call(0, "wait_version", body)
+            send(ps, 0, request)
             return
         except VersionTimeout:
             # A round that ran out: raised here (CentralStorage, in process), or a ps's
@@ -287,14 +297,13 @@ def hold_all(ps: PSConnection, timeout: float = 60.0) -> list[int]:
     mode the pool's threads may be waiting in a prefetch for a step that cannot
     finish until this checkpoint lets the held pushes through.
     """
-    return [
-        int(ps.call(i, "quiesce", {"timeout": timeout})[0]["version"]) for i in range(ps.num_ps)
-    ]
+    request = QuiesceRequest(timeout=timeout)
+    return [VersionReply.from_wire(*send(ps, i, request)).version for i in range(ps.num_ps)]
 
 
 def states(ps: PSConnection) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """Every ps task's full state (variables, slots, version, applied split keys)."""
-    return [ps.call(i, "state") for i in range(ps.num_ps)]
+    return [send(ps, i, STATE) for i in range(ps.num_ps)]
 
 
 def load_states(
@@ -302,6 +311,6 @@ def load_states(
 ) -> None:
     """Replaces every ps task's state with a checkpoint's."""
     ps.map(
-        lambda i: ps.call(i, "load_state", dict(loaded[i][0]), dict(loaded[i][1])),
+        lambda i: send(ps, i, PSState(meta=dict(loaded[i][0]), tensors=dict(loaded[i][1]))),
         range(ps.num_ps),
     )

@@ -35,9 +35,10 @@ from clusterflow.ps.api import (
     Shard,
     VariableSpec,
 )
-from clusterflow.ps.client import PSConnection, RemotePS
+from clusterflow.ps.client import PSConnection, RemotePS, send
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
+from clusterflow.ps.protocol import STATS, LeaveRequest
 from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
@@ -292,11 +293,11 @@ class ParameterServerStrategy(PSCut, Strategy):
 
     def global_step(self) -> int:
         """Steps applied so far: the version of ps 0."""
-        return int(self._ps.call(0, "stats")[0]["version"])
+        return int(send(self._ps, 0, STATS)[0]["version"])
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Per ps task: version, pushes, applied, dropped_stale, dropped_late, ..."""
-        return [self._ps.call(i, "stats")[0] for i in range(self._ps.num_ps)]
+        return [send(self._ps, i, STATS)[0] for i in range(self._ps.num_ps)]
 
     def replicas(self) -> Replicas:
         sync, c = self.config.mode == "sync", self.config
@@ -392,7 +393,7 @@ class ParameterServerStrategy(PSCut, Strategy):
         self.flush()
         if not self._left:
             self._left = True
-            self._ps.call(0, "leave", {"worker": self._worker})
+            send(self._ps, 0, LeaveRequest(worker=self._worker))
             self._sparse.leave()
 
     def close(self) -> None:

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from clusterflow.ps.api import PSConfig
-from clusterflow.ps.client import PSConnection
-from clusterflow.ps.protocol import PushReply
+from clusterflow.ps.client import PSConnection, send
+from clusterflow.ps.protocol import LeaveRequest, PushReply
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
 from clusterflow.ps.rows_protocol import (
     RowsCreateRequest,
@@ -34,6 +34,8 @@ from clusterflow.ps.rows_protocol import (
     RowsPullRequest,
     RowsPushReply,
     RowsPushRequest,
+    RowsReadReply,
+    RowsReadRequest,
 )
 from clusterflow.strategies.embedding import attach
 
@@ -321,14 +323,14 @@ class TableSession:
     def leave(self) -> None:
         """Tells the other ps tasks (ps 0 is told by the strategy) that no more pushes come."""
         for index in range(1, self._ps.num_ps):
-            self._ps.call(index, "leave", {"worker": self._worker})
+            send(self._ps, index, LeaveRequest(worker=self._worker))
 
     def read(self, table: str) -> torch.Tensor:
         """The whole table, joined from every shard (tests, small tables only)."""
         parts = []
         for index in range(self._ps.num_ps):
-            _, tensors = self._ps.call(index, "rows_read", {"table": table})
-            parts.append((tensors["ids"], tensors["rows"]))
+            read = RowsReadReply.from_wire(*send(self._ps, index, RowsReadRequest(table=table)))
+            parts.append((read.ids, read.rows))
         spec = self.specs[table]
         out = torch.empty(spec.rows, spec.dim)
         for ids, rows in parts:
