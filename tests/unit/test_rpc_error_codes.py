@@ -203,9 +203,9 @@ def _lease(body: Any) -> Any:
 
 
 def _cache_read(body: Any) -> Any:
-    from clusterflow.cache import server
+    from clusterflow.data.cache_wire import ReadRequest
 
-    return server._body(Request("cache.read", body, {}, b""))
+    return ReadRequest.from_wire(body)
 
 
 def _ps_pull(body: Any) -> Any:

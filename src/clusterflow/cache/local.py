@@ -37,6 +37,7 @@ from clusterflow.data.cache_map import (
     shm_root,
 )
 from clusterflow.data.cache_source import this_node
+from clusterflow.data.cache_wire import STOP
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
@@ -219,7 +220,7 @@ def drop(name: str) -> CacheMap:
                 contextlib.suppress(RpcError),
                 RpcClient(server.address, Credentials.from_file(secret), deadline=5.0) as client,
             ):
-                client.call("cache.stop")
+                client.call(STOP)
             _stop_process(server.pid, folder)
         for path in server.files.values():  # a server killed before it could clean up
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)

@@ -1,7 +1,7 @@
 """A cache server: one node's partitions of one cache, served to readers elsewhere.
 
 Readers on the same node do not call it for records: they map its shared-memory files
-(``data/cache_source.py``). It answers:
+(``data/cache_source.py``). It answers (the types: ``data/cache_wire.py``):
 
 * ``cache.read``: ``{name, partition, start, stop}`` -> ``{ipc}`` (an Arrow IPC stream of
   those records, for a reader on another node);
@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -35,12 +35,20 @@ from clusterflow._files import write_json_atomic
 from clusterflow.cache.plan import failure_kind
 from clusterflow.cache.store import PartitionStore, open_source
 from clusterflow.data.cache_map import CacheMap, NodeServer
+from clusterflow.data.cache_wire import (
+    LOAD,
+    READ,
+    STATS,
+    STOP,
+    LoadReply,
+    LoadRequest,
+    ReadReply,
+    ReadRequest,
+)
 from clusterflow.errors import ClusterflowError, ConfigError
-from clusterflow.rpc import Credentials, Request, RpcServer, body_map
+from clusterflow.rpc import Credentials, Request, RpcServer
 
 log = logging.getLogger(__name__)
-
-SERVICE = "cache"
 
 
 class CacheServer:
@@ -73,13 +81,13 @@ class CacheServer:
         self.bytes_sent = 0
         self.rpc = RpcServer(credentials, host=host, name=f"cache-{name}")
         handlers: dict[str, tuple[Callable[[Request], Any], bool]] = {
-            "read": (self._on_read, False),
-            "load": (self._on_load, True),
-            "stats": (lambda r: self.stats(), False),
-            "stop": (self._on_stop, False),
+            READ: (self._on_read, False),
+            LOAD: (self._on_load, True),
+            STATS: (lambda r: self.stats(), False),
+            STOP: (self._on_stop, False),
         }
         for method, (handler, blocking) in handlers.items():
-            self.rpc.register(f"{SERVICE}.{method}", handler, blocking=blocking)
+            self.rpc.register(method, handler, blocking=blocking)
 
     @property
     def address(self) -> str:
@@ -127,37 +135,23 @@ class CacheServer:
     # Handlers -------------------------------------------------------------------------
 
     def _on_read(self, request: Request) -> dict[str, Any]:
-        body = _body(request)
-        if body.get("name") != self.name:
-            raise ConfigError(f"this server holds cache {self.name!r}, not {body.get('name')!r}")
-        index, lo, hi = (_int(body, k) for k in ("partition", "start", "stop"))
-        data = self.store.ipc_bytes(index, lo, hi)
+        read = ReadRequest.from_wire(request.body)
+        if read.name != self.name:
+            raise ConfigError(f"this server holds cache {self.name!r}, not {read.name!r}")
+        data = self.store.ipc_bytes(read.partition, read.start, read.stop)
         with self._lock:
             self.reads += 1
-            self.records_sent += hi - lo
+            self.records_sent += read.stop - read.start
             self.bytes_sent += len(data)
-        return {"ipc": data}
+        return ReadReply(ipc=data).to_wire()
 
     def _on_load(self, request: Request) -> dict[str, Any]:
-        body = _body(request)
-        parts = [(int(i), int(a), int(b)) for i, a, b in body.get("parts") or []]
-        limit = body.get("limit")
-        sizes = self.load(str(body.get("source")), parts, int(limit) if limit else None)
-        return {"bytes": {str(k): v for k, v in sizes.items()}, "files": self.record().to_json()}
+        load = LoadRequest.from_wire(request.body)
+        sizes = self.load(load.source, list(load.parts), load.limit)
+        return LoadReply(sizes=sizes, files=self.record().to_json()).to_wire()
 
     def _on_stop(self, request: Request) -> None:
         threading.Thread(target=self.close, name="cache-stop", daemon=True).start()
-
-
-def _body(request: Request) -> Mapping[str, Any]:
-    return body_map(f"{request.method} body", request.body)
-
-
-def _int(body: Mapping[str, Any], key: str) -> int:
-    value = body.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
-    return value
 
 
 # The local backend's daemon ------------------------------------------------------------

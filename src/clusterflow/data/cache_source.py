@@ -39,14 +39,13 @@ from clusterflow.data.cache_map import (
     find_map,
     parse_url,
 )
+from clusterflow.data.cache_wire import ReadReply, ReadRequest
 from clusterflow.data.columns import arrow_columns
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
 
 log = logging.getLogger(__name__)
 
-READ_METHOD = "cache.read"
-"""A remote read: ``{partition, start, stop}`` (offsets inside the partition) -> ``{ipc}``."""
 REMOTE_DEADLINE_S = 10.0
 """One remote read's deadline: a dead server is an error within it, and the next holder
 is asked."""
@@ -238,17 +237,16 @@ class CacheSource:
                 if server is None or node == self.node or server.address in self._dead:
                     continue
                 try:
+                    request = ReadRequest(name=self.name, partition=index, start=lo, stop=hi)
                     reply = self._client(server).call(
-                        READ_METHOD,
-                        {"name": self.name, "partition": index, "start": lo, "stop": hi},
-                        deadline=REMOTE_DEADLINE_S,
+                        request.METHOD, request.to_wire(), deadline=REMOTE_DEADLINE_S
                     )
                 except RpcError as exc:
                     errors.append(f"{node}: {exc}")
                     self._dead.add(server.address)  # not asked again: its node is gone
                     self._drop_client(server.address)
                     continue
-                data = reply.body["ipc"]
+                data = ReadReply.from_wire(reply.body).ipc
                 table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
                 self.records_remote += hi - lo
                 self.bytes_remote += len(data)
