@@ -285,3 +285,24 @@ class ApplyEngine(Generic[G]):
         self._pending.clear()
         self._commits.clear()
         self.cond.notify_all()
+
+
+class Applied:
+    """What a store that applies through an ``ApplyEngine`` shows of it (both stores
+    are one): the version, the applied split keys and the counters."""
+
+    _engine: ApplyEngine[Any]
+
+    @property
+    def version(self) -> int:
+        """Steps applied (the dense variables and the tables count their own)."""
+        return self._engine.version
+
+    @property
+    def applied(self) -> AppliedKeys:
+        """Split keys whose update was applied: each is applied at most once."""
+        return self._engine.applied
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self._engine.stats

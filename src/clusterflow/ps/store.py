@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from clusterflow.ps import optimizer as optim_bridge
 from clusterflow.ps.api import PSConfig, PSError, PushRejected
 from clusterflow.ps.applied import AppliedKeys
-from clusterflow.ps.engine import ApplyEngine, Part, PushResult
+from clusterflow.ps.engine import Applied, ApplyEngine, Part, PushResult
 from clusterflow.ps.loans import Loan, LoanBook, pooled_copy
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.rpc.codec import DTYPES
@@ -52,7 +51,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-class VariableStore:
+class VariableStore(Applied):
     """Shards of variables held by one ps task."""
 
     def __init__(self, ps_index: int = 0) -> None:
@@ -68,20 +67,6 @@ class VariableStore:
         self._opt_group: dict[int, int] = {}
         self._loans = LoanBook()
         """Variables that replies in flight still read (``ps/loans.py``)."""
-
-    @property
-    def version(self) -> int:
-        """Steps applied to these variables."""
-        return self._engine.version
-
-    @property
-    def applied(self) -> AppliedKeys:
-        """Split keys whose update this shard applied: each is applied at most once."""
-        return self._engine.applied
-
-    @property
-    def stats(self) -> Counter[str]:
-        return self._engine.stats
 
     # Set-up -----------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ Pure of networking, as ``VariableStore``; ``protocol.py`` serves it as ``ps.rows
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 from clusterflow.ps.api import PSConfig, PSError, PushRejected
 from clusterflow.ps.applied import AppliedKeys, Key
-from clusterflow.ps.engine import ApplyEngine, Part, PushResult
+from clusterflow.ps.engine import Applied, ApplyEngine, Part, PushResult
 from clusterflow.ps.rows import RowOptimizer, RowOptimizerSpec, TableSpec, coalesce
 
 Rows = tuple[torch.Tensor, torch.Tensor]
@@ -47,7 +46,7 @@ class TableShard:
     optimizer: RowOptimizer | None = None
 
 
-class RowStore:
+class RowStore(Applied):
     """Every table's rows held by one ps task; see the module docstring."""
 
     def __init__(self, ps_index: int = 0) -> None:
@@ -56,19 +55,6 @@ class RowStore:
         self._cond = self._engine.cond
         self.config: PSConfig | None = None
         self.tables: dict[str, TableShard] = {}
-
-    @property
-    def version(self) -> int:
-        """Table steps applied (a count of its own, beside the dense variables')."""
-        return self._engine.version
-
-    @property
-    def applied(self) -> AppliedKeys:
-        return self._engine.applied
-
-    @property
-    def stats(self) -> Counter[str]:
-        return self._engine.stats
 
     # Set-up -----------------------------------------------------------------------
 
