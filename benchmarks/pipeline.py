@@ -1,4 +1,7 @@
-"""Pipeline schedules on a deep MLP: GPipe, 1F1B (torch's) and PipeDream (ours), same run.
+"""Pipeline schedules on a deep MLP: GPipe, 1F1B and PipeDream, in one run.
+
+GPipe and 1F1B run torch's order with every receive posted ahead (the default), 1F1B
+also as torch runs it (``1f1b-serial``); PipeDream is ours.
 
 Two stage processes, one torch thread each (one core each), one pipeline of 2 stages:
 an MLP of ``LAYERS`` hidden layers of ``WIDTH`` units, cut by parameters, batch
@@ -12,6 +15,11 @@ Figures (each ratio the median over rounds of the same round's windows):
 
 * ``onef1b_vs_gpipe``, ``pipedream_vs_1f1b``, ``pipedream_2bw_vs_1f1b``: samples/s
   (PipeDream updates once per micro-batch; PipeDream-2BW once per batch, as 1F1B).
+* ``pipedream_vs_1f1b_flush``: the same with as many micro-batches as stages
+  (``FLUSH_MICROBATCHES``), where 1F1B's flush idles a third of each step.
+* ``overlap_vs_serial``: 1F1B with every receive posted at the step's start
+  (``overlap=True``, the default) over torch's 1F1B as it is (``overlap=False``);
+  ``bubble_serial_vs_theory`` is the latter's bubble.
 * ``bubble_vs_theory``: 1F1B's measured idle fraction over ``(p-1)/(m+p-1)``. A stage's
   idle fraction is ``1 - busy / t_window``, ``busy`` the wall time its stage spent in
   torch's ``forward_one_chunk`` and ``backward_one_chunk`` during the window (timed by
@@ -51,7 +59,19 @@ WIDTH = 512
 LAYERS = 8
 BATCH = 256
 MICROBATCHES = 8
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "pipedream-2bw")
+FLUSH_MICROBATCHES = STAGES
+"""Where PipeDream's missing flush matters: as many micro-batches as stages, so the
+flush bubble of 1F1B is (p-1)/(m+p-1) = a third of a step with 2 stages."""
+SCHEDULES: dict[str, tuple[str, int, bool, bool]] = {
+    # name: (schedule, micro-batches, two_bw, overlap)
+    "gpipe": ("gpipe", MICROBATCHES, False, True),
+    "1f1b": ("1f1b", MICROBATCHES, False, True),
+    "1f1b-serial": ("1f1b", MICROBATCHES, False, False),
+    "pipedream": ("pipedream", MICROBATCHES, False, True),
+    "pipedream-2bw": ("pipedream", MICROBATCHES, True, True),
+    "1f1b-flush": ("1f1b", FLUSH_MICROBATCHES, False, True),
+    "pipedream-flush": ("pipedream", FLUSH_MICROBATCHES, False, True),
+}
 
 
 @dataclass(frozen=True)
@@ -116,12 +136,8 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     loss_fn = nn.CrossEntropyLoss()
     steps: dict[str, Any] = {}
     strategies: dict[str, Any] = {}
-    for schedule in SCHEDULES:
-        strategy = PipelineStrategy(
-            schedule.removesuffix("-2bw"),
-            microbatches=MICROBATCHES,
-            two_bw=schedule.endswith("-2bw"),
-        )
+    for schedule, (kind, microbatches, two_bw, overlap) in SCHEDULES.items():
+        strategy = PipelineStrategy(kind, microbatches=microbatches, two_bw=two_bw, overlap=overlap)
         with strategy.scope():
             model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
@@ -152,6 +168,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
     figures = alternate(sides, plan.rounds, warmup=False)
 
     idle = [1 - share for share in busy_shares["1f1b"]]
+    idle_serial = [1 - share for share in busy_shares["1f1b-serial"]]
 
     # Peak activation bytes saved for backward, on this stage, in one step.
     memory: dict[str, int] = {}
@@ -180,7 +197,7 @@ def _worker(rank: int, port: int, plan: Plan, conn: Connection | None) -> None:
         memory[schedule] = live[1]
 
     gathered: list[Any] = [None] * STAGES
-    dist.all_gather_object(gathered, {"idle": idle, "memory": memory})
+    dist.all_gather_object(gathered, {"idle": idle, "idle_serial": idle_serial, "memory": memory})
     if conn is not None:
         conn.send((figures, gathered))
     for s in strategies.values():
@@ -216,8 +233,9 @@ def main() -> None:
     )
     theory = (STAGES - 1) / (MICROBATCHES + STAGES - 1)
     rounds = len(figures["1f1b"])
-    bubble = Spread.of(
-        sum(stage["idle"][i] for stage in stages) / STAGES / theory for i in range(rounds)
+    bubble, bubble_serial = (
+        Spread.of(sum(stage[key][i] for stage in stages) / STAGES / theory for i in range(rounds))
+        for key in ("idle", "idle_serial")
     )
     for rank, stage in enumerate(stages):
         print(
@@ -232,7 +250,10 @@ def main() -> None:
         "onef1b_vs_gpipe": ratio(figures["1f1b"], figures["gpipe"]),
         "pipedream_vs_1f1b": ratio(figures["pipedream"], figures["1f1b"]),
         "pipedream_2bw_vs_1f1b": ratio(figures["pipedream-2bw"], figures["1f1b"]),
+        "pipedream_vs_1f1b_flush": ratio(figures["pipedream-flush"], figures["1f1b-flush"]),
+        "overlap_vs_serial": ratio(figures["1f1b"], figures["1f1b-serial"]),
         "bubble_vs_theory": bubble,
+        "bubble_serial_vs_theory": bubble_serial,
         "memory_1f1b_vs_gpipe": memory,
     }
     print(load.describe(), flush=True)

@@ -73,6 +73,7 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             "params": flat(model),
             "loss": history.history["loss"],
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
+            "actions": strategy.engine.actions(),  # type: ignore[union-attr]
         }
         if schedule == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]

@@ -132,6 +132,22 @@ def test_sync_schedules_equal_one_process(results: dict[str, list[Any]]) -> None
             assert diff < 1e-5, f"{schedule} rank {rank}: parameters differ by {diff}"
             assert got["loss"] == pytest.approx(history.history["loss"], abs=1e-5)
     assert results["sync"][0]["gpipe"]["bounds"] == [(0, 2), (2, 3), (3, 5), (5, 7)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_each_stage_posts_every_receive_before_it_computes(
+    results: dict[str, list[Any]], schedule: str
+) -> None:
+    """The overlap (``pipeline/overlap.py``, on by default): a stage posts the step's
+    receives at its start, so the next micro-batch's activations and gradients arrive
+    while it computes; torch's own lowering posts each one just before its compute. The
+    run above, which equals one process, ran these very schedules."""
+    for rank, result in enumerate(results["sync"]):
+        for actions in result[schedule]["actions"]:
+            receives = [i for i, a in enumerate(actions) if "RECV" in a]
+            others = [i for i, a in enumerate(actions) if "RECV" not in a]
+            assert receives, f"{schedule} rank {rank} received nothing: {actions}"
+            assert max(receives) < min(others), f"{schedule} rank {rank}: {actions}"
     assert results["sync"][0]["1f1b"]["bounds"] == [(0, 3), (3, 7)]
 
 

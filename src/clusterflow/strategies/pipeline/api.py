@@ -73,6 +73,11 @@ class PipelineConfig:
     """PipeDream-2BW: under ``pipedream``, one update per batch (the mean of its
     micro-batches' gradients, each taken on its forward's weights) instead of one per
     micro-batch; at most two weight versions alive. Fewer copies and optimizer steps."""
+    overlap: bool = True
+    """GPipe, 1F1B, interleaved: post every receive of a step at its start, so the next
+    micro-batch's activations and gradients arrive while this one computes
+    (``pipeline/overlap.py``); False runs torch's schedules as they are. PipeDream
+    posts its receives ahead always."""
 
     def __post_init__(self) -> None:
         try:
@@ -90,8 +95,9 @@ class PipelineConfig:
             raise PipelineError(
                 f"unknown balance {self.balance!r}; expected 'parameters' or 'time'"
             )
-        if not isinstance(self.two_bw, bool):
-            raise PipelineError(f"two_bw must be True or False, got {self.two_bw!r}")
+        for name in ("two_bw", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.two_bw and self.schedule is not Schedule.PIPEDREAM:
             raise PipelineError(
                 f"two_bw is PipeDream-2BW; the {self.schedule.value!r} schedule already "

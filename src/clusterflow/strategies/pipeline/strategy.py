@@ -84,6 +84,8 @@ class PipelineStrategy(Strategy):
             ``"time"`` (measured on ``example_input``).
         virtual_stages: chunks per task under the interleaved schedule.
         two_bw: PipeDream-2BW, one update per batch (``pipedream`` only).
+        overlap: post each step's receives ahead of the compute they feed (GPipe, 1F1B,
+            interleaved; default True); False runs torch's schedules unchanged.
         example_input: one micro-batch of inputs, for ``balance="time"``.
         record_stashes: PipeDream keeps a record of every micro-batch's weight versions.
 
@@ -103,6 +105,7 @@ class PipelineStrategy(Strategy):
         balance: str = "parameters",
         virtual_stages: int = 2,
         two_bw: bool = False,
+        overlap: bool = True,
         example_input: torch.Tensor | None = None,
         record_stashes: bool = False,
         communication_options: CommunicationOptions | None = None,
@@ -116,6 +119,7 @@ class PipelineStrategy(Strategy):
             balance=balance,  # type: ignore[arg-type]
             virtual_stages=virtual_stages,
             two_bw=two_bw,
+            overlap=overlap,
         )
         if self.config.balance == "time" and example_input is None and split is None:
             raise PipelineError("balance='time' measures the layers on example_input; give one")
@@ -345,6 +349,7 @@ class PipelineStrategy(Strategy):
                 self.config.microbatches,
                 self._pipe_group,
                 self._device,
+                overlap=self.config.overlap,
             )
         return self._engine  # type: ignore[return-value]
 

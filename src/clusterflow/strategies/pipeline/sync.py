@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (
 
 from clusterflow.strategies.pipeline.api import PipelineError, Schedule
 from clusterflow.strategies.pipeline.layout import Layout
+from clusterflow.strategies.pipeline.overlap import OverlappedInterleaved1F1B, OverlappedSingle
 
 __all__ = ["LocalEngine", "SyncEngine"]
 
@@ -47,6 +48,8 @@ class SyncEngine:
         microbatches: int,
         group: dist.ProcessGroup | None,
         device: torch.device,
+        *,
+        overlap: bool = True,
     ) -> None:
         self._layout = layout
         self._chunks = list(chunks)
@@ -54,6 +57,7 @@ class SyncEngine:
         self._microbatches = microbatches
         self._group = group
         self._device = device
+        self._overlap = overlap
         self._built: dict[tuple[int, ...], Any] = {}
 
     def _build(self, shape: tuple[int, ...], loss_fn: LossFn) -> Any:
@@ -62,16 +66,30 @@ class SyncEngine:
             PipelineStage(self._chunks[c], c, layout.chunks, self._device, group=self._group)
             for c in layout.my_chunks()
         ]
+        gpipe = self._schedule is Schedule.GPIPE
         try:
             if self._schedule is Schedule.INTERLEAVED:
-                return ScheduleInterleaved1F1B(stages, self._microbatches, loss_fn=loss_fn)
-            kind = ScheduleGPipe if self._schedule is Schedule.GPIPE else Schedule1F1B
-            return kind(stages[0], self._microbatches, loss_fn=loss_fn)
+                kind = OverlappedInterleaved1F1B if self._overlap else ScheduleInterleaved1F1B
+                return kind(stages, self._microbatches, loss_fn=loss_fn)
+            if self._overlap:
+                return OverlappedSingle(stages[0], self._microbatches, loss_fn, gpipe=gpipe)
+            single = ScheduleGPipe if gpipe else Schedule1F1B
+            return single(stages[0], self._microbatches, loss_fn=loss_fn)
         except ValueError as exc:  # torch's own rule, e.g. micro-batches per round
             raise PipelineError(
                 f"the {self._schedule.value} schedule cannot run {self._microbatches} "
                 f"micro-batches on {layout.stages} stages: {str(exc).splitlines()[0]}"
             ) from None
+
+    def actions(self) -> list[list[str]]:
+        """This rank's actions in each schedule built so far, in the order it runs them
+        (``"1RECV_F0"``: stage 1 receives micro-batch 0's activations); empty for
+        torch's own single-stage schedules (``overlap=False``), which keep none."""
+        out = []
+        for schedule in self._built.values():
+            order = getattr(schedule, "pipeline_order_with_comms", None) or {}
+            out.append([str(action) for action in order.get(schedule.rank, [])])
+        return out
 
     def _call_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         return self._loss_fn(outputs, targets)
