@@ -6,7 +6,8 @@ settle) stays where it is and each place gains one call into here:
 * ``create``: the scope's embedding modules become ps tables (``TableSession``); with
   ``dense="allreduce"`` the dense parameters stay on the workers (``DenseReplicas``);
   what is left goes to the ps as before.
-* ``step`` (the optimizer pre-hook): all-reduce the dense gradients, push the rows.
+* ``step`` (the optimizer pre-hook): all-reduce the dense gradients, take the rows'
+  gradients; ``send`` pushes them (async with ``overlap_push``: beside the next step).
 * the consistent cut: the rows are in each ps task's part already (``PSHandler.state``);
   the workers' dense values go into a ``dense`` part, written by the chief.
 """
@@ -27,7 +28,7 @@ from clusterflow.ps.protocol import PushReply
 from clusterflow.strategies.api import Part, ReadPart
 from clusterflow.strategies.parameter_server.config import ParameterServerConfig
 from clusterflow.strategies.parameter_server.keys import KeyLedger
-from clusterflow.strategies.parameter_server.tables import DenseReplicas, TableSession
+from clusterflow.strategies.parameter_server.tables import DenseReplicas, RowsPush, TableSession
 from clusterflow.strategies.resolver import ClusterResolver
 from clusterflow.strategies.variables import Recorded
 
@@ -101,16 +102,23 @@ class SparseSide:
 
     def step(
         self, optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, int, int]]
-    ) -> list[PushReply] | None:
+    ) -> RowsPush | None:
         """In ``optimizer.step()``'s pre-hook: averages the dense gradients over the
-        replicas, then pushes the rows; the rows' replies (None: no rows this step)."""
+        replicas, then takes the rows' gradients to push (None: no rows this step).
+        ``send`` pushes them, in this thread or, async, beside the next step."""
         if self.dense is not None:
             self.dense.all_reduce()
         tables = self.tables
         if tables is None or not tables.pending:
             return None
         tables.register_optimizer(optimizer)
-        return tables.push(tuple(keys), tables.hyper(optimizer))
+        return tables.prepare(tuple(keys), tables.hyper(optimizer))
+
+    def send(self, rows: RowsPush | None) -> list[PushReply]:
+        """Pushes what ``step`` took; the replies in ps order (none without rows)."""
+        if rows is None or self.tables is None:
+            return []
+        return self.tables.send(rows)
 
     def settle(self, ledger: KeyLedger, keys: Sequence[SplitKey], replies: list[PushReply]) -> bool:
         """Decides a step's keys from the rows' replies (no dense push to decide them)."""

@@ -70,6 +70,7 @@ from clusterflow.strategies.parameter_server.shards import (
 )
 from clusterflow.strategies.parameter_server.sparse import SparseSide
 from clusterflow.strategies.parameter_server.staging import HostStaging
+from clusterflow.strategies.parameter_server.tables import RowsPush
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import Recorded, recording
 
@@ -485,7 +486,7 @@ class ParameterServerStrategy(PSCut, Strategy):
         rows = self._sparse.step(optimizer, [(k.dataset, k.epoch, k.split) for k in self._keys])
         if not tracked:
             if rows is not None:  # the rows decide the step's keys
-                self._count(self._sparse.settle(self._ledger, self._keys, rows))
+                self._push_rows(rows)
             self._pushed = rows is not None
             return
         if id(optimizer) not in self._optimizers:
@@ -496,13 +497,28 @@ class ParameterServerStrategy(PSCut, Strategy):
             (var for _, var in tracked), self._ps.num_ps, self._grad_dtype, self._staging
         )
         held = buffers(self._vars if self.is_chief else (), self._ps.num_ps)
-        self._push(per_ps, held, hyper, rows or [])
+        self._push(per_ps, held, hyper, rows)
         for _, var in tracked:
             var.tensor.grad = None  # torch's own step then leaves the tensor alone
         self._pushed = True
 
+    def _push_rows(self, rows: RowsPush) -> None:
+        """A step of tables alone: the rows' replies decide its keys. Async with
+        ``overlap_push``, the rows travel while the next step computes, as a dense push
+        does (the next step's lookups read rows at most this push old)."""
+        keys = self._keys
+
+        def send() -> None:
+            self._count(self._sparse.settle(self._ledger, keys, self._sparse.send(rows)))
+
+        self._collect_inflight(wait=True)  # at most one push in flight
+        if self._overlap:
+            self._inflight = self._prefetcher.submit(send)
+        else:
+            send()
+
     def _push(
-        self, grads: list[Tensors], held: list[Tensors], hyper: list[Any], rows: list[Any]
+        self, grads: list[Tensors], held: list[Tensors], hyper: list[Any], rows: RowsPush | None
     ) -> None:
         sync = self.config.mode == "sync"
         # sync: one step version on every shard; if the pull was mixed, the push is late
@@ -511,6 +527,7 @@ class ParameterServerStrategy(PSCut, Strategy):
         keys, wire_keys = self._keys, tuple((k.dataset, k.epoch, k.split) for k in self._keys)
         push = Push(self._worker, list(self._versions), grads, held, hyper, wire_keys)
         if sync:
+            self._sparse.send(rows)  # a table step of its own; the dense reply decides
             replies = push.sync(self._ps, step_version, self._value_dtype, self._deadline)
             # ps 0 decides the step: a commit it counted is in the step on every shard.
             self._count(self._ledger.sync_reply(keys, replies[0], step_version))
@@ -519,8 +536,9 @@ class ParameterServerStrategy(PSCut, Strategy):
             return
 
         def push_all() -> None:
+            row_replies = self._sparse.send(rows)
             replies = push.async_(self._ps, self._value_dtype, self._deadline)
-            self._count(self._ledger.async_replies(keys, [*replies, *rows]))
+            self._count(self._ledger.async_replies(keys, [*replies, *row_replies]))
             if all(r.values or not self.placement.on_ps(i) for i, r in enumerate(replies)):
                 values: Tensors = {}
                 for reply in replies:

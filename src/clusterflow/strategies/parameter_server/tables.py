@@ -47,6 +47,18 @@ class _Cache:
     step: int
 
 
+@dataclass(frozen=True, slots=True)
+class RowsPush:
+    """One step's row gradients, split by ps task, and what goes with them."""
+
+    per_ps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+    """Per ps task: (ids, gradient rows) of each table it holds rows of."""
+    versions: list[int]
+    """The table version each task's rows were pulled at (sync: the step's)."""
+    keys: tuple[tuple[str, int, int], ...]
+    hyper: dict[str, Any]
+
+
 @dataclass(slots=True)
 class TableStats:
     """What the tables moved: the benchmark's bytes per step come from here."""
@@ -83,6 +95,10 @@ class TableSession:
         """The table name of each meta weight, by ``id`` (the optimizer's params)."""
         self._lookups: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.versions = [0] * ps.num_ps
+        self._read: list[int | None] = [None] * ps.num_ps
+        """async: per ps task, the oldest table version this step's rows were pulled at.
+        A push names it, not ``versions``: with ``overlap_push`` the previous push's
+        reply may advance ``versions`` after this step read its rows."""
         """Per ps task, the tables' version this replica's rows came from."""
         self._floor = [0] * ps.num_ps
         """sync: per ps task, the version a pull must wait for (after this replica's step)."""
@@ -168,6 +184,8 @@ class TableSession:
                 got = reply.rows[table]
                 rows[missing[per_ps[index]]] = got
                 self.versions[index] = reply.version
+                read = self._read[index]
+                self._read[index] = reply.version if read is None else min(read, reply.version)
                 self.stats.bytes_pulled += got.numel() * 4 + per_ps[index].numel() * 8
                 self.stats.rows_pulled += got.shape[0]
             self._to_cache(table, wanted, rows[missing])
@@ -243,10 +261,15 @@ class TableSession:
     def push(
         self, keys: tuple[tuple[str, int, int], ...], hyper: dict[str, Any]
     ) -> list[PushReply]:
-        """Pushes this step's row gradients to every ps task; their replies in ps order.
+        """Pushes this step's row gradients to every ps task; their replies in ps order."""
+        return self.send(self.prepare(keys, hyper))
 
-        Every task gets a push, with rows or without: a sync table step waits for every
-        replica on every shard, and a table's optimizer counts its steps.
+    def prepare(self, keys: tuple[tuple[str, int, int], ...], hyper: dict[str, Any]) -> RowsPush:
+        """This step's row gradients, split by ps task, ready to send (``send``).
+
+        Taken in the training thread, in the optimizer's pre-hook: it reads the rows'
+        gradients and forgets the step's lookups, so the next step may look rows up
+        while ``send`` runs in the background (async ``overlap_push``).
         """
         per_ps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = [
             ({}, {}) for _ in range(self._ps.num_ps)
@@ -269,17 +292,31 @@ class TableSession:
                     per_ps[index][1][table] = grads[at].detach()
         self._lookups.clear()
         sync = self._config.mode == "sync"
-        pushed = [self._floor[i] if sync else self.versions[i] for i in range(self._ps.num_ps)]
+        read, self._read = self._read, [None] * self._ps.num_ps
+        pushed = [
+            self._floor[i] if sync else (self.versions[i] if read[i] is None else read[i])
+            for i in range(self._ps.num_ps)
+        ]
+        return RowsPush(per_ps, pushed, keys, hyper)
+
+    def send(self, prepared: RowsPush) -> list[PushReply]:
+        """Sends a prepared push to every ps task; their replies in ps order.
+
+        Every task gets a push, with rows or without: a sync table step waits for every
+        replica on every shard, and a table's optimizer counts its steps.
+        """
+        sync = self._config.mode == "sync"
+        pushed = prepared.versions
 
         def push(index: int) -> RowsPushReply:
-            ids, grads = per_ps[index]
+            ids, grads = prepared.per_ps[index]
             request = RowsPushRequest(
                 worker=self._worker,
                 version=pushed[index],
                 ids=ids,
                 grads=grads,
-                keys=keys,
-                hyper=hyper,
+                keys=prepared.keys,
+                hyper=prepared.hyper,
                 timeout=self._deadline,
             )
             self.stats.bytes_pushed += sum(
