@@ -136,7 +136,7 @@ from clusterflow.rpc import Credentials
 
 address, path, name = sys.argv[1], sys.argv[2], sys.argv[3]
 client = DataClient(
-    ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1),
+    ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1, leases_ahead=1),
     dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
     worker=name,
 )
@@ -161,7 +161,9 @@ def test_every_record_once_and_workers_balanced(
     dispatcher: Dispatcher, parquet: Path, workers: int
 ) -> None:
     # Equally fast workers, whatever the load: processes (threads of one process share
-    # the GIL unfairly), one split per batch, one batch read ahead, and every worker
+    # the GIL unfairly), one split per batch, one batch read ahead, one split leased
+    # ahead (more would let the first workers up take the last of these 35 splits
+    # before the seventh has started: 6 each, with its read-ahead), and every worker
     # takes its next batch only when all of them took the previous one (rounds the
     # test starts), so no clock decides who gets more.
     env = {**os.environ, "CLUSTERFLOW_SECRET": dispatcher.credentials.to_hex()}

@@ -57,6 +57,9 @@ def test_collate_error_names_the_source_record_through_a_shuffle() -> None:
 def test_config_validates_itself() -> None:
     with pytest.raises(ConfigError, match="batch_size"):
         DataConfig(batch_size=0)
+    for bad in (0, 257, True):
+        with pytest.raises(ConfigError, match=f"leases_ahead must be .*got {bad!r}$"):
+            DataConfig(leases_ahead=bad)
     assert DataConfig(auto_ack=True).waits_for_all_acks is False
     assert DataConfig(auto_ack=False).waits_for_all_acks is True
     assert DataConfig(auto_ack=True, wait_for_all_acks=True).waits_for_all_acks is True
