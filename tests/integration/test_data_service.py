@@ -351,6 +351,28 @@ def test_closing_client_hands_back_its_leased_ahead_splits_and_acks_only_what_it
     assert dispatcher.service.status("default")["finished"]
 
 
+def test_acks_of_the_simple_mode_go_alone_when_no_lease_call_is_due(
+    dispatcher: Dispatcher, parquet: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With many splits leased ahead, the next lease call may be several splits away;
+    the simple mode's acks (and with them the worker's sign of life) go alone once they
+    waited ``ACK_DUE_S`` (0 here) instead of waiting for it."""
+    from clusterflow.data import client as client_module
+
+    monkeypatch.setattr(client_module, "ACK_DUE_S", 0.0)
+    client = dispatcher.client(ArrowSource(str(parquet)), "w", leases_ahead=16)
+    with client:
+        batches = [next(client) for _ in range(SPLIT // BATCH)]
+        assert batches[-1].completes  # the first split, whole
+        next(client)  # the batches before are applied: their split's ack is due
+        wait_until(
+            lambda: dispatcher.service.status("default")["live"]["0"]["acked"] == 1,
+            10,
+            "the first split's ack, with 8 or more splits still leased ahead",
+        )
+        assert dispatcher.service.status("default")["workers"]["w"] >= 8 + 2
+
+
 def lease_orders(parquet: Path, seed: int) -> list[list[int]]:
     d = host_dispatcher()
     try:

@@ -18,6 +18,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -47,6 +48,12 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 0.02
 """Longest pause between asks while the last splits are out with other workers: the
 latency of the end-of-data barrier, against one cheap dispatcher call per pause."""
+
+ACK_DUE_S = 5.0
+"""Longest an ack of the simple mode waits for a lease call to ride on before it goes
+alone. With splits leased ahead, lease calls come once per several splits; the acks are
+also what tells the dispatcher this worker is alive (its lease deadline), so a slow
+training loop must not hold them for as long as it takes to use up several splits."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,6 +203,7 @@ class DataClient:
         self._on_wait: Callable[[], None] | None = None
         self._delivered: deque[tuple[int, tuple[int, ...]]] = deque()
         self._auto_acks: list[int] = []  # the simple mode's, sent with the next lease call
+        self._acks_since = 0.0  # when the oldest of them was taken (time.monotonic)
         self._split: ReadSplit | None = None  # being cut into batches
         self._pushback: Any = None  # an end or failure, once the held-back batch is out
         self._done = False
@@ -425,9 +433,16 @@ class DataClient:
         if not self._delivered:
             return
         with self._lock:
+            if not self._auto_acks:
+                self._acks_since = time.monotonic()
             while self._delivered:
                 self._auto_acks.extend(self._delivered.popleft()[1])
         self._wake.set()
+
+    def _acks_due(self) -> bool:
+        """Whether the simple mode's acks waited ``ACK_DUE_S`` for a lease call."""
+        with self._lock:
+            return bool(self._auto_acks) and time.monotonic() - self._acks_since >= ACK_DUE_S
 
     def _flush_auto_acks(self) -> None:
         acks = self._take_auto_acks()
@@ -489,10 +504,14 @@ class DataClient:
         try:
             while not self._stop.is_set():
                 with self._room:
-                    if self._ahead > refill_at:
+                    full = self._ahead > refill_at
+                    if full:
                         self._room.wait(0.1)
-                        continue
                     count = most - self._ahead
+                if full:
+                    if self._acks_due():  # no lease call soon: they go alone
+                        self._flush_auto_acks()
+                    continue
                 acks = self._take_auto_acks()
                 reply = self.dispatcher.lease_many(
                     self.spec.name, self.worker, self.host, count, acks
