@@ -136,7 +136,7 @@ from clusterflow.rpc import Credentials
 
 address, path, name = sys.argv[1], sys.argv[2], sys.argv[3]
 client = DataClient(
-    ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1),
+    ArrowSource(path), DataConfig(batch_size=32, split_size=32, prefetch=1, leases_ahead=1),
     dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
     worker=name,
 )
@@ -161,7 +161,9 @@ def test_every_record_once_and_workers_balanced(
     dispatcher: Dispatcher, parquet: Path, workers: int
 ) -> None:
     # Equally fast workers, whatever the load: processes (threads of one process share
-    # the GIL unfairly), one split per batch, one batch read ahead, and every worker
+    # the GIL unfairly), one split per batch, one batch read ahead, one split leased
+    # ahead (more would let the first workers up take the last of these 35 splits
+    # before the seventh has started: 6 each, with its read-ahead), and every worker
     # takes its next batch only when all of them took the previous one (rounds the
     # test starts), so no clock decides who gets more.
     env = {**os.environ, "CLUSTERFLOW_SECRET": dispatcher.credentials.to_hex()}
@@ -219,9 +221,10 @@ import os, signal, sys
 from clusterflow.data import ArrowSource, DataClient, DataConfig, numpy_collate
 from clusterflow.rpc import Credentials
 
-address, path, out = sys.argv[1:4]
+address, path, out, ahead = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 client = DataClient(
-    ArrowSource(path), DataConfig(batch_size=8, split_size=32, prefetch=4, auto_ack=False),
+    ArrowSource(path),
+    DataConfig(batch_size=8, split_size=32, prefetch=4, leases_ahead=ahead, auto_ack=False),
     dispatcher=address, credentials=Credentials.from_env(), collate_fn=numpy_collate,
     worker="victim",
 )
@@ -243,15 +246,20 @@ with open(out, "a") as log:
 """
 
 
+@pytest.mark.parametrize("ahead", [1, 4])
 @pytest.mark.parametrize("recovery", ["release_worker", "deadline"])
 def test_worker_killed_mid_epoch_every_record_acked_once(
-    parquet: Path, tmp_path: Path, recovery: str
+    parquet: Path, tmp_path: Path, recovery: str, ahead: int
 ) -> None:
+    """A worker holding splits at every stage (one being cut, one read, one being read,
+    ``ahead`` leased and unread) is SIGKILLed: every split it held goes back to the
+    dispatcher (by the manager's ``release_worker`` or the lease deadline), and two
+    survivors, themselves leasing ahead, read every record once."""
     d = host_dispatcher(DispatcherConfig(lease_timeout_s=1.0))
     out = tmp_path / "victim.txt"
     env = {**os.environ, "CLUSTERFLOW_SECRET": d.credentials.to_hex()}
     victim = subprocess.Popen(
-        [sys.executable, "-c", VICTIM, d.address, str(parquet), str(out)],
+        [sys.executable, "-c", VICTIM, d.address, str(parquet), str(out), str(ahead)],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
@@ -265,12 +273,30 @@ def test_worker_killed_mid_epoch_every_record_acked_once(
             "the victim to hold unacked splits",
         )
         assert victim.poll() is None, victim.communicate()[1]
-        held = d.service.status("default")["workers"]["victim"]
-        assert held >= 1
+        # Stalled in the training loop, it still fills its read-ahead and its leases
+        # ahead: the split being cut, one read, one being read, and at least half of
+        # ``ahead`` more (refilled once half are taken).
+        stalled = 3 + max(1, ahead - ahead // 2)
+        held = wait_until(
+            lambda: (n := d.service.status("default")["workers"]["victim"]) >= stalled and n,
+            60,
+            f"the victim to hold {stalled} splits",
+        )
+        assert held <= 3 + ahead
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         if recovery == "release_worker":  # what the manager does when a task dies
             assert d.service.release_worker("victim") == held
+        else:
+            wait_until(
+                lambda: "victim" not in d.service.status("default")["workers"],
+                60,
+                "the lease deadline to take the victim's splits back",
+            )
+        status = d.service.status("default")
+        # Every split it held is pending again; only the two it acked are done.
+        assert status["outstanding"] == 0
+        assert status["live"]["0"] == {"pending": RECORDS // SPLIT - 2, "acked": 2}
 
         def survivor(name: str) -> None:
             client = d.client(ArrowSource(str(parquet)), name, auto_ack=False)
@@ -295,6 +321,56 @@ def test_worker_killed_mid_epoch_every_record_acked_once(
             victim.kill()
         victim.communicate(timeout=10)
         d.server.stop()
+
+
+def test_closing_client_hands_back_its_leased_ahead_splits_and_acks_only_what_it_read(
+    dispatcher: Dispatcher, parquet: Path
+) -> None:
+    """A client with splits leased ahead acks one split and closes: the cursor counts
+    that split alone as done (the leased-ahead ones are not delivered), the close hands
+    back every other split it held, and a second client reads exactly the rest."""
+    client = dispatcher.client(ArrowSource(str(parquet)), "w", auto_ack=False, leases_ahead=4)
+    first: list[Any] = []
+    for batch in client:
+        first.append(batch)
+        if batch.completes:  # one whole split (SPLIT is 4 batches)
+            client.ack_through(batch)
+            break
+    held = wait_until(  # the split being cut, one read, one being read, >= 2 ahead
+        lambda: (n := dispatcher.service.status("default")["workers"]["w"]) >= 5 and n,
+        60,
+        "the client to lease ahead",
+    )
+    cursor = client.state_dict()["datasets"]["default"]["epochs"][0]
+    assert len(cursor["acked"]) == 1 and len(cursor["outstanding"]) == held
+    client.close()
+    status = dispatcher.service.status("default")
+    assert status["outstanding"] == 0 and status["workers"].get("w", 0) == 0
+    rest = consume(dispatcher.client(ArrowSource(str(parquet)), "w2"))
+    assert ids_of(rest) == Counter(range(RECORDS)) - ids_of(first)
+    assert dispatcher.service.status("default")["finished"]
+
+
+def test_acks_of_the_simple_mode_go_alone_when_no_lease_call_is_due(
+    dispatcher: Dispatcher, parquet: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With many splits leased ahead, the next lease call may be several splits away;
+    the simple mode's acks (and with them the worker's sign of life) go alone once they
+    waited ``ACK_DUE_S`` (0 here) instead of waiting for it."""
+    from clusterflow.data import client as client_module
+
+    monkeypatch.setattr(client_module, "ACK_DUE_S", 0.0)
+    client = dispatcher.client(ArrowSource(str(parquet)), "w", leases_ahead=16)
+    with client:
+        batches = [next(client) for _ in range(SPLIT // BATCH)]
+        assert batches[-1].completes  # the first split, whole
+        next(client)  # the batches before are applied: their split's ack is due
+        wait_until(
+            lambda: dispatcher.service.status("default")["live"]["0"]["acked"] == 1,
+            10,
+            "the first split's ack, with 8 or more splits still leased ahead",
+        )
+        assert dispatcher.service.status("default")["workers"]["w"] >= 8 + 2
 
 
 def lease_orders(parquet: Path, seed: int) -> list[list[int]]:

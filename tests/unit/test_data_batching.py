@@ -7,7 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from clusterflow.data import CollateError, DataConfig, default_worker_name, resolve_dispatcher
+from clusterflow.data import (
+    CollateError,
+    DataConfig,
+    default_worker_name,
+    distributed_dataset,
+    resolve_dispatcher,
+)
 from clusterflow.data.api import Lease
 from clusterflow.data.batching import Batcher, ReadSplit
 from clusterflow.data.collate import numpy_collate
@@ -57,6 +63,11 @@ def test_collate_error_names_the_source_record_through_a_shuffle() -> None:
 def test_config_validates_itself() -> None:
     with pytest.raises(ConfigError, match="batch_size"):
         DataConfig(batch_size=0)
+    for bad in (0, 257, True):
+        with pytest.raises(ConfigError, match=f"leases_ahead must be .*got {bad!r}$"):
+            DataConfig(leases_ahead=bad)
+    with pytest.raises(ConfigError, match="leases_ahead must be an integer >= 1, got 0"):
+        distributed_dataset({"x": np.arange(4)}, batch_size=2, leases_ahead=0)
     assert DataConfig(auto_ack=True).waits_for_all_acks is False
     assert DataConfig(auto_ack=False).waits_for_all_acks is True
     assert DataConfig(auto_ack=True, wait_for_all_acks=True).waits_for_all_acks is True

@@ -1,8 +1,10 @@
 """The worker side: lease splits, read them ahead, and yield batches to the training loop.
 
-Two background threads keep data ready: one keeps a lease in hand ahead of need (so the
-dispatcher's round trip is off the critical path), the other reads each leased split
-from the source (I/O and decoding, which release the GIL) and shuffles it. The training
+Two background threads keep data ready: one keeps several splits leased ahead of need,
+asking for them several per call (so the dispatcher's round trip is off the critical
+path, and paid once per several splits), the other reads each leased split from the
+source (I/O and decoding, which release the GIL) and shuffles it, the next one while the
+training loop cuts the current one. The training
 loop's ``next()`` cuts the read splits into batches and collates them (``batching.py``
 says why there). Every ``Batch`` says which leases it holds records of and which leases
 it *completes*: once the update computed from a batch is applied, its completed leases
@@ -16,6 +18,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from clusterflow.data.api import (
 )
 from clusterflow.data.batching import Batch, Batcher, ReadSplit
 from clusterflow.data.collate import Collate, take, torch_collate, writable
+from clusterflow.data.dispatcher import MAX_LEASES_PER_CALL
 from clusterflow.data.dispatcher_client import DispatcherClient
 from clusterflow.data.env import default_worker_name
 from clusterflow.data.splits import location_runs, shuffle_buffer_order, split_range, split_seed
@@ -44,6 +48,12 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 0.02
 """Longest pause between asks while the last splits are out with other workers: the
 latency of the end-of-data barrier, against one cheap dispatcher call per pause."""
+
+ACK_DUE_S = 5.0
+"""Longest an ack of the simple mode waits for a lease call to ride on before it goes
+alone. With splits leased ahead, lease calls come once per several splits; the acks are
+also what tells the dispatcher this worker is alive (its lease deadline), so a slow
+training loop must not hold them for as long as it takes to use up several splits."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +77,13 @@ class DataConfig:
     prefetch: int = 4
     """Batches' worth of records read ahead of the training loop, rounded up to whole
     splits (at least one split is always read ahead, besides the one being cut)."""
+    leases_ahead: int = 4
+    """Splits kept leased ahead of the reading thread, besides those read ahead: once
+    half of them are taken, one dispatcher call asks for the rest (``data.lease`` with a
+    count). Four keeps a split ready to read through a round trip slowed by a busy
+    core and halves the calls; each such split is this worker's until acked, so more
+    ahead holds more of the last splits of the data away from idle peers (a dead worker's
+    go back to the queue all the same). At most ``MAX_LEASES_PER_CALL``."""
     auto_ack: bool = True
     """Ack a batch's completed leases when the next batch is asked for. Turn off when a
     parameter server acks them with the update it applies."""
@@ -84,10 +101,15 @@ class DataConfig:
         return not self.auto_ack if self.wait_for_all_acks is None else self.wait_for_all_acks
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "split_size", "prefetch"):
+        for key in ("batch_size", "split_size", "prefetch", "leases_ahead"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.leases_ahead > MAX_LEASES_PER_CALL:
+            raise ConfigError(
+                f"leases_ahead must be at most {MAX_LEASES_PER_CALL} (one call's most), "
+                f"got {self.leases_ahead!r}"
+            )
         if self.shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer!r}")
 
@@ -168,18 +190,20 @@ class DataClient:
         splits_ahead = -(-config.prefetch * config.batch_size // config.split_size)
         self._splits: queue.Queue[Any] = queue.Queue(maxsize=splits_ahead)  # read splits
         self._leases: queue.Queue[Any] = queue.Queue()  # leases from the fetcher
-        self._slot = threading.Semaphore(1)  # at most one lease fetched ahead
         self._stop = threading.Event()
         self._wake = threading.Event()  # an ack of ours may end the fetcher's wait
         self._fetcher: threading.Thread | None = None
         self._reader: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # the reader took a lease
+        self._ahead = 0  # leases fetched that the reader has not taken yet
         self._held: set[int] = set()
         self._lease_of: dict[SplitKey, int] = {}  # held leases by their split's key
         self._auto = config.auto_ack
         self._on_wait: Callable[[], None] | None = None
         self._delivered: deque[tuple[int, tuple[int, ...]]] = deque()
         self._auto_acks: list[int] = []  # the simple mode's, sent with the next lease call
+        self._acks_since = 0.0  # when the oldest of them was taken (time.monotonic)
         self._split: ReadSplit | None = None  # being cut into batches
         self._pushback: Any = None  # an end or failure, once the held-back batch is out
         self._done = False
@@ -331,6 +355,8 @@ class DataClient:
         self._closed = True
         self._stop.set()
         self._wake.set()
+        with self._room:
+            self._room.notify_all()
         if self._reader is not None:
             while self._reader.is_alive():
                 self._drain()
@@ -407,9 +433,16 @@ class DataClient:
         if not self._delivered:
             return
         with self._lock:
+            if not self._auto_acks:
+                self._acks_since = time.monotonic()
             while self._delivered:
                 self._auto_acks.extend(self._delivered.popleft()[1])
         self._wake.set()
+
+    def _acks_due(self) -> bool:
+        """Whether the simple mode's acks waited ``ACK_DUE_S`` for a lease call."""
+        with self._lock:
+            return bool(self._auto_acks) and time.monotonic() - self._acks_since >= ACK_DUE_S
 
     def _flush_auto_acks(self) -> None:
         acks = self._take_auto_acks()
@@ -461,34 +494,47 @@ class DataClient:
         return False
 
     def _fetch_loop(self) -> None:
-        """Keeps one lease ahead of the reading thread, so a split is read while the next
-        lease is on its way: the dispatcher's round trip leaves the critical path."""
+        """Keeps ``leases_ahead`` leases ahead of the reading thread, so a split is read
+        while more are on their way: the dispatcher's round trip leaves the critical path.
+        It asks once half of them are taken, for as many as are missing, in one call."""
+        most = self.config.leases_ahead
+        refill_at = most // 2  # ask when this many or fewer are left (1 ahead: at 0)
         wait_s = 0.0
         waiting = False
         try:
             while not self._stop.is_set():
-                if not self._slot.acquire(timeout=0.1):
+                with self._room:
+                    full = self._ahead > refill_at
+                    if full:
+                        self._room.wait(0.1)
+                    count = most - self._ahead
+                if full:
+                    if self._acks_due():  # no lease call soon: they go alone
+                        self._flush_auto_acks()
                     continue
                 acks = self._take_auto_acks()
-                reply = self.dispatcher.lease(self.spec.name, self.worker, self.host, acks)
+                reply = self.dispatcher.lease_many(
+                    self.spec.name, self.worker, self.host, count, acks
+                )
                 self._acked(acks)
-                status = reply.get("status")
+                status = reply.status
                 if status == "lease":
-                    lease = Lease.from_wire(reply["lease"])
                     with self._lock:
-                        self._held.add(lease.lease_id)
-                        self._lease_of[self._key(lease)] = lease.lease_id
+                        for lease in reply.leases:
+                            self._held.add(lease.lease_id)
+                            self._lease_of[self._key(lease)] = lease.lease_id
+                        self._ahead += len(reply.leases)
+                    for lease in reply.leases:
+                        self._leases.put(lease)
                     wait_s, waiting = 0.0, False
-                    self._leases.put(lease)  # the slot is released when it is taken
                     continue
-                self._slot.release()
                 if status == "end" or not self.config.waits_for_all_acks:
                     self._leases.put(_END)
                     return
                 if not waiting:  # say it once: the reader hands out what it holds back
                     waiting = True
                     self._leases.put(_WAIT)
-                wait_s = min(MAX_WAIT_S, max(float(reply.get("retry_s", 0.005)), wait_s * 2))
+                wait_s = min(MAX_WAIT_S, max(reply.retry_s or 0.005, wait_s * 2))
                 self._wake.wait(wait_s)
                 self._wake.clear()
         except BaseException as exc:
@@ -503,7 +549,9 @@ class DataClient:
                 except queue.Empty:
                     continue
                 if isinstance(item, Lease):
-                    self._slot.release()
+                    with self._room:  # taken: the fetcher may ask for more
+                        self._ahead -= 1
+                        self._room.notify()
                     self._put(self._read(item))
                     continue
                 if not self._put(item) or item is not _WAIT:

@@ -33,6 +33,7 @@ def distributed_dataset(
     epochs: int | None = 1,
     shuffle_buffer: int = 0,
     prefetch: int = 4,
+    leases_ahead: int = 4,
     auto_ack: bool = True,
     wait_for_all_acks: bool | None = None,
     collate_fn: Collate | None = None,
@@ -64,6 +65,7 @@ def distributed_dataset(
         epochs=epochs,
         shuffle_buffer=shuffle_buffer,
         prefetch=prefetch,
+        leases_ahead=leases_ahead,
         auto_ack=auto_ack,
         wait_for_all_acks=wait_for_all_acks,
     )

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from clusterflow.data.api import DatasetSpec
+from clusterflow.data.api import DatasetSpec, LeaseReply
 from clusterflow.rpc import RemoteError, RpcClient
 from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
@@ -69,6 +69,25 @@ class DispatcherClient:
             body["count"] = count
         reply: dict[str, Any] = self._call("data.lease", body)
         return reply
+
+    def lease_many(
+        self,
+        name: str,
+        worker: str,
+        host: str | None,
+        count: int,
+        acks: list[int] | None = None,
+    ) -> LeaseReply:
+        """Up to ``count`` splits in one call (1 to ``dispatcher.MAX_LEASES_PER_CALL``),
+        each under its own lease, after acking ``acks``: one round trip for a worker that
+        keeps several splits leased ahead.
+
+        Raises:
+            RemoteError: ``count`` is out of range (``error_type`` ``ConfigError``, the
+                message names the value), an ack names an unknown lease, or nobody
+                registered ``name``.
+        """
+        return LeaseReply.from_wire(self.lease(name, worker, host, acks, count))
 
     def ack(self, name: str, lease_ids: Iterable[int], worker: str | None = None) -> dict[str, int]:
         """Marks leases applied.
