@@ -456,11 +456,11 @@ def test_one_call_acks_and_leases_several_splits_each_once(dispatcher: Dispatche
         client.register(spec, [])
         seen: list[list[int]] = []
         acks: list[int] = []
-        while (reply := client.lease("many", "w", None, acks, count=3))["status"] == "lease":
-            assert reply["lease"] == reply["leases"][0] and 1 <= len(reply["leases"]) <= 3
-            seen.extend(reply["leases"])
-            acks = [lease[0] for lease in reply["leases"]]
-        assert reply["status"] == "end"
+        while (reply := client.lease("many", "w", None, acks, count=3)).status == "lease":
+            assert 1 <= len(reply.leases) <= 3
+            seen.extend(lease.to_wire() for lease in reply.leases)
+            acks = [lease.lease_id for lease in reply.leases]
+        assert reply.status == "end"
         assert len({lease[0] for lease in seen}) == len(seen) == 10
         assert Counter(r for _, _, a, b in seen for r in range(a, b)) == Counter(range(40))
         for bad in (0, 10_000, True, "3"):

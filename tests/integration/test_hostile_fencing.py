@@ -145,7 +145,7 @@ def test_a_relaunched_worker_is_fenced_by_the_dispatcher_at_once(
         monkeypatch.setenv(ENV_INCARNATION, "0")
         zombie = client()
         zombie.register(spec, [])
-        lease_id = zombie.lease("d", "worker:1", None)["lease"][0]
+        lease_id = zombie.lease("d", "worker:1", None).leases[0].lease_id
 
         # The manager relaunches worker:1: from this moment the zombie is refused.
         service.fences.raise_to("worker:1", 1)
@@ -157,7 +157,7 @@ def test_a_relaunched_worker_is_fenced_by_the_dispatcher_at_once(
 
         monkeypatch.setenv(ENV_INCARNATION, "1")
         replacement = client()
-        assert replacement.lease("d", "worker:1", None)["status"] == "lease"
+        assert replacement.lease("d", "worker:1", None).status == "lease"
     finally:
         for rpc in opened:
             rpc.close()

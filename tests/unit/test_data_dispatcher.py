@@ -10,18 +10,11 @@ from typing import Any
 
 import pytest
 
-from clusterflow.data.api import (
-    LEASE_STATUSES,
-    DataError,
-    DatasetSpec,
-    Lease,
-    LeaseReply,
-    UnknownLeaseError,
-)
-from clusterflow.data.dispatcher import MAX_LEASES_PER_CALL, DispatcherConfig, DispatcherService
+from clusterflow.data.api import DataError, DatasetSpec, Lease, UnknownLeaseError
+from clusterflow.data.dispatcher import DispatcherConfig, DispatcherService
 from clusterflow.data.leases import GrantStatus, LeaseBook
-from clusterflow.errors import ConfigError
-from clusterflow.rpc import Request
+from clusterflow.data.messages import LEASE_STATUSES, MAX_LEASES_PER_CALL, LeaseReply
+from clusterflow.rpc import MalformedBody, Request
 
 SPEC = DatasetSpec(name="d", source="s", num_records=40, split_size=4)  # 10 splits
 
@@ -79,7 +72,7 @@ def test_the_count_is_capped_and_a_bad_one_is_refused_in_one_line() -> None:
     assert len(whole.leases) == SPEC.num_splits  # all there is
     for bad in (0, -1, MAX_LEASES_PER_CALL + 1, True, "3", 1.5, [2]):
         body = {"name": "d", "worker": "b", "host": None, "count": bad}
-        with pytest.raises(ConfigError) as info:
+        with pytest.raises(MalformedBody) as info:  # the one error for a malformed body
             served.call("data.lease", {**body, "acks": [whole.leases[0].lease_id]})
         message = str(info.value)
         assert "\n" not in message and f"got {bad!r}" in message

@@ -216,43 +216,6 @@ class Lease:
         return cls(int(lease_id), int(epoch), int(start), int(stop))
 
 
-LEASE_STATUSES = ("lease", "wait", "end")
-"""What a ``data.lease`` reply's ``status`` may say (``leases.GrantStatus`` serves them)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseReply:
-    """A ``data.lease`` reply as a client reads it: the splits lent, or word to wait or stop.
-
-    ``status`` is ``lease`` (``leases`` holds one lease or more, each acked on its own),
-    ``wait`` (nothing pending at the end of the data; ask again after ``retry_s``) or
-    ``end`` (every epoch is complete).
-    """
-
-    status: str
-    leases: tuple[Lease, ...] = ()
-    retry_s: float = 0.0
-
-    @classmethod
-    def from_wire(cls, body: Any) -> LeaseReply:
-        """Parses a reply, old form (``lease`` alone) or many (``leases``).
-
-        Raises:
-            DataError: the reply is not a lease reply (names what came).
-        """
-        status = body.get("status") if isinstance(body, Mapping) else None
-        if status not in LEASE_STATUSES:
-            raise DataError(f"not a data.lease reply: {body!r}")
-        items = body.get("leases") or ([body["lease"]] if body.get("lease") else [])
-        if status == "lease" and not items:
-            raise DataError(f"data.lease reply lends nothing: {body!r}")
-        return cls(
-            status,
-            tuple(Lease.from_wire(item) for item in items),
-            float(body.get("retry_s", 0.0)),
-        )
-
-
 class SplitKey(NamedTuple):
     """The stable name of one split of one epoch: ``(dataset, epoch, split)``.
 

@@ -36,9 +36,9 @@ from clusterflow.data.api import (
 )
 from clusterflow.data.batching import Batch, Batcher, ReadSplit
 from clusterflow.data.collate import Collate, take, torch_collate, writable
-from clusterflow.data.dispatcher import MAX_LEASES_PER_CALL
 from clusterflow.data.dispatcher_client import DispatcherClient
 from clusterflow.data.env import default_worker_name
+from clusterflow.data.messages import MAX_LEASES_PER_CALL
 from clusterflow.data.splits import location_runs, shuffle_buffer_order, split_range, split_seed
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcServer

@@ -36,17 +36,27 @@ from clusterflow.data.api import (
     UnknownDatasetError,
 )
 from clusterflow.data.leases import Grant, GrantStatus, LeaseBook
+from clusterflow.data.messages import (
+    ACK,
+    LEASE,
+    LOAD_STATE_DICT,
+    REGISTER,
+    RELEASE,
+    SERVICE,
+    STATE_DICT,
+    STATUS,
+    AckRequest,
+    LeaseReply,
+    LeaseRequest,
+    RegisterRequest,
+    ReleaseRequest,
+    StatusRequest,
+)
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Request, body_map
 from clusterflow.rpc.fencing import FenceBook
 
 log = logging.getLogger(__name__)
-
-SERVICE = "data"
-"""Methods are served as ``data.<method>``."""
-
-MAX_LEASES_PER_CALL = 256
-"""The most splits one ``data.lease`` call may ask for: a reply stays a few KiB."""
 
 
 class Registrar(Protocol):
@@ -100,16 +110,16 @@ class DispatcherService:
     def register_on(self, server: Registrar) -> DispatcherService:
         """Serves ``data.*`` on ``server`` (an ``RpcServer`` or a ``Server``)."""
         handlers: dict[str, Callable[[Request], Any]] = {
-            "register": self._on_register,
-            "lease": self._on_lease,
-            "ack": self._on_ack,
-            "release": self._on_release,
-            "status": self._on_status,
-            "state_dict": self._on_state_dict,
-            "load_state_dict": self._on_load_state_dict,
+            REGISTER: self._on_register,
+            LEASE: self._on_lease,
+            ACK: self._on_ack,
+            RELEASE: self._on_release,
+            STATUS: self._on_status,
+            STATE_DICT: self._on_state_dict,
+            LOAD_STATE_DICT: self._on_load_state_dict,
         }
         for method, handler in handlers.items():
-            server.register(f"{SERVICE}.{method}", self.fences.guard(handler))
+            server.register(method, self.fences.guard(handler))
         self.fences.register_on(server, SERVICE)
         return self
 
@@ -266,86 +276,40 @@ class DispatcherService:
         return book
 
     def _on_register(self, request: Request) -> dict[str, Any]:
-        body = _body(request)
-        spec = DatasetSpec.from_wire(body.get("spec"))
-        locations = body.get("locations") or None
-        return self.register(spec, locations)
+        register = RegisterRequest.from_wire(request.body)
+        return self.register(register.spec, register.locations)
 
     def _on_lease(self, request: Request) -> dict[str, Any]:
-        body = _body(request)
-        name, worker = str(body.get("name")), _worker(body)
-        acks = body.get("acks")  # the simple mode's ride along: one call per split, not two
-        count = body.get("count")
-        incarnation = body.get("incarnation")
+        ask = LeaseRequest.from_wire(request.body)
         grant = self.lease(
-            name,
-            worker,
-            body.get("host"),
-            str(incarnation) if incarnation else None,
-            count=1 if count is None else _count(count),
-            acks=_lease_ids(acks) if acks else None,
+            ask.name,
+            ask.worker,
+            ask.host,
+            ask.incarnation,
+            count=1 if ask.count is None else ask.count,
+            acks=list(ask.acks) or None,
         )
-        reply: dict[str, Any] = {"status": grant.status.value}
-        if grant.lease is not None:
-            reply["lease"] = grant.lease.to_wire()
-            if count is not None:
-                reply["leases"] = [lease.to_wire() for lease in grant.leases]
-        elif grant.status == GrantStatus.WAIT:
-            reply["retry_s"] = self.config.retry_s
-        return reply
+        retry = self.config.retry_s if grant.status == GrantStatus.WAIT else 0.0
+        return LeaseReply(grant.status.value, tuple(grant.leases), retry).to_wire()
 
     def _on_ack(self, request: Request) -> dict[str, int]:
-        body = _body(request)
-        worker = body.get("worker")
-        leases = _lease_ids(body.get("leases"))
-        return self.ack(str(body.get("name")), leases, str(worker) if worker else None)
+        ack = AckRequest.from_wire(request.body)
+        return self.ack(ack.name, list(ack.leases), ack.worker)
 
     def _on_release(self, request: Request) -> dict[str, int]:
-        body = _body(request)
-        name = body.get("name")
-        leases = body.get("leases")
-        if leases is not None:
-            if not isinstance(leases, list):
-                raise ConfigError(f"release needs a list of lease ids, got {leases!r}")
-            return {"released": self.release_leases(str(name), _worker(body), leases)}
-        return {"released": self.release_worker(_worker(body), str(name) if name else None)}
+        release = ReleaseRequest.from_wire(request.body)
+        if release.leases is not None:
+            assert release.name is not None  # the request type requires it
+            released = self.release_leases(release.name, release.worker, list(release.leases))
+        else:
+            released = self.release_worker(release.worker, release.name)
+        return {"released": released}
 
     def _on_status(self, request: Request) -> dict[str, Any]:
-        return self.status(str(_body(request).get("name")))
+        return self.status(StatusRequest.from_wire(request.body).name)
 
     def _on_state_dict(self, request: Request) -> dict[str, Any]:
         return self.state_dict()
 
     def _on_load_state_dict(self, request: Request) -> None:
-        self.load_state_dict(_body(request))
-
-
-def _body(request: Request) -> Mapping[str, Any]:
-    return body_map(f"{request.method} body", request.body)
-
-
-def _lease_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in value
-    ):
-        raise ConfigError(f"ack needs a list of integer lease ids, got {value!r}")
-    return value
-
-
-def _count(value: Any) -> int:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or not 1 <= value <= MAX_LEASES_PER_CALL
-    ):
-        raise ConfigError(
-            f"lease count must be an integer from 1 to {MAX_LEASES_PER_CALL}, got {value!r}"
-        )
-    return value
-
-
-def _worker(body: Mapping[str, Any]) -> str:
-    worker = body.get("worker")
-    if not isinstance(worker, str) or not worker:
-        raise ConfigError(f"a worker name is required, got {worker!r}")
-    return worker
+        self.load_state_dict(body_map(f"{LOAD_STATE_DICT} body", request.body))

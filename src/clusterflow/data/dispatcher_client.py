@@ -12,7 +12,17 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from clusterflow.data.api import DatasetSpec, LeaseReply
+from clusterflow.data.api import DatasetSpec
+from clusterflow.data.messages import (
+    LOAD_STATE_DICT,
+    STATE_DICT,
+    AckRequest,
+    LeaseReply,
+    LeaseRequest,
+    RegisterRequest,
+    ReleaseRequest,
+    StatusRequest,
+)
 from clusterflow.rpc import RemoteError, RpcClient
 from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
@@ -43,8 +53,8 @@ class DispatcherClient:
             raise
 
     def register(self, spec: DatasetSpec, locations: list[list[Any]]) -> dict[str, Any]:
-        body = {"spec": spec.to_wire(), "locations": locations}
-        reply: dict[str, Any] = self._call("data.register", body)
+        request = RegisterRequest(spec=spec, locations=locations)
+        reply: dict[str, Any] = self._call(request.METHOD, request.to_wire())
         return reply
 
     def lease(
@@ -54,21 +64,25 @@ class DispatcherClient:
         host: str | None,
         acks: list[int] | None = None,
         count: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> LeaseReply:
         """The next split, after acking ``acks`` (one call instead of two); with
-        ``count``, up to that many, listed in the reply's ``leases``."""
-        body: dict[str, Any] = {
-            "name": name,
-            "worker": worker,
-            "host": host,
-            "incarnation": INCARNATION,
-        }
-        if acks:
-            body["acks"] = acks
-        if count is not None:
-            body["count"] = count
-        reply: dict[str, Any] = self._call("data.lease", body)
-        return reply
+        ``count``, up to that many (1 to ``MAX_LEASES_PER_CALL``), each under its own
+        lease: one round trip for a worker that keeps several splits leased ahead.
+
+        Raises:
+            RemoteError: ``count`` is out of range (a ``MalformedBody``, the message
+                names the value), an ack names an unknown lease, or nobody registered
+                ``name``.
+        """
+        request = LeaseRequest(
+            name=name,
+            worker=worker,
+            host=host,
+            incarnation=INCARNATION,
+            acks=tuple(acks or ()),
+            count=count,
+        )
+        return LeaseReply.from_wire(self._call(request.METHOD, request.to_wire()))
 
     def lease_many(
         self,
@@ -78,16 +92,8 @@ class DispatcherClient:
         count: int,
         acks: list[int] | None = None,
     ) -> LeaseReply:
-        """Up to ``count`` splits in one call (1 to ``dispatcher.MAX_LEASES_PER_CALL``),
-        each under its own lease, after acking ``acks``: one round trip for a worker that
-        keeps several splits leased ahead.
-
-        Raises:
-            RemoteError: ``count`` is out of range (``error_type`` ``ConfigError``, the
-                message names the value), an ack names an unknown lease, or nobody
-                registered ``name``.
-        """
-        return LeaseReply.from_wire(self.lease(name, worker, host, acks, count))
+        """Up to ``count`` splits in one call (``lease`` with a count)."""
+        return self.lease(name, worker, host, acks, count)
 
     def ack(self, name: str, lease_ids: Iterable[int], worker: str | None = None) -> dict[str, int]:
         """Marks leases applied.
@@ -96,23 +102,23 @@ class DispatcherClient:
             RemoteError: an id is unknown to the dispatcher (``error_type`` is
                 ``UnknownLeaseError``; the message names each id), or so is the dataset.
         """
-        body = {"name": name, "leases": [int(x) for x in lease_ids], "worker": worker}
-        reply: dict[str, int] = self._call("data.ack", body)
+        request = AckRequest(name=name, leases=tuple(int(x) for x in lease_ids), worker=worker)
+        reply: dict[str, int] = self._call(request.METHOD, request.to_wire())
         return reply
 
     def release(self, name: str, worker: str, lease_ids: Iterable[int] | None = None) -> int:
-        body: dict[str, Any] = {"name": name, "worker": worker}
-        if lease_ids is not None:
-            body["leases"] = [int(x) for x in lease_ids]
-        return int(self._call("data.release", body)["released"])
+        leases = None if lease_ids is None else tuple(int(x) for x in lease_ids)
+        request = ReleaseRequest(name=name, worker=worker, leases=leases)
+        return int(self._call(request.METHOD, request.to_wire())["released"])
 
     def status(self, name: str) -> dict[str, Any]:
-        reply: dict[str, Any] = self._call("data.status", {"name": name})
+        request = StatusRequest(name=name)
+        reply: dict[str, Any] = self._call(request.METHOD, request.to_wire())
         return reply
 
     def state_dict(self) -> dict[str, Any]:
-        reply: dict[str, Any] = self.rpc.call("data.state_dict").body
+        reply: dict[str, Any] = self.rpc.call(STATE_DICT).body
         return reply
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.rpc.call("data.load_state_dict", dict(state))
+        self.rpc.call(LOAD_STATE_DICT, dict(state))

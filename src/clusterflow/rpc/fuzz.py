@@ -44,7 +44,7 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     "ps.state": (),
     "ps.stats": (),
     "data.register": ("spec", "locations"),
-    "data.lease": ("name", "worker", "host", "incarnation", "acks"),
+    "data.lease": ("name", "worker", "host", "incarnation", "acks", "count"),
     "data.ack": ("name", "leases", "worker"),
     "data.release": ("name", "worker", "leases"),
     "data.status": ("name",),
