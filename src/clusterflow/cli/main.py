@@ -66,13 +66,30 @@ class PublicChoice(click.Choice):  # type: ignore[type-arg]
         return super().convert(value, param, ctx)
 
 
+class WorkersParam(click.ParamType):
+    """``--workers``: ``N`` as a number; ``MIN:MAX`` (and anything else) as typed, for
+    ``RunConfig.merge`` to read or refuse, naming ``--workers`` (``parse_workers``)."""
+
+    name = "N|MIN:MAX"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        return value
+
+
 # start ---------------------------------------------------------------------------------
 
 
 @cli.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
 @click.option("--chief", is_flag=True, default=None, help="Add a chief task (else worker 0 leads).")
 @click.option("--ps", type=int, default=None, help="Number of parameter-server tasks.")
-@click.option("--workers", type=int, default=None, help="Number of worker tasks [default: 1].")
+@click.option(
+    "--workers",
+    type=WorkersParam(),
+    default=None,
+    help="Number of worker tasks, or MIN:MAX to let `clusterflow scale` resize them [default: 1].",
+)
 @click.option("--evaluator", is_flag=True, default=None, help="Add an evaluator task.")
 @click.option(
     "--replicas-per-host",
