@@ -504,6 +504,39 @@ def stop(cluster_id: str, grace: float) -> None:
     click.echo(f"{cluster.id}: {outcome}")
 
 
+# scale ---------------------------------------------------------------------------------
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+@click.option("--workers", type=int, help="The worker tasks the cluster should run.")
+@click.option("--ps", type=int, help="Refused: the ps tasks keep their number.")
+def scale(cluster_id: str, workers: int | None, ps: int | None) -> None:
+    """Grow or shrink the worker job of a running elastic cluster (--workers MIN:MAX)."""
+    from clusterflow.manager import registry
+    from clusterflow.manager.elastic import scale_cluster
+
+    if ps is not None:
+        raise ConfigError(
+            "scale --ps: the ps tasks keep their number (their shards hold the variables); "
+            "only --workers resizes"
+        )
+    if workers is None:
+        raise ConfigError("scale needs --workers N")
+    cluster = registry.find(cluster_id)
+    reply = scale_cluster(cluster, workers)
+    moved = [
+        f"{word} {', '.join(reply[key])}"
+        for word, key in (("added", "joined"), ("removed", "left"))
+        if reply.get(key)
+    ]
+    change = f" ({'; '.join(moved)})" if moved else " (unchanged)"
+    click.echo(
+        f"{cluster.id}: {reply.get('workers')} workers at spec version "
+        f"{reply.get('spec_version')}{change}"
+    )
+
+
 # server / secret -----------------------------------------------------------------------
 
 
