@@ -124,3 +124,49 @@ def test_the_membership_history_round_trips_through_the_state_file() -> None:
     assert ClusterState.from_dict({"id": "c", "membership": "x", "workers_range": [1]}) == (
         ClusterState(id="c")
     )
+
+
+# Loss above MIN (manager/policy.py) -------------------------------------------------------
+
+
+def _status(*, workers: int, min_workers: int | None, resizable: bool = True, **kw: Any) -> Any:
+    from clusterflow.manager.policy import ClusterStatus, TaskStatus
+
+    tasks = [TaskStatus(task="chief:0", tracked=True, exit_code=None)]
+    tasks += [
+        TaskStatus(
+            task=f"worker:{i}",
+            tracked=True,
+            exit_code=-9 if i == 1 else None,
+            resizable=resizable,
+            respawnable=True,
+        )
+        for i in range(workers)
+    ]
+    return ClusterStatus(tasks=tuple(tasks), workers=workers, min_workers=min_workers, **kw)
+
+
+def test_a_dead_resizable_worker_above_min_with_no_restart_left_leaves_the_cluster() -> None:
+    """Pins ``_may_leave``: without it the run fails (``FAIL``)."""
+    from clusterflow.manager.policy import Decision, decide
+
+    verdict = decide(_status(workers=3, min_workers=2))
+    assert verdict.decision == Decision.SHRINK and verdict.failed_task == "worker:1"
+    assert "goes on with 2 workers" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("changes", "decision"),
+    [
+        ({"workers": 2, "min_workers": 2}, "fail"),  # at MIN: today's policy
+        ({"workers": 3, "min_workers": None}, "fail"),  # a fixed size
+        ({"workers": 3, "min_workers": 2, "resizable": False}, "fail"),  # all-reduce, sync
+        ({"workers": 3, "min_workers": 2, "max_restarts": 1}, "respawn"),  # restarts first
+    ],
+)
+def test_otherwise_a_dead_worker_meets_the_failure_policy(
+    changes: dict[str, Any], decision: str
+) -> None:
+    from clusterflow.manager.policy import decide
+
+    assert decide(_status(**changes)).decision == decision

@@ -390,6 +390,19 @@ def describe(cluster_id: str, as_json: bool) -> None:
     if state.max_restarts:
         click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
     click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
+    if state.workers_range:
+        low, high = state.workers_range
+        workers = sum(1 for t in state.tasks if t.task.startswith("worker:"))
+        click.echo(f"workers:  {workers} (elastic, {low}:{high})")
+    if state.membership:
+        click.echo("membership:")
+        for m in state.membership:
+            when = time.strftime("%H:%M:%S", time.localtime(m.time))
+            step = "-" if m.step is None else m.step
+            click.echo(
+                f"  {when} {m.task:<14} {m.change:<7} spec v{m.spec_version:<4} "
+                f"step {step:<8} workers {m.workers}"
+            )
     click.echo("tasks:")
     for t in state.tasks:
         code = t.exit_code

@@ -250,6 +250,9 @@ class Controller(Recovery, Elastic):
             if verdict.decision == Decision.RESTART:
                 self._restart_all(verdict)
                 continue
+            if verdict.decision == Decision.SHRINK:
+                self._lose(verdict)
+                continue
             if verdict.decision != Decision.CONTINUE:
                 return verdict
             self._apply_scale()
@@ -272,6 +275,8 @@ class Controller(Recovery, Elastic):
             trailing_grace_s=self.config.evaluator_grace_s,
             restarts=self._restarts,
             max_restarts=self.config.max_restarts,
+            workers=len(self.tasks.workers()),
+            min_workers=self._workers_min if self.config.elastic else None,
         )
 
     def _conclude(self, verdict: Verdict) -> int:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from clusterflow.data.dispatcher import DispatcherService
     from clusterflow.manager.config import RunConfig
     from clusterflow.manager.output import OutputRouter
+    from clusterflow.manager.policy import Verdict
     from clusterflow.manager.rendezvous import Rendezvous
     from clusterflow.manager.tasks import TaskRecord, TaskTable
 
@@ -272,6 +273,15 @@ class Elastic:
         with self._scale_cond:
             self._scale_result = (joined, left)
             self._scale_cond.notify_all()
+
+    def _lose(self, verdict: Verdict) -> None:
+        """A dead worker above MIN with no restart left leaves the cluster; the others
+        go on (``Decision.SHRINK``)."""
+        record = self.tasks[TaskId.parse(str(verdict.failed_task))]
+        log.info("%s", verdict.reason)
+        self.cluster.append_event("task_lost", task=str(record.id), reason=verdict.reason)
+        self._leave(record, "lost")
+        self._write_state()
 
     def _leave(self, record: TaskRecord, change: str) -> None:
         """``record``'s task leaves the cluster: stopped if it runs, its leases returned,

@@ -228,6 +228,7 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
                     memory_kill=t.exit_code is not None
                     and t.process is not None
                     and t.process.memory_kill,
+                    resizable=t.resizable is True,
                 )
                 for t in self._records.values()
             )
