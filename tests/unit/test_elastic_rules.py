@@ -2,7 +2,8 @@
 the registration barrier follow a worker job that grows and shrinks.
 
 The manager's loop carrying a change out is tested on a real cluster
-(``tests/integration/test_elastic.py``); here are its pure pieces.
+(``tests/integration/test_elastic.py``; this file has another name, as pytest
+needs unique module names); here are its pure pieces.
 """
 
 from __future__ import annotations
