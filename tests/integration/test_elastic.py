@@ -149,6 +149,7 @@ def test_async_ps_through_fit_grows_2_4_2_applying_every_record_once_per_epoch(
     assert _workers_in_spec(cf, cluster_id) == ([*_workers_in_spec(cf, cluster_id)[0]], 1)
 
     said = _scale(cf, cluster_id, 4)
+    assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
     assert said.endswith("4 workers at spec version 3 (added worker:2, worker:3)"), said
     assert len(_spec_version(cf, cluster_id, 3)) == 4
     # the newcomers train: each logs steps of its own
