@@ -265,3 +265,76 @@ def test_bad_scale_requests_are_one_line_with_exit_2_and_leave_the_cluster_untou
     assert done.returncode == 2 and done.stderr.strip() == (
         f"error: cluster {fixed} is not running (stopped): nothing to scale"
     ), done.stderr
+
+
+COORDINATED = """\
+import os, sys
+from pathlib import Path
+from clusterflow.strategies import TFConfigClusterResolver
+
+OUT = Path(sys.argv[1])
+resolver = TFConfigClusterResolver()
+if resolver.task_type == "worker":
+    from clusterflow.strategies.coordinator import serve_worker
+    serve_worker()
+    sys.exit(0)
+from clusterflow.strategies.coordinator import ClusterCoordinator
+from clusterflow.strategies.parameter_server import ParameterServerStrategy
+
+coordinator = ClusterCoordinator(ParameterServerStrategy(resolver), worker_timeout_s=5.0)
+
+
+def where():
+    return os.environ["CLUSTERFLOW_TASK"]
+
+
+while not (OUT / "done").exists():
+    values = [coordinator.schedule(where) for _ in range(8)]
+    coordinator.join()  # raises if a function failed
+    with open(OUT / "rounds.log", "a") as log:
+        log.write(" ".join(sorted({v.fetch() for v in values})) + "\\n")
+coordinator.close()
+"""
+
+
+def _rounds(out: Path) -> list[set[str]]:
+    log = out / "rounds.log"
+    return [set(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.timeout(300)
+def test_the_coordinator_sends_functions_to_the_workers_a_scale_adds_and_not_to_those_it_removes(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """Pins ``ClusterCoordinator._follow_membership``: at a new spec version it uses the
+    new workers and stops using the departed ones; no function fails, the chief and the
+    surviving workers keep their pids."""
+    script = cf.script("coordinated.py", COORDINATED)
+    cluster_id = cf.start_detached(
+        "--chief", "--ps", "1", "--workers", "2:4", "--", PY, str(script), str(tmp_path)
+    )
+    cf.wait_until(lambda: len(_rounds(tmp_path)) >= 3, 120, "rounds at 2 workers")
+    kept = ("chief:0", "worker:0", "worker:1")
+    before = _job_pids(cf, cluster_id, kept)
+    assert set().union(*_rounds(tmp_path)) == {"worker:0", "worker:1"}
+
+    _scale(cf, cluster_id, 4)
+    cf.wait_until(
+        lambda: any({"worker:2", "worker:3"} <= r for r in _rounds(tmp_path)),
+        60,
+        f"a round on the new workers\n{cf.output(cluster_id)}",
+    )
+    _scale(cf, cluster_id, 2)
+    after = len(_rounds(tmp_path))
+    cf.wait_until(
+        lambda: any(r == {"worker:0", "worker:1"} for r in _rounds(tmp_path)[after:]),
+        60,
+        f"a round on worker:0 and worker:1 alone\n{cf.output(cluster_id)}",
+    )
+    assert _pids(cf, cluster_id, kept) == before, "a resize restarted a surviving task"
+    (tmp_path / "done").write_text("")
+    cf.wait_until(lambda: _ended(cf, cluster_id), 60, f"the end of {cluster_id}")
+    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
+    state = cf.state(cluster_id)
+    assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    assert state["restarts"] == 0
