@@ -66,7 +66,7 @@ class PublicChoice(click.Choice):  # type: ignore[type-arg]
         return super().convert(value, param, ctx)
 
 
-class WorkersParam(click.ParamType):
+class WorkersParam(click.ParamType):  # type: ignore[type-arg]
     """``--workers``: ``N`` as a number; ``MIN:MAX`` (and anything else) as typed, for
     ``RunConfig.merge`` to read or refuse, naming ``--workers`` (``parse_workers``)."""
 
