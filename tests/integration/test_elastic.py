@@ -332,6 +332,16 @@ def test_the_coordinator_sends_functions_to_the_workers_a_scale_adds_and_not_to_
         f"a round on worker:0 and worker:1 alone\n{cf.output(cluster_id)}",
     )
     assert _pids(cf, cluster_id, kept) == before, "a resize restarted a surviving task"
+    # a name that left may come back: worker:2 again, a new process at spec version 6
+    said = _scale(cf, cluster_id, 3)
+    assert said.endswith("3 workers at spec version 6 (added worker:2)"), said
+    after = len(_rounds(tmp_path))
+    cf.wait_until(
+        lambda: any("worker:2" in r for r in _rounds(tmp_path)[after:]),
+        60,
+        f"a round on worker:2 again\n{cf.output(cluster_id)}",
+    )
+    assert _pids(cf, cluster_id, kept) == before, "a resize restarted a surviving task"
     (tmp_path / "done").write_text("")
     cf.wait_until(lambda: _ended(cf, cluster_id), 60, f"the end of {cluster_id}")
     cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")

@@ -403,7 +403,8 @@ class ClusterCoordinator:
             if self._closed:
                 return
             known = {w.index: w for w in self._workers}
-            for index in sorted(indexes - set(known)):
+            live = {i for i, w in known.items() if not w.retired}
+            for index in sorted(indexes - live):  # new, or a name that left and came back
                 link = WorkerLink(
                     index=index,
                     name=f"worker:{index}",
@@ -411,19 +412,23 @@ class ClusterCoordinator:
                     credentials=self._credentials,
                     timeout_s=self._worker_timeout_s,
                 )
-                self._workers.append(link)
-                self._queues[index] = deque()
                 thread = threading.Thread(
                     target=self._dispatch,
                     args=(link,),
                     name=f"coordinator-{link.name}",
                     daemon=True,
                 )
-                self._threads.append(thread)
+                if index in known:  # its old link's thread ends (retired): take its place
+                    at = self._workers.index(known[index])
+                    self._workers[at], self._threads[at] = link, thread
+                else:
+                    self._workers.append(link)
+                    self._threads.append(thread)
+                self._queues[index] = deque()
                 thread.start()
                 log.info("%s joined (spec version %d): functions go to it too", link.name, version)
             for index, link in known.items():
-                if index in indexes or link.retired:
+                if index in indexes or link.retired:  # kept, or gone already
                     continue
                 link.retired = True
                 waiting, self._queues[index] = self._queues[index], deque()
