@@ -54,7 +54,11 @@ USAGE_CASES = [
     (["start"], "no job command"),
     (["start", "--workers", "2"], "no job command"),
     (["start", "--workers", "-1", "--", PY], "--workers must be a non-negative integer, got -1"),
-    (["start", "--workers", "abc", "--", PY], "'abc' is not a valid integer"),
+    (
+        ["start", "--workers", "abc", "--", PY],
+        "--workers must be a non-negative integer, got 'abc'",
+    ),
+    (["start", "--workers", "5:2", "--", PY], "--workers 5:2: MAX must be at least MIN"),
     (["start", "--ps", "x", "--", PY], "'x' is not a valid integer"),
     (["start", "--workers", "0", "--", PY], "no task"),
     (

@@ -46,6 +46,10 @@ FLAG_CASES = [
     (["--stall-timeout", "0"], "--stall-timeout must be a positive number, got 0.0"),
     (["--max-restarts", "-1"], "--max-restarts must be a non-negative integer, got -1"),
     (["--workers", "-1"], "--workers must be a non-negative integer, got -1"),
+    (["--workers", "5:2"], "--workers 5:2: MAX must be at least MIN"),
+    (["--workers", "0:3"], "--workers 0:3: MIN must be at least 1"),
+    (["--workers", "a:b"], "--workers must be N or MIN:MAX with whole numbers, got 'a:b'"),
+    (["--workers", "two"], "--workers must be a non-negative integer, got 'two'"),
     (["--ps", "-1"], "--ps must be a non-negative integer, got -1"),
     (["--replicas-per-host", "0"], "--replicas-per-host must be a positive integer, got 0"),
     (["--untracked", "foo"], "--untracked names unknown job 'foo'"),
@@ -84,6 +88,8 @@ def test_grace_is_named_as_typed_by_start_and_by_tune(
 
 FILE_CASES = [
     ("workers: two", "workers must be a non-negative integer, got 'two'"),
+    ("workers: {min: 5, max: 2}", "workers 5:2: MAX must be at least MIN"),
+    ("workers: '0:3'", "workers 0:3: MIN must be at least 1"),
     ("ps: -1", "ps must be a non-negative integer, got -1"),
     ("chief: maybe", "chief must be true or false, got 'maybe'"),
     ("stall_timeout_s: 0", "stall_timeout_s must be a positive number, got 0"),

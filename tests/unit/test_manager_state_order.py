@@ -64,6 +64,8 @@ def test_a_task_read_running_at_an_address_is_in_the_spec_read_with_it() -> None
         restore_points=SimpleNamespace(url=None),
         tasks=Tasks(),
         rendezvous=rendezvous,
+        workers_range=lambda: None,
+        membership=lambda: (),
     )
     state = Controller.state(fake)
     assert len(reads) == 2

@@ -142,3 +142,59 @@ def test_config_is_frozen() -> None:
     config = RunConfig(command=CMD)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.workers = 2  # type: ignore[misc]
+
+
+# Elastic worker jobs (issue 32): --workers MIN:MAX ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "low", "high"),
+    [
+        ([{"workers": "2:8"}], 2, 8),
+        ([{"workers": {"min": 2, "max": 8}}], 2, 8),
+        ([{"workers": "3:3"}], 3, 3),
+        ([{"workers": 4}], 4, None),
+        # a later layer's fixed size replaces an earlier layer's range, and back
+        ([{"workers": {"min": 2, "max": 8}}, {"workers": 4}], 4, None),
+        ([{"workers": 4}, {"workers": "1:5"}], 1, 5),
+        # a resumed cluster's settings (config.json) keep their range
+        ([RunConfig(command=CMD, workers=2, workers_max=6).to_dict()], 2, 6),
+    ],
+)
+def test_a_worker_range_starts_at_min_and_may_grow_to_max(
+    layers: list[dict[str, Any]], low: int, high: int | None
+) -> None:
+    """Pins ``parse_workers`` and the layers: the cluster starts MIN workers (the local
+    backend's choice, docs/concepts.md), MAX is kept for ``clusterflow scale``."""
+    config = RunConfig.merge(*layers, {"command": CMD})
+    assert (config.workers, config.workers_max) == (low, high)
+    assert [t.index for t in config.tasks() if t.job == "worker"] == list(range(low))
+    assert config.elastic == (high is not None)
+    assert config.most_workers == (high if high is not None else low)
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"),
+    [
+        ("5:2", "workers 5:2: MAX must be at least MIN"),
+        ("0:3", "workers 0:3: MIN must be at least 1"),
+        ("a:b", "workers must be N or MIN:MAX with whole numbers, got 'a:b'"),
+        ("2:", "workers must be N or MIN:MAX with whole numbers, got '2:'"),
+        ({"min": 2}, "workers as a range must be {min: MIN, max: MAX}, got {'min': 2}"),
+        ({"min": 2, "max": "many"}, "workers MAX must be a whole number, got 'many'"),
+        ({"min": -1, "max": 2}, "workers must be a non-negative integer, got -1"),
+    ],
+)
+def test_a_bad_worker_range_is_refused_naming_it(workers: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        RunConfig.merge({"command": CMD, "workers": workers})
+    assert str(raised.value) == message
+
+
+def test_a_worker_range_is_local_only_and_counts_max_against_the_process_limit() -> None:
+    with pytest.raises(ConfigError, match="a range needs backend local"):
+        RunConfig(command=CMD, workers=1, workers_max=3, backend="ray")
+    from clusterflow.manager.limits import MAX_PROCESSES
+
+    with pytest.raises(ConfigError, match=f"workers {MAX_PROCESSES + 1} .* at most"):
+        RunConfig(command=CMD, workers=1, workers_max=MAX_PROCESSES + 1)

@@ -66,13 +66,30 @@ class PublicChoice(click.Choice):  # type: ignore[type-arg]
         return super().convert(value, param, ctx)
 
 
+class WorkersParam(click.ParamType):  # type: ignore[type-arg]
+    """``--workers``: ``N`` as a number; ``MIN:MAX`` (and anything else) as typed, for
+    ``RunConfig.merge`` to read or refuse, naming ``--workers`` (``parse_workers``)."""
+
+    name = "N|MIN:MAX"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        return value
+
+
 # start ---------------------------------------------------------------------------------
 
 
 @cli.command(context_settings={**CONTEXT, "ignore_unknown_options": False})
 @click.option("--chief", is_flag=True, default=None, help="Add a chief task (else worker 0 leads).")
 @click.option("--ps", type=int, default=None, help="Number of parameter-server tasks.")
-@click.option("--workers", type=int, default=None, help="Number of worker tasks [default: 1].")
+@click.option(
+    "--workers",
+    type=WorkersParam(),
+    default=None,
+    help="Number of worker tasks, or MIN:MAX to let `clusterflow scale` resize them [default: 1].",
+)
 @click.option("--evaluator", is_flag=True, default=None, help="Add an evaluator task.")
 @click.option(
     "--replicas-per-host",
@@ -373,6 +390,19 @@ def describe(cluster_id: str, as_json: bool) -> None:
     if state.max_restarts:
         click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
     click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
+    if state.workers_range:
+        low, high = state.workers_range
+        workers = sum(1 for t in state.tasks if t.task.startswith("worker:"))
+        click.echo(f"workers:  {workers} (elastic, {low}:{high})")
+    if state.membership:
+        click.echo("membership:")
+        for m in state.membership:
+            when = time.strftime("%H:%M:%S", time.localtime(m.time))
+            step = "-" if m.step is None else m.step
+            click.echo(
+                f"  {when} {m.task:<14} {m.change:<7} spec v{m.spec_version:<4} "
+                f"step {step:<8} workers {m.workers}"
+            )
     click.echo("tasks:")
     for t in state.tasks:
         code = t.exit_code
@@ -485,6 +515,39 @@ def stop(cluster_id: str, grace: float) -> None:
     else:
         outcome = stopper.stop_cluster(cluster, grace)
     click.echo(f"{cluster.id}: {outcome}")
+
+
+# scale ---------------------------------------------------------------------------------
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("cluster_id")
+@click.option("--workers", type=int, help="The worker tasks the cluster should run.")
+@click.option("--ps", type=int, help="Refused: the ps tasks keep their number.")
+def scale(cluster_id: str, workers: int | None, ps: int | None) -> None:
+    """Grow or shrink the worker job of a running elastic cluster (--workers MIN:MAX)."""
+    from clusterflow.manager import registry
+    from clusterflow.manager.elastic import scale_cluster
+
+    if ps is not None:
+        raise ConfigError(
+            "scale --ps: the ps tasks keep their number (their shards hold the variables); "
+            "only --workers resizes"
+        )
+    if workers is None:
+        raise ConfigError("scale needs --workers N")
+    cluster = registry.find(cluster_id)
+    reply = scale_cluster(cluster, workers)
+    moved = [
+        f"{word} {', '.join(reply[key])}"
+        for word, key in (("added", "joined"), ("removed", "left"))
+        if reply.get(key)
+    ]
+    change = f" ({'; '.join(moved)})" if moved else " (unchanged)"
+    click.echo(
+        f"{cluster.id}: {reply.get('workers')} workers at spec version "
+        f"{reply.get('spec_version')}{change}"
+    )
 
 
 # server / secret -----------------------------------------------------------------------

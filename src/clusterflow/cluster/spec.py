@@ -381,6 +381,35 @@ class ClusterSpec:
         jobs[task.job][task.index] = address
         return ClusterSpec(jobs)
 
+    def with_task(self, task: TaskId, address: str) -> ClusterSpec:
+        """A new spec with ``task`` added at ``address``; this one is unchanged.
+
+        Used when an elastic cluster grows (``clusterflow scale``).
+
+        Raises:
+            ClusterSpecError: ``task`` is in the spec already, or ``address`` is invalid
+                or used by another task.
+        """
+        if task in self:
+            raise ClusterSpecError(f"task {task} is already in the cluster spec")
+        jobs = {job: dict(tasks) for job, tasks in self._jobs.items()}
+        jobs.setdefault(task.job, {})[task.index] = address
+        return ClusterSpec(jobs)
+
+    def without(self, task: TaskId) -> ClusterSpec:
+        """A new spec without ``task`` (its job sparse if ``task`` was not its last);
+        this one is unchanged. Used when a task leaves an elastic cluster.
+
+        Raises:
+            ClusterSpecError: ``task`` is not in the spec.
+        """
+        self.task_address(task.job, task.index)
+        jobs = {job: dict(tasks) for job, tasks in self._jobs.items()}
+        del jobs[task.job][task.index]
+        if not jobs[task.job]:
+            del jobs[task.job]
+        return ClusterSpec(jobs)
+
     def __contains__(self, task: object) -> bool:
         return isinstance(task, TaskId) and task.index in self._jobs.get(task.job, {})
 

@@ -95,7 +95,12 @@ class RunConfig:
     ps: int = 0
     """Number of parameter-server tasks."""
     workers: int = 1
-    """Number of worker tasks."""
+    """Number of worker tasks; with ``workers_max``, the least (MIN), and the number a
+    cluster starts with (the local backend starts MIN: every task shares this machine,
+    so "what fits" is what the user asked for at least)."""
+    workers_max: int | None = None
+    """The most worker tasks ``clusterflow scale`` may grow the cluster to (MAX of
+    ``--workers MIN:MAX``); None: a fixed size, ``workers``."""
     evaluator: bool = False
     """Add an ``evaluator`` task."""
     replicas_per_host: int = 1
@@ -182,13 +187,14 @@ class RunConfig:
             raise SettingError(
                 Setting("replicas_per_host"), f" must be a positive integer, got {n!r}"
             )
-        processes = task_processes(self.ps, self.workers, n)
+        check_worker_range(self)
+        processes = task_processes(self.ps, self.most_workers, n)
         if processes > MAX_PROCESSES:
             raise SettingError(
                 Setting("ps"),
                 f" {self.ps}, ",
                 Setting("workers"),
-                f" {self.workers} and ",
+                f" {self.most_workers} and ",
                 Setting("replicas_per_host"),
                 f" {n} ask for {processes} task processes; at most {MAX_PROCESSES} are allowed",
             )
@@ -244,6 +250,16 @@ class RunConfig:
         if self.evaluator:
             out.append(TaskId("evaluator", 0))
         return out
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker job may be resized while the cluster runs (``MIN:MAX``)."""
+        return self.workers_max is not None
+
+    @property
+    def most_workers(self) -> int:
+        """MAX of an elastic cluster; a fixed one's ``workers``."""
+        return self.workers if self.workers_max is None else self.workers_max
 
     def replicas_of(self, task: TaskId) -> int:
         """Processes ``task`` runs: ``replicas_per_host`` for chief and workers, else 1."""
@@ -356,6 +372,12 @@ def _file_form(layer: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("command", "ps_command"):
         if settings.get(name) is not None:
             settings[name] = _as_command(settings[name], name)
+    if "workers" in settings:
+        low, high = parse_workers(settings["workers"])
+        settings["workers"] = low
+        if high is not None or "workers_max" not in settings:
+            # a later layer's fixed --workers N replaces an earlier layer's range
+            settings["workers_max"] = high
     untracked = settings.get("untracked")
     if isinstance(untracked, str):
         untracked = untracked.split(",")
@@ -373,6 +395,51 @@ def _file_form(layer: Mapping[str, Any]) -> dict[str, Any]:
     if "resources" in settings:
         settings["resources"] = resources_from_file(settings["resources"])
     return settings
+
+
+def parse_workers(value: Any) -> tuple[Any, Any]:
+    """``workers`` as (MIN, MAX): ``N`` is ``(N, None)`` (a fixed size), ``"MIN:MAX"`` and
+    a file's ``{min: MIN, max: MAX}`` a range. What is not one of these forms is left
+    for ``RunConfig`` to judge (``two`` is not a non-negative integer); the range's
+    numbers are checked there too (``check_worker_range``)."""
+    if isinstance(value, str) and ":" in value:
+        low, _, high = (part.strip() for part in value.partition(":"))
+        try:
+            return int(low), int(high)
+        except ValueError:
+            raise SettingError(
+                Setting("workers"), f" must be N or MIN:MAX with whole numbers, got {value!r}"
+            ) from None
+    if isinstance(value, Mapping):
+        if set(value) != {"min", "max"}:
+            raise SettingError(
+                Setting("workers"),
+                f" as a range must be {{min: MIN, max: MAX}}, got {dict(value)!r}",
+            )
+        return value["min"], value["max"]
+    return value, None
+
+
+def check_worker_range(config: RunConfig) -> None:
+    """An elastic worker job: 1 <= MIN <= MAX, on the local backend (``workers`` itself
+    was checked as a non-negative integer before)."""
+    low, high = config.workers, config.workers_max
+    if high is None:
+        return
+    setting = Setting("workers")
+    if isinstance(high, bool) or not isinstance(high, int):
+        raise SettingError(setting, f" MAX must be a whole number, got {high!r}")
+    if low < 1:
+        raise SettingError(setting, f" {low}:{high}: MIN must be at least 1")
+    if high < low:
+        raise SettingError(setting, f" {low}:{high}: MAX must be at least MIN")
+    if config.backend != "local":
+        raise SettingError(
+            setting,
+            f" {low}:{high}: a range needs ",
+            Setting("backend"),
+            " local (growing on Ray is not built yet; issue 32)",
+        )
 
 
 def _as_command(value: Any, what: str) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.errors import ClusterflowError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
+from clusterflow.manager.elastic import Elastic
 from clusterflow.manager.job_env import (
     ClusterPlace,
     Incarnation,
@@ -79,7 +80,7 @@ StoreFactory = Callable[[], StoreHost]
 """Starts the hosted torch store of one attempt (a fresh one for each)."""
 
 
-class Controller(Recovery):
+class Controller(Recovery, Elastic):
     """Runs one cluster from launch to exit.
 
     Args:
@@ -110,6 +111,7 @@ class Controller(Recovery):
         self.config = config
         self.backend = backend
         self.tasks = TaskTable(config)
+        self._init_elastic()
         self._wake = threading.Event()
         self._stop_requested = False
         self.failure: str | None = None
@@ -122,7 +124,9 @@ class Controller(Recovery):
         self._memory_restarts = 0
         self._attempt = 0
         self.output = output or OutputRouter(cluster.output_file, echo=echo)
-        self._rpc = rpc or _manager_server(cluster, config, len(self.tasks))
+        self._rpc = rpc or _manager_server(
+            cluster, config, len(self.tasks) + config.most_workers - config.workers
+        )
         self.rendezvous = rendezvous or Rendezvous(
             list(self.tasks), timeout_s=config.register_timeout_s
         )
@@ -156,6 +160,7 @@ class Controller(Recovery):
             (ManagerMethod.CHECKPOINTS, self._on_checkpoints, False),
             (ManagerMethod.STANDBY, self._on_standby, True),
             (ManagerMethod.SPEC, self._on_spec, False),
+            (ManagerMethod.SCALE, self._on_scale, True),
             (ManagerMethod.REPORT, self._on_report, False),
             (ManagerMethod.TRIAL_REPORT, TrialReports(cluster.path).on_report, False),
         ):
@@ -220,6 +225,8 @@ class Controller(Recovery):
             standby=self.standby.state(),
             checkpoint_dir=self.restore_points.url,
             tasks=tasks,
+            workers_range=self.workers_range(),
+            membership=self.membership(),
         )
 
     # The loop ----------------------------------------------------------------------
@@ -243,8 +250,12 @@ class Controller(Recovery):
             if verdict.decision == Decision.RESTART:
                 self._restart_all(verdict)
                 continue
+            if verdict.decision == Decision.SHRINK:
+                self._lose(verdict)
+                continue
             if verdict.decision != Decision.CONTINUE:
                 return verdict
+            self._apply_scale()
             self._keep_standby()
             if (
                 self.tasks.take_changed()
@@ -264,6 +275,8 @@ class Controller(Recovery):
             trailing_grace_s=self.config.evaluator_grace_s,
             restarts=self._restarts,
             max_restarts=self.config.max_restarts,
+            workers=len(self.tasks.workers()),
+            min_workers=self._workers_min if self.config.elastic else None,
         )
 
     def _conclude(self, verdict: Verdict) -> int:
@@ -366,7 +379,8 @@ class Controller(Recovery):
         if task.process is not None and isinstance(pid, int) and pid != task.process.pid:
             raise RegistrationError(f"{task.id}: pid {pid} is not its current supervisor")
         address = str(body.get("address"))
-        respawned = task.status == "restarting" and self.rendezvous.spec is not None
+        # relaunched alone, or added by `clusterflow scale`, while the others run
+        respawned = task.status in ("restarting", "joining") and self.rendezvous.spec is not None
         if not respawned:
             self.tasks.registered(task, address, running=False)
         arrival = self.rendezvous.register(task.id, address, respawned=respawned)
@@ -374,6 +388,9 @@ class Controller(Recovery):
             self._on_assembled()
         if respawned:
             self.tasks.registered(task, address, running=True)
+            if arrival == Arrival.JOINED:
+                self._record_membership(task.id, "joined", self.rendezvous.version)
+                self._joined()
             if arrival == Arrival.MOVED:
                 self.cluster.append_event(
                     "spec_updated",
@@ -417,10 +434,14 @@ class Controller(Recovery):
         self.tasks.heartbeat((request.body or {}).get("task"))
 
     def _on_declare(self, request: Request) -> dict[str, Any]:
-        """A job says how it recovers: ``{"task", "respawnable": bool}``."""
+        """A job says how it recovers and whether it resizes live: ``{"task",
+        "respawnable": bool, "resizable": bool (optional)}``."""
         body = request.body or {}
+        resizable = body.get("resizable")
         self.tasks.declare(
-            self.tasks.find(body.get("task")), respawnable=bool(body.get("respawnable"))
+            self.tasks.find(body.get("task")),
+            respawnable=bool(body.get("respawnable")),
+            resizable=resizable if isinstance(resizable, bool) else None,
         )
         return {"max_restarts": self.config.max_restarts}
 

@@ -10,6 +10,11 @@ respawnable (a worker of a parameter-server strategy: nobody else holds its stat
 respawned alone; any other death (all-reduce workers, ps, chief) restarts every task
 from the last committed checkpoint. Beyond the bound, the run fails naming the task.
 
+Elastic clusters (``--workers MIN:MAX``, issue 32): a worker whose job resizes live
+(``TaskStatus.resizable``) that dies when no restart is left, while the cluster holds
+more than MIN workers, leaves the cluster (``SHRINK``): the run goes on at the smaller
+size and no other task restarts. At MIN, the rules above apply unchanged.
+
 Memory: a task its backend killed for outgrowing its memory request, when a relaunch
 can be given more (``TaskStatus.memory_kill``, the Ray backend), restarts every task
 (so the placement is made anew, larger) and does not count against ``max_restarts``:
@@ -42,6 +47,8 @@ class Decision(StrEnum):
     """Relaunch the failed task alone; the others keep running."""
     RESTART = "restart"
     """Stop every task and relaunch them all from the last committed checkpoint."""
+    SHRINK = "shrink"
+    """The dead worker leaves the elastic cluster; the others go on at the smaller size."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +74,8 @@ class TaskStatus:
     """Seconds since the task's reported step last advanced; None if it never reported."""
     memory_kill: bool = False
     """It was killed for outgrowing its memory request, and a relaunch can ask for more."""
+    resizable: bool = False
+    """Its job declared that the cluster may resize around it (an async ps worker)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +92,10 @@ class ClusterStatus:
     restarts: int = 0
     """Recoveries (respawns and whole restarts) made so far."""
     max_restarts: int = 0
+    workers: int = 0
+    """Worker tasks the cluster holds now (the dead ones included)."""
+    min_workers: int | None = None
+    """MIN of an elastic worker job (``--workers MIN:MAX``); None: a fixed size."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +123,9 @@ def decide(status: ClusterStatus) -> Verdict:
         if status.restarts < status.max_restarts:
             decision = Decision.RESPAWN if task.respawnable else Decision.RESTART
             return Verdict(decision, task.task, code, reason)
+        if _may_leave(task, status):
+            reason += f"; the cluster goes on with {status.workers - 1} workers"
+            return Verdict(Decision.SHRINK, task.task, code, reason)
         if status.max_restarts:
             reason += f" (after {status.restarts} restart{'s' if status.restarts != 1 else ''})"
         return Verdict(Decision.FAIL, task.task, code, reason)
@@ -129,6 +145,17 @@ def decide(status: ClusterStatus) -> Verdict:
             )
             return Verdict(Decision.SUCCEED, reason=reason)
     return Verdict(Decision.CONTINUE)
+
+
+def _may_leave(task: TaskStatus, status: ClusterStatus) -> bool:
+    """Whether ``task``, dead with no restart left, may leave the cluster instead of
+    failing the run: a worker of a job that resizes live, above MIN."""
+    return (
+        task.resizable
+        and task.task.startswith("worker:")
+        and status.min_workers is not None
+        and status.workers > status.min_workers
+    )
 
 
 def _death(task: TaskStatus, status: ClusterStatus) -> tuple[str, int] | None:

@@ -35,6 +35,9 @@ class Arrival(enum.Enum):
     """A respawned task came back on its old address: the spec stands."""
     MOVED = "moved"
     """A respawned task came back on a new address: a new spec version."""
+    JOINED = "joined"
+    """A task added to a running cluster (``clusterflow scale``) registered: a new spec
+    version holds it."""
 
 
 class Rendezvous:
@@ -53,7 +56,7 @@ class Rendezvous:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._tasks = list(tasks)
+        self._tasks = sorted(tasks)
         self._members = frozenset(self._tasks)
         self._timeout_s = timeout_s
         self._clock = clock
@@ -92,6 +95,25 @@ class Rendezvous:
             self._addresses.clear()
             self._opened = self._clock()
 
+    def admit(self, task: TaskId) -> None:
+        """``task`` joins the cluster (an elastic cluster grows): it may register now,
+        and its registration publishes a spec that holds it (``Arrival.JOINED``)."""
+        with self._cond:
+            if task not in self._members:
+                self._tasks = sorted([*self._tasks, task])
+                self._members = frozenset(self._tasks)
+
+    def dismiss(self, task: TaskId) -> int:
+        """``task`` left the cluster (it was stopped): the spec drops it, at a new version
+        when it was in the current one. Returns the version that no longer holds it."""
+        with self._cond:
+            self._tasks = [t for t in self._tasks if t != task]
+            self._members = frozenset(self._tasks)
+            self._addresses.pop(task, None)
+            if self._spec is not None and task in self._spec:
+                self._publish(self._spec.without(task))
+            return self._version
+
     def close(self) -> None:
         """Releases every registration still held: the cluster is stopping."""
         with self._cond:
@@ -102,7 +124,8 @@ class Rendezvous:
         """Records where ``task`` listens.
 
         Args:
-            respawned: the task was relaunched alone while the others run.
+            respawned: the task was relaunched alone, or added (``admit``), while the
+                others run.
 
         Raises:
             RegistrationError: ``task`` is not part of the cluster, or the cluster stops.
@@ -117,11 +140,16 @@ class Rendezvous:
                 # only members get here: counting them is the O(1) "all arrived?"
                 if len(self._addresses) < len(self._members):
                     return Arrival.WAITING
-                jobs: dict[str, list[str]] = {}
+                # by index: a job that lost a task above its MIN has a hole (sparse)
+                jobs: dict[str, dict[int, str]] = {}
                 for t in self._tasks:
-                    jobs.setdefault(t.job, []).append(self._addresses[t])
+                    jobs.setdefault(t.job, {})[t.index] = self._addresses[t]
                 self._publish(ClusterSpec(jobs))
                 return Arrival.ASSEMBLED
+            if respawned and task not in self._spec:
+                self._addresses[task] = address
+                self._publish(self._spec.with_task(task, address))
+                return Arrival.JOINED
             if not respawned or self._addresses.get(task) == address:
                 return Arrival.REJOINED
             self._addresses[task] = address

@@ -139,6 +139,46 @@ class StandbyState:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MembershipChange:
+    """A task that joined or left the running cluster (an elastic cluster, issue 32)."""
+
+    time: float
+    """When (seconds since the epoch)."""
+    task: str
+    """``job:index``."""
+    change: str
+    """``joined`` (``clusterflow scale`` grew the cluster), ``left`` (it shrank it) or
+    ``lost`` (it died above MIN with nothing to replace it: the run went on without it)."""
+    spec_version: int
+    """The first spec version that holds the change."""
+    step: int | None = None
+    """The furthest training step any task had reported then."""
+    workers: int = 0
+    """The cluster's worker tasks after the change."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "task": self.task,
+            "change": self.change,
+            "spec_version": self.spec_version,
+            "step": self.step,
+            "workers": self.workers,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MembershipChange:
+        return cls(
+            time=_number(data.get("time")) or 0.0,
+            task=_typed(data, "task", str, "?"),
+            change=_typed(data, "change", str, "?"),
+            spec_version=_typed(data, "spec_version", int, 0),
+            step=_typed(data, "step", int, None),
+            workers=_typed(data, "workers", int, 0),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterState:
     """Everything ``state.json`` holds about one cluster."""
 
@@ -161,6 +201,10 @@ class ClusterState:
     standby: StandbyState | None = None
     checkpoint_dir: str | None = None
     tasks: tuple[TaskState, ...] = ()
+    workers_range: tuple[int, int] | None = None
+    """MIN and MAX of an elastic worker job (``--workers MIN:MAX``); None: a fixed size."""
+    membership: tuple[MembershipChange, ...] = ()
+    """Who joined and who left while the cluster ran, oldest first."""
     exit_code: int | None = None
     """Set with a final status: what ``clusterflow start`` exits with."""
     summary: str | None = None
@@ -200,6 +244,8 @@ class ClusterState:
             ),
             "checkpoint_dir": self.checkpoint_dir,
             "tasks": [t.to_dict() for t in self.tasks],
+            "workers_range": list(self.workers_range) if self.workers_range else None,
+            "membership": [m.to_dict() for m in self.membership],
         }
         for name in ("exit_code", "summary", "ended"):  # only once the run ended
             if getattr(self, name) is not None:
@@ -219,6 +265,8 @@ class ClusterState:
         standby = data.get("standby")
         tasks = data.get("tasks")
         command = data.get("command")
+        span = data.get("workers_range")
+        membership = data.get("membership")
         return cls(
             id=_typed(data, "id", str, cluster_id or "?"),
             status=_typed(data, "status", str, "created"),
@@ -242,6 +290,16 @@ class ClusterState:
             checkpoint_dir=_typed(data, "checkpoint_dir", str, None),
             tasks=tuple(TaskState.from_dict(t) for t in (tasks or []) if isinstance(t, Mapping))
             if isinstance(tasks, list)
+            else (),
+            workers_range=(
+                (span[0], span[1])
+                if isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
+                else None
+            ),
+            membership=tuple(
+                MembershipChange.from_dict(m) for m in membership if isinstance(m, Mapping)
+            )
+            if isinstance(membership, list)
             else (),
             exit_code=_typed(data, "exit_code", int, None),
             summary=_typed(data, "summary", str, None),
@@ -273,6 +331,7 @@ __all__ = [
     "TERMINAL",
     "ClusterState",
     "ManagerProcess",
+    "MembershipChange",
     "StandbyState",
     "Status",
     "TaskState",

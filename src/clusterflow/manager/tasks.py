@@ -39,6 +39,9 @@ class TaskRecord:
     """Why the supervisor could not run the command (from ``manager.exited``)."""
     respawnable: bool = False
     """Its job declared it can be relaunched alone (``manager.declare``)."""
+    resizable: bool | None = None
+    """Its job declared whether the cluster may resize around it (``manager.declare``;
+    the workers of an asynchronous parameter-server strategy); None: not said."""
     restarts: int = 0
     """Times this task was relaunched (alone or with every task)."""
     restore: str | None = None
@@ -86,6 +89,32 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
             raise RegistrationError(f"task {name!r} is not part of this cluster")
         return record
 
+    def add(self, task: TaskId, *, tracked: bool, restarts: int = 0) -> TaskRecord:
+        """A task joins a running cluster (``clusterflow scale``): status ``joining``
+        until it registers. ``restarts`` carries the count of an earlier task of the
+        same name, so the fences raised for that one do not refuse this one."""
+        record = TaskRecord(task, tracked, status="joining", restarts=restarts)
+        with self.lock:
+            self._records = dict(sorted({**self._records, task: record}.items()))
+            self._by_name[str(task)] = record
+            self._changed = True
+        return record
+
+    def remove(self, task: TaskId) -> TaskRecord:
+        """A task left the cluster (it was stopped): it is no longer waited for, watched
+        or shown. Call from the controller's loop, which alone iterates the table."""
+        with self.lock:
+            records = dict(self._records)
+            record = records.pop(task)
+            self._records = records
+            self._by_name.pop(str(task), None)
+            self._changed = True
+        return record
+
+    def workers(self) -> list[TaskId]:
+        """The worker tasks, by index."""
+        return [t for t in self._records if t.job == "worker"]
+
     def changed(self) -> None:
         with self.lock:
             self._changed = True
@@ -103,9 +132,13 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
         with contextlib.suppress(RegistrationError):
             self.find(name).last_heartbeat = time.monotonic()
 
-    def declare(self, record: TaskRecord, *, respawnable: bool) -> None:
+    def declare(
+        self, record: TaskRecord, *, respawnable: bool, resizable: bool | None = None
+    ) -> None:
         with self.lock:
             record.respawnable = respawnable
+            if resizable is not None:
+                record.resizable = resizable
             self._changed = True
 
     def report(self, record: TaskRecord, body: Mapping[str, Any]) -> None:
@@ -195,6 +228,7 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
                     memory_kill=t.exit_code is not None
                     and t.process is not None
                     and t.process.memory_kill,
+                    resizable=t.resizable is True,
                 )
                 for t in self._records.values()
             )

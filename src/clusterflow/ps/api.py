@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -79,6 +79,14 @@ class PSConfig:
             raise ConfigError(f"unknown stale_policy {self.stale_policy!r}; expected drop or scale")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def agrees_with(self, other: PSConfig) -> bool:
+        """Whether ``other`` (a worker's) is the config this ps runs by. An async ps
+        applies each push on its own, so the replica count is no part of its rules: the
+        workers of an elastic cluster count differently as it grows (issue 32)."""
+        if self.mode == "async" and other.mode == "async":
+            return replace(self, num_replicas=other.num_replicas) == other
+        return self == other
 
     @property
     def replicas_per_step(self) -> int:

@@ -86,7 +86,7 @@ class VariableStore(Applied):
         with self._cond:
             if self.config is None:
                 self.config = config
-            elif self.config != config:
+            elif not self.config.agrees_with(config):
                 raise PSError(
                     f"ps:{self.ps_index} runs {self.config.to_dict()}; a worker asked for "
                     f"{config.to_dict()} (every worker must build the same strategy)"

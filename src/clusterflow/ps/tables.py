@@ -84,7 +84,7 @@ class RowStore(Applied):
                 raise PSError(
                     f"ps:{self.ps_index} was created as shard {self.ps_index}, not {shard}"
                 )
-            elif self.config != config:
+            elif not self.config.agrees_with(config):
                 raise PSError(
                     f"ps:{self.ps_index} tables run {self.config.to_dict()}; a worker asked "
                     f"for {config.to_dict()}"

@@ -64,9 +64,14 @@ class ManagerLink:
             return None
         return cls(address, credentials, task)
 
-    def declare(self, *, respawnable: bool) -> None:
-        """Whether the manager may relaunch this task alone when it dies (never raises)."""
-        self._quiet(ManagerMethod.DECLARE, {"task": self.task, "respawnable": respawnable})
+    def declare(self, *, respawnable: bool, resizable: bool | None = None) -> None:
+        """Whether the manager may relaunch this task alone when it dies, and whether
+        the cluster may grow and shrink around it (``clusterflow scale``; None: not
+        said, so it may not). Never raises."""
+        body: dict[str, Any] = {"task": self.task, "respawnable": respawnable}
+        if resizable is not None:
+            body["resizable"] = resizable
+        self._quiet(ManagerMethod.DECLARE, body)
 
     def checkpoints_at(self, url: str) -> bool:
         """Tells the manager that this job's checkpoints live at ``url`` (the chief's

@@ -84,6 +84,9 @@ class WorkerLink:
     sent: set[str] = field(default_factory=set)
     """Digests of the functions this incarnation of the worker holds."""
     busy: bool = False
+    retired: bool = False
+    """The worker left the cluster (a newer spec version drops it): its thread ends,
+    and nothing is sent to it again."""
 
     def __post_init__(self) -> None:
         self.client = RpcClient(self.address, self.credentials)

@@ -18,7 +18,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from clusterflow.errors import ConfigError
+from clusterflow.cluster import ClusterSpec
+from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.central_storage import CentralStorageStrategy
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ClusterCoordinator"]
 
 PROBE_MIN_S, PROBE_MAX_S = 0.2, 5.0
+MEMBERSHIP_POLL_S = 0.5
+"""How often the coordinator asks the manager for the newest spec (``manager.spec``), to
+use the workers an elastic cluster gained and stop using those it lost."""
 """Back-off between probes of a worker that does not answer."""
 
 
@@ -105,6 +109,8 @@ class ClusterCoordinator:
         if "worker" not in spec.jobs:
             raise ConfigError(f"the cluster has no worker job to schedule on: {spec.as_dict()}")
         credentials: Credentials = resolver.require_credentials()
+        self._credentials = credentials
+        self._worker_timeout_s = worker_timeout_s
         self._strategy = strategy
         self._max_attempts = max_attempts
         self._id = uuid.uuid4().hex[:8]
@@ -138,6 +144,11 @@ class ClusterCoordinator:
         ]
         for thread in self._threads:
             thread.start()
+        self._spec_version = 0
+        if self._manager is not None:  # an elastic cluster's workers come and go
+            threading.Thread(
+                target=self._follow_membership, name="coordinator-membership", daemon=True
+            ).start()
         atexit.register(self.close)
 
     @property
@@ -146,7 +157,8 @@ class ClusterCoordinator:
 
     @property
     def num_workers(self) -> int:
-        return len(self._workers)
+        """The workers functions are sent to now (an elastic cluster's change them)."""
+        return sum(1 for w in self._workers if not w.retired)
 
     # Public API --------------------------------------------------------------------
 
@@ -273,7 +285,9 @@ class ClusterCoordinator:
             self._cond.notify_all()
         atexit.unregister(self.close)
         if stop_workers:
-            stoppers = [threading.Thread(target=w.stop, daemon=True) for w in self._workers]
+            stoppers = [
+                threading.Thread(target=w.stop, daemon=True) for w in self._workers if not w.retired
+            ]
             for thread in stoppers:
                 thread.start()
             for thread in stoppers:
@@ -295,10 +309,11 @@ class ClusterCoordinator:
 
     def _enqueue(self, closure: Closure, *, front: bool = False, avoid: int | None = None) -> None:
         """Onto the shortest queue of a worker that is up (any worker while none is)."""
-        candidates = [w for w in self._workers if w.up and w.index != avoid] or [
-            w for w in self._workers if w.index != avoid
+        members = [w for w in self._workers if not w.retired] or self._workers
+        candidates = [w for w in members if w.up and w.index != avoid] or [
+            w for w in members if w.index != avoid
         ]
-        target = min(candidates or self._workers, key=lambda w: len(self._queues[w.index]) + w.busy)
+        target = min(candidates or members, key=lambda w: len(self._queues[w.index]) + w.busy)
         queue = self._queues[target.index]
         if front:
             queue.appendleft(closure)
@@ -309,7 +324,7 @@ class ClusterCoordinator:
     def _take(self, worker: WorkerLink) -> Closure | None:
         """The next closure for ``worker``: its own queue first, else the longest other one."""
         with self._cond:
-            while not self._closing.is_set():
+            while not self._closing.is_set() and not worker.retired:
                 own = self._queues[worker.index]
                 if own:
                     return own.popleft()
@@ -363,9 +378,70 @@ class ClusterCoordinator:
 
     # Dispatching (one thread per worker) -------------------------------------------
 
+    def _follow_membership(self) -> None:
+        """Polls the manager's newest spec; at a new version, starts sending to the
+        workers it added and stops sending to those it dropped (``clusterflow scale``,
+        or a worker lost above MIN). A function running on a dropped worker comes back
+        as ``WorkerLost`` and runs elsewhere, as for any failed worker."""
+        assert self._manager is not None
+        while not self._closing.wait(MEMBERSHIP_POLL_S):
+            reply = self._manager.spec()
+            version = reply.get("spec_version") if reply else None
+            if not isinstance(version, int) or version <= self._spec_version or not reply:
+                continue
+            self._spec_version = version
+            try:
+                spec = ClusterSpec(reply["spec"])
+            except ClusterflowError as exc:
+                log.warning("cannot read spec version %d: %s", version, exc)
+                continue
+            self._apply_membership(spec, version)
+
+    def _apply_membership(self, spec: ClusterSpec, version: int) -> None:
+        indexes = set(spec.task_indices("worker")) if "worker" in spec.jobs else set()
+        with self._cond:
+            if self._closed:
+                return
+            known = {w.index: w for w in self._workers}
+            live = {i for i, w in known.items() if not w.retired}
+            for index in sorted(indexes - live):  # new, or a name that left and came back
+                link = WorkerLink(
+                    index=index,
+                    name=f"worker:{index}",
+                    address=spec.task_address("worker", index),
+                    credentials=self._credentials,
+                    timeout_s=self._worker_timeout_s,
+                )
+                thread = threading.Thread(
+                    target=self._dispatch,
+                    args=(link,),
+                    name=f"coordinator-{link.name}",
+                    daemon=True,
+                )
+                if index in known:  # its old link's thread ends (retired): take its place
+                    at = self._workers.index(known[index])
+                    self._workers[at], self._threads[at] = link, thread
+                else:
+                    self._workers.append(link)
+                    self._threads.append(thread)
+                self._queues[index] = deque()
+                thread.start()
+                log.info("%s joined (spec version %d): functions go to it too", link.name, version)
+            for index, link in known.items():
+                if index in indexes or link.retired:  # kept, or gone already
+                    continue
+                link.retired = True
+                waiting, self._queues[index] = self._queues[index], deque()
+                for closure in waiting:
+                    self._enqueue(closure)
+                log.info(
+                    "%s left (spec version %d): nothing more is sent to it", link.name, version
+                )
+            self._cond.notify_all()
+
     def _dispatch(self, worker: WorkerLink) -> None:
         delay = PROBE_MIN_S
-        while not self._closing.is_set():
+        while not self._closing.is_set() and not worker.retired:
             if not worker.up:
                 if worker.probe():
                     log.info("%s serves the coordinator", worker.name)

@@ -444,8 +444,9 @@ def serve_worker(environ: Mapping[str, str] | None = None) -> None:
             previous[stop_signal] = signal.signal(stop_signal, _stop)
     link = ManagerLink.from_env(environ)
     if link is not None and config.task.job == "worker":
-        # It holds nothing the chief cannot send again: relaunch it alone when it dies.
-        link.declare(respawnable=True)
+        # It holds nothing the chief cannot send again: relaunch it alone when it dies,
+        # and let an elastic cluster add or remove it (the coordinator follows the spec).
+        link.declare(respawnable=True, resizable=True)
         link.close()
     try:
         server.start()

@@ -169,7 +169,9 @@ class ParameterServerStrategy(PSCut, Strategy):
             link = ManagerLink.from_env()
             if link is not None:
                 try:
-                    link.declare(respawnable=True)
+                    # async: a worker is a pusher with a lease set, so workers may come
+                    # and go (clusterflow scale); a sync step counts its replicas
+                    link.declare(respawnable=True, resizable=self.config.mode == "async")
                 finally:
                     link.close()
 
