@@ -7,10 +7,8 @@ Errors the user can fix print one line, ``error: ...``, and exit 2; no traceback
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -245,19 +243,11 @@ def _run_foreground(cluster: Any, config: Any) -> int:
 
 
 def _start_detached(cluster: Any) -> None:
-    from clusterflow.cluster.contract import ENV_CLUSTER_ID
     from clusterflow.manager import registry
+    from clusterflow.manager.handle import LocalHandle
 
-    with (cluster.path / "manager.log").open("ab") as manager_log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterflow.manager", str(cluster.path)],
-            # Tagged like its tasks, so `stop` and cleanup find every process of it.
-            env={**os.environ, ENV_CLUSTER_ID: cluster.id},
-            stdin=subprocess.DEVNULL,
-            stdout=manager_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = LocalHandle.start(cluster).proc
+    assert proc is not None
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
         status = cluster.read_state().status
@@ -477,10 +467,10 @@ def _read(cluster: Any) -> ClusterState:
     """The cluster's state; one whose manager runs elsewhere (on Ray) has its local folder
     brought up to date from it first, within deadlines, and reads ``unreachable`` when
     that Ray cannot be reached (``ray_host.read``); a local cluster's folder is the
-    manager's own."""
-    from clusterflow.manager import ray_host
+    manager's own (``manager/handle.py``)."""
+    from clusterflow.manager import handle
 
-    return ray_host.read(cluster)
+    return handle.read(cluster)
 
 
 def _finished(cluster: Any) -> bool:
@@ -505,16 +495,10 @@ def _finished(cluster: Any) -> bool:
 )
 def stop(cluster_id: str, grace: float) -> None:
     """Stop a cluster: SIGTERM to every task, SIGKILL after the grace period."""
-    from clusterflow.manager import registry, stopper
+    from clusterflow.manager import handle, registry
 
     cluster = registry.find(cluster_id)
-    if cluster.read_config().get("backend") == "ray":
-        from clusterflow.manager import ray_host
-
-        outcome = ray_host.stop(cluster, grace)
-    else:
-        outcome = stopper.stop_cluster(cluster, grace)
-    click.echo(f"{cluster.id}: {outcome}")
+    click.echo(f"{cluster.id}: {handle.stop(cluster, grace)}")
 
 
 # scale ---------------------------------------------------------------------------------

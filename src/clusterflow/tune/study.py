@@ -4,7 +4,7 @@ One thread drives up to ``parallel`` trial clusters at once (no more than the ma
 or the Ray cluster, holds: ``tune.placement``). Each is started exactly as
 ``clusterflow start --detach`` starts one on its backend (a folder in the registry, a
 secret, its ``RunConfig``, then a local manager process or a manager actor on Ray:
-``tune.launch``), so ``clusterflow ps`` lists it, under an id that begins with the
+``manager/handle.py``), so ``clusterflow ps`` lists it, under an id that begins with the
 study's name. The loop reads each trial's report file
 (``clusterflow.cluster.trial``), feeds the values to Optuna's pruner and stops a
 pruned cluster at once. A stop request (Ctrl-C) stops every running trial and puts its
@@ -13,6 +13,7 @@ parameters back in the study's queue, so running again continues with no trial l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,12 +35,11 @@ from clusterflow.cluster.trial import (
     REPORT_FILE,
     read_reports,
 )
-from clusterflow.errors import ConfigError
-from clusterflow.manager import registry
+from clusterflow.errors import ClusterflowError, ConfigError
+from clusterflow.manager import handle, registry
 from clusterflow.manager.config import RunConfig
+from clusterflow.manager.handle import ClusterHandle
 from clusterflow.manager.restore import committed_or_none
-from clusterflow.tune import launch
-from clusterflow.tune.launch import TrialCluster
 from clusterflow.tune.placement import gpus_per_trial, trials_at_once
 from clusterflow.tune.space import Param, check_command, distribution, fill_command, grid
 
@@ -92,7 +92,7 @@ class TuneSettings:
 @dataclass(slots=True)
 class _Running:
     trial: Any
-    launched: TrialCluster
+    launched: ClusterHandle
     gpus: list[str] = field(default_factory=list)
     read: int = 0
     steps: set[int] = field(default_factory=set)
@@ -233,7 +233,8 @@ class StudyRunner:
                 continue
             cluster_id = t.user_attrs.get("cluster_id")
             if cluster_id and (registry.home() / "clusters" / cluster_id).is_dir():
-                launch.stop(registry.find(cluster_id), self.s.stop_grace_s)
+                with contextlib.suppress(ClusterflowError):  # its Ray may be gone
+                    handle.stop(registry.find(cluster_id), self.s.stop_grace_s)
             self.study.enqueue_trial(t.params, skip_if_exists=False)
             self._optuna.Trial(self.study, t._trial_id).set_user_attr(INTERRUPTED, True)
             self.study.tell(t.number, state=state.FAIL)
@@ -305,7 +306,7 @@ class StudyRunner:
         trial.set_user_attr("cluster_id", cluster.id)
         # The trial's manager sees its GPUs as a machine's manager sees the machine's: it
         # splits them between its tasks, which never see another trial's.
-        launched = launch.launch(
+        launched = handle.start(
             cluster, config, {CUDA_VISIBLE_DEVICES: ",".join(gpus)} if gpus else {}
         )
         shown = f" on GPUs {','.join(gpus)}" if gpus else ""

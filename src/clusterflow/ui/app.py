@@ -246,13 +246,9 @@ class _Handlers:
 
 
 def _stop(cluster: registry.ClusterDir, grace_s: float) -> str:
-    from clusterflow.manager import stopper
+    from clusterflow.manager import handle
 
-    if cluster.read_config().get("backend") == "ray":
-        from clusterflow.manager import ray_host
-
-        return ray_host.stop(cluster, grace_s)
-    return stopper.stop_cluster(cluster, grace_s)
+    return handle.stop(cluster, grace_s)
 
 
 def _stream(request: Request, interval_s: float, read: Callable[[int], Any]) -> Response:

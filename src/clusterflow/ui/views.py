@@ -23,7 +23,7 @@ import psutil
 
 from clusterflow.cluster.contract import TENSORBOARD_FILE
 from clusterflow.errors import ClusterflowError, ConfigError
-from clusterflow.manager import ray_host, registry
+from clusterflow.manager import handle, registry
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.state import ClusterState, TaskState
 
@@ -82,7 +82,7 @@ def read_state(cluster: ClusterDir) -> ClusterState:
     with _LOCKS_LOCK:
         lock = _REFRESH_LOCKS.setdefault(cluster.id, threading.Lock())
     with lock:  # its Ray unreachable: the mirror's state, reading `unreachable` (why)
-        return ray_host.read(cluster)
+        return handle.read(cluster)
 
 
 def _age(state: ClusterState, now: float) -> float | None:
