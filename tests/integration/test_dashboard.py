@@ -189,7 +189,11 @@ def _figure(site: Site, task: str, key: str) -> Any:
 def test_the_page_holds_the_tasks_and_its_chart_moves_as_training_advances(
     site: Site, page: Any, tmp_path: Path
 ) -> None:
-    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    wait_until(
+        lambda: _figure(site, "worker:0", "step") and _figure(site, "worker:1", "step"),
+        60,
+        "both workers to report a step",
+    )
     page.goto(f"{site.base}/clusters/{site.cluster_id}")
     page.wait_for_selector("#tasks tbody tr[data-task]")
     tasks = page.eval_on_selector_all(
@@ -198,6 +202,8 @@ def test_the_page_holds_the_tasks_and_its_chart_moves_as_training_advances(
     assert tasks == ["worker:0", "worker:1"]
     assert page.text_content("#status") == "running"
 
+    # The chart fills from the page's own stream, which may not have delivered yet.
+    page.wait_for_function("cf.lastPoint('step', 'worker:0') > 0", timeout=30_000)
     first = page.evaluate("cf.lastPoint('step', 'worker:0')")
     assert isinstance(first, int) and first > 0
     page.wait_for_function(f"cf.lastPoint('step', 'worker:0') > {first}", timeout=30_000)
@@ -255,7 +261,11 @@ def test_counts_and_numbers_mean_what_their_headers_say(site: Site, page: Any) -
     (``data_progress._row``: acknowledged + leased + pending = the epoch's splits), the
     loss axis's ``tickLabels`` (no label twice), and the checkpoint folder left unnamed
     while it holds no committed checkpoint (this job saves none)."""
-    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    wait_until(
+        lambda: _figure(site, "worker:0", "step") and _figure(site, "worker:1", "step"),
+        60,
+        "both workers to report a step",
+    )
     page.goto(f"{site.base}/clusters/{site.cluster_id}")
     page.wait_for_function(
         "document.querySelectorAll('#data tbody tr td').length >= 7", timeout=20_000
@@ -287,7 +297,11 @@ def test_the_list_page_shows_the_cluster(site: Site, page: Any) -> None:
 
 
 def test_metrics_parse_with_prometheus_own_parser(site: Site) -> None:
-    wait_until(lambda: _figure(site, "worker:1", "step"), 60, "both workers to report a step")
+    wait_until(
+        lambda: _figure(site, "worker:0", "step") and _figure(site, "worker:1", "step"),
+        60,
+        "both workers to report a step",
+    )
     code, body, headers = site.get("/metrics")
     assert code == 200 and headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body)}
