@@ -40,6 +40,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 * 1024**3
 """2 GiB: above any single push or pull we expect, below what would exhaust memory."""
 
 _STOP = b"\x00stop"
+# Plain ints: pyzmq's enum members cost a Python-level conversion per use.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 BATCH = 64
 """Messages taken from one socket per wake-up of the loop before the other's turn."""
 _instances = itertools.count()
@@ -275,40 +277,52 @@ class RpcServer:
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._replies, zmq.POLLIN)  # first: the stop signal comes here
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
         router, replies = self._router, self._replies
         try:
             while True:
-                poller.poll()
                 # Up to BATCH messages per socket per wake-up (measured in
                 # docs/scaling.md: a poll per message was a third of a heartbeat's cost
-                # on this thread). ZMQ_EVENTS says whether another message is queued,
-                # cheaper than the zmq.Again a drained socket raises; replies and
-                # requests still take turns, BATCH at a time.
-                for _ in range(BATCH):
-                    if not _readable(replies):
-                        break
-                    frames = replies.recv_multipart(copy=False)
-                    if len(frames) == 1 and frames[0].bytes == _STOP:
-                        return
-                    router.send_multipart(frames, copy=False)
-                    # Held frames would keep a tracked reply's memory "in use"
-                    # (Response.on_sent) until the next reply came.
-                    del frames
-                for _ in range(BATCH):
-                    if not _readable(router):
-                        break
-                    try:
-                        self._dispatch(_recv_request(router))
-                    except Exception:
-                        # Expected failures were answered inside _dispatch; one that gets
-                        # here is a bug of ours, and the loop still serves everyone else.
-                        log.exception("%s: dropped a message that failed dispatch", self._name)
+                # on this thread); requests and replies take turns, BATCH at a time.
+                # The poll's answer says which socket holds a message, so the first one
+                # is read without asking; ZMQ_EVENTS (cheaper than the zmq.Again a
+                # drained socket raises) says whether another is queued behind it. A
+                # lone request costs one poll and one ZMQ_EVENTS (docs/benchmarks.md,
+                # "RPC latency").
+                for sock, _ in poller.poll():
+                    if sock is replies:
+                        if self._forward_replies():
+                            return
+                        continue
+                    for _ in range(BATCH):
+                        try:
+                            self._dispatch(_recv_request(router))
+                        except Exception:
+                            # Expected failures were answered inside _dispatch; one that
+                            # gets here is a bug of ours, and the loop serves everyone else.
+                            log.exception("%s: dropped a message that failed dispatch", self._name)
+                        if not _readable(router):
+                            break
         except Exception:
             log.exception("%s: serving loop failed", self._name)
         finally:
             self._close_sockets()
+
+    def _forward_replies(self) -> bool:
+        """Sends on the replies of blocking handlers (at least one is queued); True at stop."""
+        replies, router = self._replies, self._router
+        for _ in range(BATCH):
+            frames = replies.recv_multipart(copy=False)
+            if len(frames) == 1 and frames[0].bytes == _STOP:
+                return True
+            runtime.send(router, frames)
+            # Held frames would keep a tracked reply's memory "in use"
+            # (Response.on_sent) until the next reply came.
+            del frames
+            if not _readable(replies):
+                break
+        return False
 
     def _close_sockets(self) -> None:
         self._release_port()
@@ -362,10 +376,7 @@ class RpcServer:
         return self._workers.wait_idle(timeout)
 
     def _dispatch(self, frames: list[Any]) -> None:
-        identity = _bytes(frames[0])
-        if len(frames) < 2:
-            log.warning("%s: dropped a message without a header", self._name)
-            return
+        identity = _bytes(frames[0])  # frames: at least the id and a header (_recv_request)
         try:
             header = codec.decode_header(frames[1])
         except ProtocolError as exc:
@@ -377,7 +388,7 @@ class RpcServer:
         if header["k"] not in (codec.KIND_REQUEST, codec.KIND_ONEWAY):
             self._send_error(identity, request_id, method, "protocol", "expected a request")
             return
-        size = sum(len(f) for f in frames[1:])
+        size = len(frames[1]) if len(frames) == 2 else sum(len(f) for f in frames[1:])
         if size > self._max_message_bytes:
             self._reply_or_log(
                 identity,
@@ -415,7 +426,7 @@ class RpcServer:
         else:
             reply = self._invoke(entry, request, request_id)
             if reply is not None:
-                self._router.send_multipart([identity, *reply], copy=False)
+                runtime.send(self._router, [identity, *reply])
 
     def _invoke(self, entry: _Entry, request: Request, request_id: int) -> list[Any] | None:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
@@ -510,21 +521,21 @@ def _tracked(frames: list[Any], on_sent: Callable[[Any], None]) -> list[Any]:
 def _recv_request(router: zmq.Socket[bytes]) -> list[Any]:
     """One request's frames: the routing id and the header as bytes, tensors as frames.
 
-    The first two are small and read at once (a ``zmq.Frame`` costs more to make than
-    its bytes cost to copy); tensor frames stay zero-copy. Called when a message is
-    queued: ZeroMQ delivers a multipart message whole, so no part of it blocks.
+    The first two are small and copied (a ``zmq.Frame`` costs more to make than its
+    bytes cost to copy); tensor frames stay zero-copy. Called when a message is queued:
+    ZeroMQ delivers a multipart message whole, so no part of it blocks. A ROUTER puts the
+    routing id before every message, which has at least one part, so only the parts after
+    the second are asked for.
     """
-    frames: list[Any] = [router.recv()]
-    if router.get(zmq.RCVMORE):
-        frames.append(router.recv())
-        while router.get(zmq.RCVMORE):
-            frames.append(router.recv(copy=False))
+    frames: list[Any] = [router.recv(), router.recv()]
+    while router.getsockopt(_RCVMORE):
+        frames.append(router.recv(copy=False))
     return frames
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (processing ZeroMQ's pending commands)."""
-    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 def _bytes(frame: Any) -> bytes:
