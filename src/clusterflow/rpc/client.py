@@ -61,7 +61,7 @@ _HANDSHAKE_FAILURES = (
 )
 _ids = itertools.count(1)
 # Plain ints: pyzmq's enum members cost a Python-level conversion per use.
-_NOBLOCK, _SNDTIMEO = int(zmq.NOBLOCK), int(zmq.SNDTIMEO)
+_NOBLOCK, _POLLIN, _SNDTIMEO = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.SNDTIMEO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,8 +250,8 @@ class RpcClient:
             )
             self._down = False
             self._poller = zmq.Poller()
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(self._monitor, zmq.POLLIN)
+            self._poller.register(sock, _POLLIN)
+            self._poller.register(self._monitor, _POLLIN)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock

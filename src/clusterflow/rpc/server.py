@@ -277,8 +277,8 @@ class RpcServer:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._replies, zmq.POLLIN)  # first: the stop signal comes here
-        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._replies, _POLLIN)  # first: the stop signal comes here
+        poller.register(self._router, _POLLIN)
         router, replies = self._router, self._replies
         try:
             while True:
