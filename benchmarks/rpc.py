@@ -3,17 +3,25 @@
 Each server runs in its own process (as in a cluster: no GIL shared with the caller).
 The peers are the thinnest loops pyzmq and the socket module allow:
 
-* raw ZeroMQ: a ROUTER that echoes each message to a DEALER, both with plain pyzmq;
+* raw ZeroMQ: a DEALER that sends one frame and waits in ``recv``, to a ROUTER that
+  echoes each message (``recv_multipart``, ``send_multipart``, both copying: cheaper
+  than zero-copy frames at this size). Its frame is as long as our request's header,
+  and both sockets use the same security mechanism as ours (``--auth``), so the two
+  sides move the same messages, of the same size, through the same ZeroMQ code;
 * raw TCP: ``sendall`` of the 64 MiB buffer, ``recv_into`` a preallocated buffer on the
   other side, a one-byte acknowledgement back.
 
-Ours: ``RpcClient.call`` to an ``RpcServer`` (plain auth, as on loopback), a no-op
-handler for latency, and a handler that receives the 64 MiB tensor for throughput.
+Ours: ``RpcClient.call`` to an ``RpcServer``, a no-op handler for latency, and a handler
+that receives the 64 MiB tensor for throughput. ``--auth plain`` (the default, what a
+cluster on loopback uses: checked at connect, no per-message cost) or ``curve``
+(authenticated and encrypted, the default beyond loopback); the raw ZeroMQ peer gets the
+same mechanism (for PLAIN with pyzmq's ZAP handler, as ours has). Raw TCP is never
+encrypted: under ``curve``, ``throughput_ratio`` compares encrypted bytes with plain ones.
 
 Each round times every side once, in an order reversed each round; each ratio is the
 median over rounds of that round's ratio, printed with its smallest and largest.
 
-    python -m benchmarks.rpc [--quick] [--rounds N] [--verbose]
+    python -m benchmarks.rpc [--quick] [--rounds N] [--verbose] [--auth plain|curve]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import multiprocessing as mp
 import socket
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 from benchmarks.common import MachineLoad, Spread, alternate, best_of, parser, ratio, result
 
@@ -30,16 +39,47 @@ BURST = 3
 """Windows (of 200 calls, or one 64 MiB transfer) per side per round; the best counts."""
 
 
-def _serve_raw_zmq(conn: Connection) -> None:
+def _secure(sock: Any, auth: str, secret: bytes, *, server: bool) -> None:
+    """Gives a raw socket our mechanism, its keys or password from the same secret.
+
+    A PLAIN server needs a ZAP handler (ZeroMQ refuses every peer without one), so the
+    raw one gets pyzmq's, checking the same password; a CURVE server without one admits
+    any peer that knows its key. Either way the per-message work is what ours does.
+    """
+    from clusterflow.rpc import Credentials
+
+    credentials = Credentials(secret, auth)  # type: ignore[arg-type]
+    if auth == "plain":
+        if server:
+            import zmq.auth.thread
+
+            authenticator = zmq.auth.thread.ThreadAuthenticator(sock.context)
+            authenticator.start()
+            authenticator.configure_plain("*", {"bench": credentials.password})
+            sock.plain_server = True
+        else:
+            sock.plain_username = b"bench"
+            sock.plain_password = credentials.password.encode()
+        return
+    public, secret_key = credentials.curve_keypair
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret_key
+    if server:
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = public
+
+
+def _serve_raw_zmq(conn: Connection, auth: str, secret: bytes) -> None:
     import zmq
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    _secure(router, auth, secret, server=True)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     conn.send(port)
     while True:
-        frames = router.recv_multipart(copy=False)
-        router.send_multipart([*frames[:1], b"ok"] if len(frames) > 2 else frames, copy=False)
+        router.send_multipart(router.recv_multipart())
 
 
 def _serve_raw_tcp(conn: Connection) -> None:
@@ -61,10 +101,10 @@ def _serve_raw_tcp(conn: Connection) -> None:
         peer.sendall(b"k")
 
 
-def _serve_ours(conn: Connection, secret: bytes) -> None:
+def _serve_ours(conn: Connection, auth: str, secret: bytes) -> None:
     from clusterflow.rpc import Credentials, RpcServer
 
-    server = RpcServer(Credentials(secret))
+    server = RpcServer(Credentials(secret, auth))  # type: ignore[arg-type]
     server.register("noop", lambda request: None)
     server.register("sink", lambda request: len(request.tensors))
     server.start()
@@ -81,26 +121,37 @@ def _start(target, *args):  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    args = parser("rpc", __doc__).parse_args()
+    cli = parser("rpc", __doc__)
+    cli.add_argument(
+        "--auth",
+        choices=("plain", "curve"),
+        default="plain",
+        help="security mechanism of both ZeroMQ sides (plain: what loopback uses)",
+    )
+    args = cli.parse_args()
     calls = 200
     rounds = args.rounds or (15 if args.quick else 40)
     import torch
     import zmq
 
     from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.rpc.codec import KIND_REQUEST, encode
 
     load = MachineLoad()
     payload = torch.ones(PAYLOAD_BYTES // 4, dtype=torch.float32)
     raw = memoryview(payload.numpy()).cast("B")
-    credentials = Credentials.generate()
+    credentials = Credentials.generate(args.auth)
+    # The raw request is as long as ours: our header for this call, as bytes.
+    raw_request = bytes(encode(KIND_REQUEST, 1, "noop")[0])
 
     # All three peers stay up and are measured in alternating rounds, so a stretch of
     # noise from the other core (this VM's wake-up latency varies several-fold between
     # stretches) lands on both sides of a round instead of on one phase.
-    zmq_proc, _, zmq_port = _start(_serve_raw_zmq)
+    zmq_proc, _, zmq_port = _start(_serve_raw_zmq, args.auth, credentials.secret)
     tcp_proc, _, tcp_port = _start(_serve_raw_tcp)
-    our_proc, our_pipe, our_port = _start(_serve_ours, credentials.secret)
+    our_proc, our_pipe, our_port = _start(_serve_ours, args.auth, credentials.secret)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
+    _secure(dealer, args.auth, credentials.secret, server=False)
     dealer.connect(f"tcp://127.0.0.1:{zmq_port}")
     sock = socket.create_connection(("127.0.0.1", tcp_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -109,7 +160,7 @@ def main() -> None:
     def raw_zmq_rtt() -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            dealer.send(b"x")
+            dealer.send(raw_request)
             dealer.recv()
         return (time.perf_counter() - start) / calls
 
@@ -156,7 +207,7 @@ def main() -> None:
     gb = PAYLOAD_BYTES / 1e9
     latency = ratio(figures["our_rtt"], figures["zmq_rtt"])
     throughput = ratio(figures["tcp_s"], figures["our_s"])
-    print(f"medians over {rounds} rounds:")
+    print(f"medians over {rounds} rounds, {args.auth} auth on both ZeroMQ sides:")
     print(
         f"no-op round trip: raw ZeroMQ {med['zmq_rtt'] * 1e6:.0f} us, "
         f"clusterflow {med['our_rtt'] * 1e6:.0f} us; ratio {latency}"

@@ -172,9 +172,13 @@ def raw_dealer(
 ) -> Callable[..., zmq.Socket[bytes]]:
     """A bare pyzmq DEALER: with the right PLAIN credentials, or with none (NULL)."""
 
-    def make(server: RpcServer, *, authenticated: bool = True) -> zmq.Socket[bytes]:
+    def make(
+        server: RpcServer, *, authenticated: bool = True, routing_id: bytes | None = None
+    ) -> zmq.Socket[bytes]:
         dealer = zctx.socket(zmq.DEALER)
         dealer.linger = 0
+        if routing_id is not None:
+            dealer.routing_id = routing_id
         if authenticated:
             credentials.apply_client(dealer, "127.0.0.1")
         dealer.connect(server.endpoint)
@@ -495,16 +499,13 @@ def test_raw_peer_with_the_right_credentials_is_served(
 
 
 @integration
-def test_a_burst_larger_than_one_wake_up_takes_is_answered_whole(
+def test_a_burst_is_answered_whole_beside_a_blocking_reply(
     server: RpcServer, raw_dealer: Callable[..., zmq.Socket[bytes]], service: Service
 ) -> None:
-    """The loop takes requests in batches per wake-up (``server.BATCH``): a burst of many
-    batches, mixed with malformed headers, one-way messages, a tensor request and a
-    blocking call whose reply comes back through the loop meanwhile, is answered in
-    full, each reply to its own id."""
-    from clusterflow.rpc import server as server_module
-
-    count = 5 * server_module.BATCH
+    """A burst of hundreds of requests, mixed with malformed headers, one-way messages,
+    a tensor request and a blocking call whose reply comes back through the loop's own
+    ROUTER meanwhile, is answered in full, each reply to its own id."""
+    count = 320
     bad = [i for i in range(2, count) if i % 7 == 0]
     oneway = [i for i in range(2, count) if i % 11 == 0 and i % 7]
     dealer = raw_dealer(server)
@@ -585,6 +586,35 @@ def other_version_server(
     done.set()
     thread.join(5)
     router.close(linger=0)
+
+
+@integration
+def test_no_peer_speaks_as_the_loop(
+    server: RpcServer,
+    connect: Callable[..., RpcClient],
+    raw_dealer: Callable[..., zmq.Socket[bytes]],
+) -> None:
+    """Pool handlers' replies and the stop signal reach the loop through its own ROUTER,
+    from a DEALER with a reserved routing id (a private constant: the test plays a peer
+    that learned it). A peer sending the stop signal as its message gets a protocol
+    error; a peer claiming the loop's routing id is ignored by ZeroMQ, its stop signal
+    and its forged reply to another caller unheard; the server serves on."""
+    from clusterflow.rpc.server import _LOOP_ID, _STOP
+
+    plain = raw_dealer(server)
+    plain.send_multipart([_STOP])
+    assert raw_reply(plain)["c"] == "protocol"
+    victim = raw_dealer(server, routing_id=b"victim")
+    victim.send_multipart([raw_request("echo", 9, "mine")])
+    assert raw_reply(victim)["b"] == "mine"
+    impostor = raw_dealer(server, routing_id=_LOOP_ID)
+    forged = {"v": PROTOCOL_VERSION, "k": "rep", "id": 10, "m": "echo", "b": "forged"}
+    impostor.send_multipart([b"victim", msgpack.packb(forged)])
+    impostor.send_multipart([_STOP])
+    assert_serves(server, connect)
+    assert impostor.poll(200) == 0  # nothing for it: ZeroMQ never took its messages in
+    assert victim.poll(0) == 0  # no forged reply reached the victim
+    assert_serves(server, connect)
 
 
 @integration

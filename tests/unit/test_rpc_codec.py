@@ -372,3 +372,30 @@ def test_absurd_shape_is_a_protocol_error_not_a_crash() -> None:
     descriptor = ["a", "uint8", [0, 2**70], 0]
     with pytest.raises(ProtocolError):
         codec.decode_tensors({"t": [descriptor]}, [])
+
+
+# The reused header packer (codec._pack) ----------------------------------------------
+
+
+def test_a_header_that_failed_to_encode_leaves_nothing_in_the_next_one() -> None:
+    """Headers go through one reused ``msgpack.Packer`` per thread: a failed encode must
+    leave no bytes behind for the next header of that thread (it would not decode)."""
+    with pytest.raises(ProtocolError):
+        codec.encode(codec.KIND_REQUEST, 1, "svc.m", {"ok": [1, 2], "bad": {1, 2}})
+    header = codec.decode_header(codec.encode(codec.KIND_REPLY, 2, "svc.n", "fine")[0])
+    assert header == {"v": PROTOCOL_VERSION, "k": "rep", "id": 2, "m": "svc.n", "b": "fine"}
+
+
+def test_a_large_header_lets_its_grown_packer_go() -> None:
+    """A packer's buffer grows to the largest header it packed and never shrinks: after
+    one over ``PACKER_KEEP_BYTES`` the thread starts a fresh packer instead of holding
+    that memory for its life (a private attribute: the promise is memory not held)."""
+    codec.encode(codec.KIND_REQUEST, 1, "svc.m", "small")
+    small_packer = codec._packers.packer
+    assert small_packer is not None
+    body = b"x" * (codec.PACKER_KEEP_BYTES + 1)
+    frames = codec.encode(codec.KIND_REQUEST, 2, "svc.m", body)
+    assert codec.decode_header(frames[0])["b"] == body
+    assert codec._packers.packer is None
+    codec.encode(codec.KIND_REQUEST, 3, "svc.m", "small again")
+    assert codec._packers.packer is not small_packer

@@ -32,7 +32,7 @@ import platform
 import threading
 import time
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
@@ -78,6 +78,22 @@ def _keep_freed_memory() -> None:
     mallopt.restype = ctypes.c_int
     mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
     mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+
+
+_SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's enum costs a conversion per use
+
+
+def send(sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+    """Sends one message, part by part, tensor parts without a copy.
+
+    ``send_multipart`` first checks every part's type in Python, a cost a no-op round
+    trip notices (docs/benchmarks.md, "RPC latency"). pyzmq still copies parts under its
+    ``copy_threshold`` (a header, a routing id), which costs less than a ``zmq.Frame``.
+    Blocks as ``sock.send`` does (its ``SNDTIMEO``).
+    """
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=False)
 
 
 class _Server(Protocol):

@@ -4,9 +4,13 @@ One thread owns the ROUTER socket (ZeroMQ sockets are not thread-safe). Handlers
 registered as ``blocking=False`` run inline on that thread: they must be quick and never
 wait, which keeps a no-op call at the cost of the socket round trip. Handlers that may
 wait (a long poll, a barrier) are registered ``blocking=True`` and run on a pool of
-daemon threads; their replies come back to the loop through an inproc PUSH/PULL pair.
-The threads are daemons so that a handler still waiting never keeps a finished process
-alive; ``runtime`` stops every server before the interpreter finalizes.
+daemon threads; their replies come back to the loop through the ROUTER itself, from an
+inproc DEALER of the server's own (the stop signal too), so the loop only ever waits in
+the ROUTER's ``recv``, as a bare pyzmq echo does (docs/benchmarks.md, "RPC round trip").
+That DEALER is attached before the TCP port is bound, under a routing id that ZeroMQ then
+refuses to any peer claiming it, so no remote peer can speak as the loop. The threads
+are daemons so that a handler still waiting never keeps a finished process alive;
+``runtime`` stops every server before the interpreter finalizes.
 
 A bad message never takes the server down: malformed frames, an unknown method, a
 message over the size limit or an exception in a handler each produce an error reply
@@ -22,7 +26,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import zmq
@@ -40,8 +44,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 * 1024**3
 """2 GiB: above any single push or pull we expect, below what would exhaust memory."""
 
 _STOP = b"\x00stop"
-BATCH = 64
-"""Messages taken from one socket per wake-up of the loop before the other's turn."""
+_LOOP_ID = b"\x00clusterflow-loop"
+"""Routing id of the server's own inproc DEALER. A leading zero byte, as ZeroMQ's own ids
+have; taken before any remote peer can connect, so one that claims it is ignored."""
+_RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's enum costs a conversion per use
 _instances = itertools.count()
 
 
@@ -176,7 +182,11 @@ class RpcServer:
         self._max_message_bytes = max_message_bytes
         self._name = name
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._replies = self._ctx.socket(zmq.PULL)
+        # Replies of blocking handlers (and the stop signal) reach the loop through the
+        # ROUTER from this DEALER. ZeroMQ sockets are not thread-safe: every use, and
+        # the close, holds the lock, so a handler finishing during stop() never races it.
+        self._pusher = self._ctx.socket(zmq.DEALER)
+        self._pusher_lock = threading.Lock()
         try:
             self._router.linger = 0
             self._router.sndhwm = 0
@@ -185,6 +195,14 @@ class RpcServer:
             # multi-frame messages above it are answered with `too_large` below.
             self._router.maxmsgsize = max_message_bytes
             self._router.router_mandatory = False
+            inproc = f"inproc://clusterflow-rpc-loop-{next(_instances)}"
+            self._router.bind(inproc)
+            self._pusher.linger = 0
+            self._pusher.sndhwm = 0
+            self._pusher.routing_id = _LOOP_ID
+            # Before the TCP bind below: this connection (and its routing id) is queued
+            # to the ROUTER ahead of any remote peer's, which can only come after it.
+            self._pusher.connect(inproc)
             if listen_fd is not None:
                 adopted = socket.socket(fileno=listen_fd)
                 host, port = adopted.getsockname()[:2]
@@ -196,21 +214,13 @@ class RpcServer:
             self._bound = str(self._router.getsockopt_string(zmq.LAST_ENDPOINT))
             self.port = int(self._bound.rsplit(":", 1)[1])
             self.host = _advertised_host(host)
-            self._inproc = f"inproc://clusterflow-rpc-replies-{next(_instances)}"
-            self._replies.linger = 0
-            self._replies.bind(self._inproc)
         except BaseException:
             self._router.close(linger=0)
-            self._replies.close(linger=0)
+            self._pusher.close(linger=0)
             raise
         self._workers = _HandlerThreads(workers, name)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        # One PUSH socket carries replies of blocking handlers (and the stop signal) to
-        # the loop. ZeroMQ sockets are not thread-safe: every use, and the close, holds
-        # the lock, so a handler finishing during stop() never races the close.
-        self._pusher: zmq.Socket[bytes] | None = None
-        self._pusher_lock = threading.Lock()
         self._sockets_closed = False
         runtime.track_server(self)
 
@@ -274,37 +284,28 @@ class RpcServer:
     # The loop thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
-        router, replies = self._router, self._replies
+        router = self._router
         try:
             while True:
-                poller.poll()
-                # Up to BATCH messages per socket per wake-up (measured in
-                # docs/scaling.md: a poll per message was a third of a heartbeat's cost
-                # on this thread). ZMQ_EVENTS says whether another message is queued,
-                # cheaper than the zmq.Again a drained socket raises; replies and
-                # requests still take turns, BATCH at a time.
-                for _ in range(BATCH):
-                    if not _readable(replies):
-                        break
-                    frames = replies.recv_multipart(copy=False)
-                    if len(frames) == 1 and frames[0].bytes == _STOP:
+                # One wait, in the ROUTER's recv: requests, pool handlers' replies and
+                # the stop signal all arrive here, fair-queued by ZeroMQ. (A poll over a
+                # second socket cost a no-op call a few microseconds per side, and a
+                # ZMQ_EVENTS check per message; docs/benchmarks.md, "RPC round trip".)
+                frames = _recv_request(router)
+                if frames[0] == _LOOP_ID:
+                    if frames[1] == _STOP:
                         return
-                    router.send_multipart(frames, copy=False)
+                    runtime.send(router, frames[1:])  # [caller's routing id, reply...]
                     # Held frames would keep a tracked reply's memory "in use"
                     # (Response.on_sent) until the next reply came.
                     del frames
-                for _ in range(BATCH):
-                    if not _readable(router):
-                        break
-                    try:
-                        self._dispatch(_recv_request(router))
-                    except Exception:
-                        # Expected failures were answered inside _dispatch; one that gets
-                        # here is a bug of ours, and the loop still serves everyone else.
-                        log.exception("%s: dropped a message that failed dispatch", self._name)
+                    continue
+                try:
+                    self._dispatch(frames)
+                except Exception:
+                    # Expected failures were answered inside _dispatch; one that gets
+                    # here is a bug of ours, and the loop still serves everyone else.
+                    log.exception("%s: dropped a message that failed dispatch", self._name)
         except Exception:
             log.exception("%s: serving loop failed", self._name)
         finally:
@@ -313,10 +314,8 @@ class RpcServer:
     def _close_sockets(self) -> None:
         self._release_port()
         self._router.close(linger=0)
-        self._replies.close(linger=0)
         with self._pusher_lock:
-            if self._pusher is not None:
-                self._pusher.close(linger=0)
+            self._pusher.close(linger=0)
             self._sockets_closed = True
 
     def _release_port(self, timeout_ms: int = 2000) -> None:
@@ -346,12 +345,7 @@ class RpcServer:
         with self._pusher_lock:
             if self._sockets_closed:
                 return
-            if self._pusher is None:
-                self._pusher = self._ctx.socket(zmq.PUSH)
-                self._pusher.linger = 0
-                self._pusher.sndhwm = 0
-                self._pusher.connect(self._inproc)
-            self._pusher.send_multipart(frames, copy=False)
+            runtime.send(self._pusher, frames)
 
     # Used by runtime.shutdown at interpreter exit.
 
@@ -362,10 +356,7 @@ class RpcServer:
         return self._workers.wait_idle(timeout)
 
     def _dispatch(self, frames: list[Any]) -> None:
-        identity = _bytes(frames[0])
-        if len(frames) < 2:
-            log.warning("%s: dropped a message without a header", self._name)
-            return
+        identity = _bytes(frames[0])  # frames: at least the id and a header (_recv_request)
         try:
             header = codec.decode_header(frames[1])
         except ProtocolError as exc:
@@ -377,7 +368,7 @@ class RpcServer:
         if header["k"] not in (codec.KIND_REQUEST, codec.KIND_ONEWAY):
             self._send_error(identity, request_id, method, "protocol", "expected a request")
             return
-        size = sum(len(f) for f in frames[1:])
+        size = len(frames[1]) if len(frames) == 2 else sum(len(f) for f in frames[1:])
         if size > self._max_message_bytes:
             self._reply_or_log(
                 identity,
@@ -415,7 +406,7 @@ class RpcServer:
         else:
             reply = self._invoke(entry, request, request_id)
             if reply is not None:
-                self._router.send_multipart([identity, *reply], copy=False)
+                runtime.send(self._router, [identity, *reply])
 
     def _invoke(self, entry: _Entry, request: Request, request_id: int) -> list[Any] | None:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
@@ -510,21 +501,16 @@ def _tracked(frames: list[Any], on_sent: Callable[[Any], None]) -> list[Any]:
 def _recv_request(router: zmq.Socket[bytes]) -> list[Any]:
     """One request's frames: the routing id and the header as bytes, tensors as frames.
 
-    The first two are small and read at once (a ``zmq.Frame`` costs more to make than
-    its bytes cost to copy); tensor frames stay zero-copy. Called when a message is
-    queued: ZeroMQ delivers a multipart message whole, so no part of it blocks.
+    The first two are small and copied (a ``zmq.Frame`` costs more to make than its
+    bytes cost to copy); tensor frames stay zero-copy. Called when a message is queued:
+    ZeroMQ delivers a multipart message whole, so no part of it blocks. A ROUTER puts the
+    routing id before every message, which has at least one part, so only the parts after
+    the second are asked for.
     """
-    frames: list[Any] = [router.recv()]
-    if router.get(zmq.RCVMORE):
-        frames.append(router.recv())
-        while router.get(zmq.RCVMORE):
-            frames.append(router.recv(copy=False))
+    frames: list[Any] = [router.recv(), router.recv()]
+    while router.getsockopt(_RCVMORE):
+        frames.append(router.recv(copy=False))
     return frames
-
-
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    """Whether a message waits on ``sock`` (processing ZeroMQ's pending commands)."""
-    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _bytes(frame: Any) -> bytes:
