@@ -414,7 +414,10 @@ def test_a_checkpoint_restores_rows_and_state_and_load_module_joins_the_shards(
 
 
 def test_the_row_cache_serves_hot_rows_at_most_its_staleness_old() -> None:
-    strategy = _strategy(2, mode="async", row_cache_steps=2, row_cache_rows=64)
+    """The cache alone: without ``overlap_push`` every push is applied before the next
+    step pulls, so which step reads what is exact (with it, a pull may also miss the one
+    push in flight: ``test_ps_overlap.py`` pins that)."""
+    strategy = _strategy(2, mode="async", row_cache_steps=2, row_cache_rows=64, overlap_push=False)
     with strategy.scope():
         model = Ranker(sparse=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

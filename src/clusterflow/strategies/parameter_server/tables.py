@@ -292,6 +292,9 @@ class TableSession:
                     per_ps[index][1][table] = grads[at].detach()
         self._lookups.clear()
         sync = self._config.mode == "sync"
+        # A step counts when its push is taken, not when it is answered: the row cache
+        # ages by this worker's steps, and with overlap_push a reply comes a step late.
+        self.stats.steps += 1
         read, self._read = self._read, [None] * self._ps.num_ps
         pushed = [
             self._floor[i] if sync else (self.versions[i] if read[i] is None else read[i])
@@ -328,7 +331,6 @@ class TableSession:
             )
 
         replies = self._ps.map(push, range(self._ps.num_ps))
-        self.stats.steps += 1
         for index, reply in enumerate(replies):
             self.stats.staleness.append(reply.staleness)
             if sync:
