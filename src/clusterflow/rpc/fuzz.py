@@ -50,7 +50,7 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     "data.status": ("name",),
     "data.state_dict": (),
     ManagerMethod.HEARTBEAT: ("task",),
-    ManagerMethod.DECLARE: ("task", "respawnable"),
+    ManagerMethod.DECLARE: ("task", "respawnable", "resizable"),
     ManagerMethod.CHECKPOINTS: ("task", "url"),
     ManagerMethod.EXITED: ("task", "code", "summary"),
     ManagerMethod.REGISTER: ("task", "pid", "address"),
@@ -61,7 +61,8 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
 """Methods the fuzzer calls with hostile bodies, and the body keys each one reads."""
 
 SAFE_METHODS: tuple[str, ...] = tuple(FIELDS)
-"""Every method above: none changes a cluster's course when its body is nonsense."""
+"""Every method above: none changes a cluster's course when its body is nonsense.
+(``manager.scale`` is not one: a body of a small whole number resizes the cluster.)"""
 
 _ATOMS: tuple[Any, ...] = (
     None,
