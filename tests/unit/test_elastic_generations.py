@@ -1,0 +1,125 @@
+"""The generations of a resizing all-reduce group (``collective/elastic.py``, issue 32).
+
+A real ``TCPStore`` hosted in this process stands for the manager's: what one
+generation's group writes under its prefix must be invisible to the next one's, and a
+newcomer must find the generation it joins (once), not an older one.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from clusterflow.collective.elastic import (
+    Generation,
+    generation_name,
+    joining_generation,
+    mark_started,
+    next_tasks,
+    publish,
+    share_of,
+)
+from clusterflow.collective.group import group_prefix
+from clusterflow.data.api import Lease
+from clusterflow.data.batching import Batcher, ReadSplit
+from clusterflow.data.collate import numpy_collate
+from clusterflow.strategies.resizing import _membership
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def store() -> Iterator[TCPStore]:
+    host = TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=5))
+    yield host
+    del host
+
+
+def _generation(number: int, tasks: tuple[str, ...], newcomers: tuple[str, ...] = ()) -> Generation:
+    return Generation(
+        number=number,
+        tasks=tasks,
+        newcomers=newcomers,
+        spec_version=number + 1,
+        step=10 * number,
+        global_batch=12,
+        base_world=3,
+    )
+
+
+def test_a_message_of_generation_g_cannot_be_read_by_generation_g_plus_1(store: TCPStore) -> None:
+    """The group of each generation meets under its own prefix (``group_prefix`` of the
+    membership ``_membership`` builds for it): a rank's address that generation 1's
+    group published is not there for generation 2's, which must wait for its own."""
+    tasks = ("chief:0", "worker:0", "worker:1")
+    old = _membership(_generation(1, tasks), "worker:0", "127.0.0.1", store.port)
+    new = _membership(_generation(2, tasks), "worker:0", "127.0.0.1", store.port)
+    assert group_prefix(old) != group_prefix(new)
+    PrefixStore(group_prefix(old), store).set("group/0//cpu//0/1", "address of gen 1")
+    later = PrefixStore(group_prefix(new), store)
+    assert not later.check(["group/0//cpu//0/1"])
+    later.set_timeout(datetime.timedelta(milliseconds=200))
+    with pytest.raises(Exception, match=r"(?i)timeout"):
+        later.get("group/0//cpu//0/1")
+    # and the first group's own prefix is not a generation's either
+    assert group_prefix(new) != "clusterflow/1.0"
+
+
+def test_the_membership_of_a_generation_ranks_its_tasks_in_order() -> None:
+    generation = _generation(3, ("chief:0", "worker:0", "worker:2"), ("worker:2",))
+    member = _membership(generation, "worker:2", "h", 1)
+    assert (member.rank, member.world_size, member.store_host) == (2, 3, None)
+    assert [str(t) for t in member.tasks or ()] == list(generation.tasks)
+    assert member.generation == generation_name(3)
+
+
+def test_next_tasks_keeps_the_survivors_order_and_appends_newcomers_by_job_and_index() -> None:
+    current = ["chief:0", "worker:0", "worker:1", "worker:3"]
+    spec = ["chief:0", "worker:0", "worker:1", "worker:3", "worker:10", "worker:4"]
+    tasks, newcomers = next_tasks(current, ["worker:1"], spec)
+    assert tasks == ("chief:0", "worker:0", "worker:3", "worker:4", "worker:10")
+    assert newcomers == ("worker:4", "worker:10")
+    assert next_tasks(current, [], current) == (tuple(current), ())
+
+
+@pytest.mark.parametrize(("rows", "world"), [(12, 5), (12, 4), (7, 3), (3, 5)])
+def test_shares_of_a_global_batch_sum_to_it_and_differ_by_one_at_most(
+    rows: int, world: int
+) -> None:
+    shares = [share_of(rows, world, r) for r in range(world)]
+    assert sum(shares) == rows and max(shares) - min(shares) <= 1
+
+
+def test_a_newcomer_joins_only_a_running_group_and_takes_its_invitation_once(
+    store: TCPStore,
+) -> None:
+    """Before rank 0 marks the first group started, a replica is one of the first; after,
+    it waits for the generation that names it; the invitation is taken, so a task of the
+    same name added again later waits for a generation of its own."""
+    assert joining_generation(store, "worker:2", 1.0) is None
+    mark_started(store)
+    first = _generation(1, ("chief:0", "worker:0", "worker:2"), ("worker:2",))
+    publish(store, first)
+    assert joining_generation(store, "worker:2", 1.0) == first
+    with pytest.raises(Exception, match=r"(?i)timeout"):
+        joining_generation(store, "worker:2", 0.2)
+    again = _generation(4, ("chief:0", "worker:0", "worker:2"), ("worker:2",))
+    publish(store, again)
+    assert joining_generation(store, "worker:2", 1.0) == again
+
+
+def test_a_batch_size_that_shrinks_below_the_records_held_back_flushes_them() -> None:
+    """``DataClient.set_batch_size`` between two cuts: the records held back come out as
+    one batch (a resized replica's share shrank) rather than a negative cut."""
+    batcher = Batcher(4, numpy_collate, "d")
+    first = ReadSplit(Lease(1, 0, 0, 6), {"id": np.arange(0, 6)}, None)
+    a = batcher.cut(first)
+    assert a is not None and a.data["id"].tolist() == [0, 1, 2, 3]
+    assert batcher.cut(first) is None and batcher.held == 2  # 4, 5 held back
+    batcher.batch_size = 1
+    b = batcher.cut(ReadSplit(Lease(2, 0, 6, 12), {"id": np.arange(6, 12)}, None))
+    assert b is not None and b.data["id"].tolist() == [4, 5] and b.completes == (1,)
