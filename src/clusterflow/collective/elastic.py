@@ -1,4 +1,5 @@
-"""Generations of an all-reduce group that resizes live (issue 32; ARCHITECTURE.md 2).
+"""Generations of an all-reduce group that resizes live (issue 32; docs/concepts.md,
+"Elastic clusters").
 
 A replica group of ``MultiWorkerMirroredStrategy`` trained through ``fit`` or a
 ``TrainingSession`` in an elastic cluster (``--workers MIN:MAX``) changes membership
