@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from clusterflow.collective.elastic import (
@@ -123,3 +126,52 @@ def test_a_batch_size_that_shrinks_below_the_records_held_back_flushes_them() ->
     batcher.batch_size = 1
     b = batcher.cut(ReadSplit(Lease(2, 0, 6, 12), {"id": np.arange(6, 12)}, None))
     assert b is not None and b.data["id"].tolist() == [4, 5] and b.completes == (1,)
+
+
+class _Data:
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def set_batch_size(self, size: int) -> None:
+        self.sizes.append(size)
+
+
+def _resizing(policy: str, rank: int, world: int) -> Any:
+    """The batch policy's side of a strategy in a group of ``world`` (no group formed)."""
+    from clusterflow.strategies.mirrored import CollectiveAllReduceStrategy
+
+    strategy: Any = object.__new__(CollectiveAllReduceStrategy)
+    strategy._group = SimpleNamespace(world_size=world, rank=rank)
+    strategy._elastic_batch = policy
+    strategy._global_batch, strategy._base_world, strategy._base_lrs = 12, 3, [0.3, 0.03]
+    return strategy
+
+
+def test_the_global_batch_policy_gives_each_replica_its_share() -> None:
+    data = _Data()
+    session = SimpleNamespace(data=data, optimizer=None)
+    for rank in range(5):
+        _resizing("global", rank, 5)._apply_batch_policy(session)
+    assert data.sizes == [3, 3, 2, 2, 2]
+
+
+def test_the_per_replica_policy_keeps_the_batch_and_scales_the_lr_linearly() -> None:
+    data = _Data()
+    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(
+        [{"params": [params[0]], "lr": 0.3}, {"params": [params[1]], "lr": 0.03}]
+    )
+    session = SimpleNamespace(data=data, optimizer=optimizer)
+    _resizing("per_replica", 4, 5)._apply_batch_policy(session)
+    assert data.sizes == []
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.5, 0.05])
+    _resizing("per_replica", 0, 2)._apply_batch_policy(session)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.2, 0.02])
+
+
+def test_an_unknown_batch_policy_is_refused_naming_it() -> None:
+    from clusterflow.strategies.api import StrategyError
+    from clusterflow.strategies.resizing import check_elastic_batch
+
+    with pytest.raises(StrategyError, match="got 'both'"):
+        check_elastic_batch("both")
