@@ -39,7 +39,7 @@ pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
-RECORDS, EPOCHS = 240, 2
+RECORDS, EPOCHS = 600, 2
 SURVIVORS = ("chief:0", "worker:0", "worker:1")
 
 

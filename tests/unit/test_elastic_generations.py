@@ -8,6 +8,8 @@ newcomer must find the generation it joins (once), not an older one.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +26,7 @@ from clusterflow.collective.elastic import (
     mark_started,
     next_tasks,
     publish,
+    ready,
     share_of,
 )
 from clusterflow.collective.group import group_prefix
@@ -101,13 +104,28 @@ def test_a_newcomer_joins_only_a_running_group_and_takes_its_invitation_once(
     store: TCPStore,
 ) -> None:
     """Before rank 0 marks the first group started, a replica is one of the first; after,
-    it waits for the generation that names it; the invitation is taken, so a task of the
-    same name added again later waits for a generation of its own."""
+    it says it is ready (rank 0 admits only such newcomers) and waits for the generation
+    that names it; the invitation is taken, so a task of the same name added again later
+    waits for a generation of its own."""
     assert joining_generation(store, "worker:2", 1.0) is None
+    assert ready(store, ["worker:2"]) == ()
     mark_started(store)
     first = _generation(1, ("chief:0", "worker:0", "worker:2"), ("worker:2",))
+    joined: list[Generation | None] = []
+    # its own connection, as the newcomer's process has
+    own = TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
+    newcomer = threading.Thread(
+        target=lambda: joined.append(joining_generation(own, "worker:2", 10.0)), daemon=True
+    )
+    newcomer.start()
+    deadline = time.monotonic() + 10
+    while ready(store, ["worker:2", "worker:3"]) != ("worker:2",):
+        assert time.monotonic() < deadline, "the newcomer never said it is ready"
+        time.sleep(0.01)
     publish(store, first)
-    assert joining_generation(store, "worker:2", 1.0) == first
+    newcomer.join(10)
+    assert joined == [first]
+    assert ready(store, ["worker:2"]) == ()
     with pytest.raises(Exception, match=r"(?i)timeout"):
         joining_generation(store, "worker:2", 0.2)
     again = _generation(4, ("chief:0", "worker:0", "worker:2"), ("worker:2",))

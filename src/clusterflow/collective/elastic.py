@@ -17,8 +17,12 @@ What the replicas and the newcomers exchange through the store, besides the grou
 - ``clusterflow/elastic/record/<n>``: generation ``n``'s :class:`Generation` (its tasks in
   rank order, who is new, the step it starts at, the batch policy's figures), written by
   rank 0 of generation ``n - 1`` after the replicas agreed on the change at a boundary.
+- ``clusterflow/elastic/ready/<task>``: set by a newcomer once its process is up and
+  waits to join. Rank 0 admits only such newcomers, so the survivors go on training
+  while a newcomer's process starts (seconds: Python, torch), rather than waiting for
+  it inside the new group's rendezvous.
 - ``clusterflow/elastic/member/<task>``: the generation a newcomer joins; it waits for
-  it, and deletes it once read.
+  it, and deletes it (and its ``ready``) once read.
 
 Pure logic and store calls, no collective: the strategy (``strategies/mirrored.py``) runs
 the boundary's vote and the broadcast of the model and optimizer state.
@@ -46,6 +50,7 @@ __all__ = [
     "next_tasks",
     "publish",
     "read_generation",
+    "ready",
     "share_of",
 ]
 
@@ -128,6 +133,15 @@ def _member_key(task: str) -> str:
     return f"{ROOT}/member/{task}"
 
 
+def _ready_key(task: str) -> str:
+    return f"{ROOT}/ready/{task}"
+
+
+def ready(store: KeyStore, tasks: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``tasks`` whose process is up and waits to join (one store call each)."""
+    return tuple(t for t in tasks if store.check([_ready_key(t)]))
+
+
 def publish(store: KeyStore, generation: Generation) -> None:
     """Rank 0: makes ``generation`` readable, then tells each newcomer to join it."""
     store.set(_record_key(generation.number), generation.to_json())
@@ -152,11 +166,13 @@ def joining_generation(store: KeyStore, task: str, timeout_s: float) -> Generati
     if not store.check([STARTED_KEY]):
         return None
     key = _member_key(task)
+    store.set(_ready_key(task), "1")
     store.wait([key], datetime.timedelta(seconds=timeout_s))
     number = int(store.get(key))
     # Taken: a task of the same name added again later (after it left) waits for a
-    # generation of its own, not this one.
+    # generation of its own, and says again that it is ready.
     store.delete_key(key)
+    store.delete_key(_ready_key(task))
     return read_generation(store, number, timeout_s)
 
 

@@ -5,8 +5,10 @@ torchft's quorum-per-step is the model; the manager is the quorum's source of tr
 
 - **Who should be in.** Rank 0 watches the manager's spec on a daemon thread
   (``SpecWatcher``, one ``manager.spec`` call every ``SPEC_POLL_S``): a task that
-  registered since is a newcomer. A worker that ``clusterflow scale`` stops gets
-  SIGTERM; while it trains, that only marks it as leaving (:meth:`_on_term`).
+  registered since is a newcomer, admitted once its process is up and waits to join
+  (its ``ready`` key: one store call per boundary while one is starting). A worker
+  that ``clusterflow scale`` stops gets SIGTERM; while it trains, that only marks it
+  as leaving (:meth:`_on_term`).
 - **When.** At every step boundary (``fit`` and ``TrainingSession`` call
   ``boundary``) the replicas run one all-reduce of ``[has a batch, waits for splits,
   rows, grow, leaving_0 .. leaving_n-1]``. Every replica gets the same sums, so all of
@@ -55,6 +57,7 @@ from clusterflow.collective.elastic import (
     next_tasks,
     publish,
     read_generation,
+    ready,
     share_of,
 )
 from clusterflow.collective.group import CollectiveGroup, connect_store
@@ -295,7 +298,10 @@ class Resizing:
         replicas = latest[1]
         self._departed.intersection_update(replicas)
         current = {str(t) for t in self._group.membership.tasks or ()}
-        return tuple(t for t in replicas if t not in current and t not in self._departed)
+        waiting = [t for t in replicas if t not in current and t not in self._departed]
+        # only those whose process is up: the others train on meanwhile
+        store = self._group.store
+        return ready(store, waiting) if waiting and store is not None else ()
 
     def _resize(self, session: Any, leaving: list[int]) -> None:
         membership = self._group.membership
@@ -305,11 +311,11 @@ class Resizing:
         assert store is not None
         if membership.rank == 0:
             latest = self._watcher.latest() if self._watcher is not None else None
-            version, replicas = latest if latest is not None else (0, ())
+            version = latest[0] if latest is not None else 0
+            joining = self._newcomers()
             leavers = [current[r] for r in leaving]
             self._departed.update(leavers)
-            replicas = tuple(t for t in replicas if t not in self._departed)
-            tasks, newcomers = next_tasks(current, leavers, replicas)
+            tasks, newcomers = next_tasks(current, leavers, (*current, *joining))
             publish(
                 store,
                 Generation(
