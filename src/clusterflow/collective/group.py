@@ -183,7 +183,7 @@ class CollectiveGroup:
         options: CommunicationOptions,
         device: torch.device,
         *,
-        store: TCPStore | None = None,
+        store: Store | None = None,
     ) -> CollectiveGroup:
         """Joins (or adopts) the process group of ``membership``'s replicas.
 

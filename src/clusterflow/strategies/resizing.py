@@ -66,7 +66,7 @@ from clusterflow.strategies.api import StrategyError
 
 if TYPE_CHECKING:
     from torch import nn
-    from torch._C._distributed_c10d import TCPStore
+    from torch._C._distributed_c10d import Store, TCPStore
 
     from clusterflow.collective.bucket_worker import BucketWorker
 
@@ -288,7 +288,7 @@ class Resizing:
                 total = float(vote[_ROWS])
                 scale = rows * world / total if rows and total > 0 else 1.0
                 step = bool(vote[_GO] > 0)
-                return step, not step and vote[_WAITING] == 0, scale
+                return step, bool(not step and vote[_WAITING] == 0), scale
             self._resize(session, leaving)
 
     def _newcomers(self) -> tuple[str, ...]:
@@ -348,7 +348,7 @@ class Resizing:
         if self._group.rank == 0:
             self._start_watching()
 
-    def _reform(self, generation: Generation, me: str, store: TCPStore) -> None:
+    def _reform(self, generation: Generation, me: str, store: Store) -> None:
         """Leaves the old group and forms ``generation``'s, keeping the process, the
         modules (wrapped again: DDP broadcasts rank 0's parameters) and the optimizer."""
         old = self._group.membership
