@@ -155,7 +155,7 @@ def test_a_replica_group_asks_torch_for_nccl_on_cuda_and_gloo_on_cpu(
         asked["backend"], asked["device_id"] = backend, kwargs.get("device_id")
         raise RuntimeError("stop here: the choice is what is tested")
 
-    monkeypatch.setattr(group_module, "_connect_store", lambda m, t: torch.distributed.HashStore())
+    monkeypatch.setattr(group_module, "connect_store", lambda m, t: torch.distributed.HashStore())
     monkeypatch.setattr(group_module.dist, "init_process_group", init)
     membership = Membership(
         rank=0,

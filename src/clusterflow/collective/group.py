@@ -46,7 +46,14 @@ from clusterflow.collective.api import (
 from clusterflow.collective.liveness import Liveness
 from clusterflow.collective.membership import Membership
 
-__all__ = ["CollectiveGroup", "is_collective_failure", "select_backend", "select_device"]
+__all__ = [
+    "CollectiveGroup",
+    "connect_store",
+    "group_prefix",
+    "is_collective_failure",
+    "select_backend",
+    "select_device",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -149,8 +156,12 @@ class CollectiveGroup:
         liveness: Liveness | None = None,
         owned: bool = False,
         diagnose_wait_s: float = _DIAGNOSE_WAIT_S,
+        store: Store | None = None,
     ) -> None:
         self.membership = membership
+        self.store = store
+        """The rendezvous store (unprefixed) this group met in; None for one replica or
+        an adopted group. A resizing group's next generation meets in it too."""
         self.device = device
         self.backend = backend
         self._liveness = liveness
@@ -171,10 +182,14 @@ class CollectiveGroup:
         membership: Membership,
         options: CommunicationOptions,
         device: torch.device,
+        *,
+        store: Store | None = None,
     ) -> CollectiveGroup:
         """Joins (or adopts) the process group of ``membership``'s replicas.
 
         Blocks until every replica has joined, at most ``rendezvous_timeout_seconds``.
+        ``store``: a connection to the rendezvous store to reuse (a resizing group's);
+        None connects (or hosts) one. The group meets under ``group_prefix(membership)``.
 
         Raises:
             MembershipError: an existing process group disagrees with ``membership``, or a
@@ -185,15 +200,16 @@ class CollectiveGroup:
         if dist.is_available() and dist.is_initialized():
             return cls._adopt(membership, options, device)
         if membership.world_size == 1:
-            return cls(membership, device)
+            return cls(membership, device, store=store)
         if membership.master_addr is None or membership.master_port is None:
             raise MembershipError(
                 f"a world of {membership.world_size} replicas needs a rendezvous address: set "
                 "MASTER_ADDR and MASTER_PORT (clusterflow start and torchrun do), or TF_CONFIG"
             )
         backend = select_backend(options.implementation, device)
-        store = _connect_store(membership, options.rendezvous_timeout_seconds)
-        prefix = f"clusterflow/{membership.generation}"
+        if store is None:
+            store = connect_store(membership, options.rendezvous_timeout_seconds)
+        prefix = group_prefix(membership)
         _join(membership, backend, PrefixStore(prefix, store), options, device)
         liveness = _start_liveness(store, prefix, membership)
         _log.info(
@@ -203,7 +219,7 @@ class CollectiveGroup:
             membership.describe(membership.rank),
             device,
         )
-        group = cls(membership, device, backend=backend, liveness=liveness, owned=True)
+        group = cls(membership, device, backend=backend, liveness=liveness, owned=True, store=store)
         # Left before the interpreter finalizes, not at its exit (see shutdown). A strategy
         # that wraps models in DDP registers its own shutdown later, so it runs first.
         atexit.register(group.shutdown)
@@ -228,7 +244,7 @@ class CollectiveGroup:
         liveness = None
         store = _default_store()
         if store is not None and world > 1:
-            liveness = _start_liveness(store, f"clusterflow/{membership.generation}", membership)
+            liveness = _start_liveness(store, group_prefix(membership), membership)
         _log.info("adopted the existing %s process group: rank %d of %d", backend, rank, world)
         return cls(membership, device, backend=backend, liveness=liveness, owned=False)
 
@@ -350,7 +366,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _connect_store(membership: Membership, timeout_s: float) -> TCPStore:
+def group_prefix(membership: Membership) -> str:
+    """The store prefix ``membership``'s group meets under: one per generation, so a
+    group re-formed in the same store (a restart, or a resize: ``collective/elastic.py``)
+    never reads a key of the group before it."""
+    return f"clusterflow/{membership.generation}"
+
+
+def connect_store(membership: Membership, timeout_s: float) -> TCPStore:
+    """A connection to the rendezvous store (hosting it when ``membership`` says so).
+
+    Raises:
+        CollectiveError: it could not be reached or hosted within ``timeout_s``.
+    """
     assert membership.master_addr is not None and membership.master_port is not None
     where = f"{membership.master_addr}:{membership.master_port}"
     try:

@@ -94,6 +94,8 @@ class Batcher:
         """The next full batch from ``split`` (and records carried before it), or None
         when the split is used up with a partial batch carried over."""
         size = self.batch_size
+        if self._carry_size >= size:  # the batch size shrank (set_batch_size) meanwhile
+            return self.flush()
         if not self._carry and split.remaining >= size:  # the common case, kept lean
             lo = split.pos
             split.pos += size
@@ -106,6 +108,11 @@ class Batcher:
             if self._carry_size == size:
                 return self.flush()
         return None
+
+    @property
+    def held(self) -> int:
+        """Records held back waiting for more to fill a batch."""
+        return self._carry_size
 
     def starts_new_epoch(self, split: ReadSplit) -> bool:
         """Whether ``split`` belongs to another epoch than the records held back."""

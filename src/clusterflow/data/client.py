@@ -201,6 +201,8 @@ class DataClient:
         self._lease_of: dict[SplitKey, int] = {}  # held leases by their split's key
         self._auto = config.auto_ack
         self._on_wait: Callable[[], None] | None = None
+        self._wait_every_s: float | None = None
+        self._waited = False  # the reader said _WAIT and nothing came since
         self._delivered: deque[tuple[int, tuple[int, ...]]] = deque()
         self._auto_acks: list[int] = []  # the simple mode's, sent with the next lease call
         self._acks_since = 0.0  # when the oldest of them was taken (time.monotonic)
@@ -271,7 +273,29 @@ class DataClient:
         self._wake.set()
         return reply
 
-    def manual_acks(self, on_wait: Callable[[], None] | None = None) -> None:
+    def set_batch_size(self, batch_size: int) -> None:
+        """Cuts the batches from here on with ``batch_size`` records (a resized
+        all-reduce group keeps its global batch: each replica's share changes). Records
+        already held back for the next batch stay in it.
+
+        Raises:
+            ConfigError: ``batch_size`` is below 1.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self._batcher.batch_size = batch_size
+
+    def held_records(self) -> int:
+        """Records read but not yet cut into a batch: the rest of the split being cut
+        and those held back for the next batch. A batch of this size completes every
+        split begun, without starting another (a replica that leaves a resizing group
+        finishes its splits so: given back half trained, they would be trained twice)."""
+        split = self._split
+        return self._batcher.held + (split.remaining if split is not None else 0)
+
+    def manual_acks(
+        self, on_wait: Callable[[], None] | None = None, *, every_s: float | None = None
+    ) -> None:
         """From now on ``next()`` acks nothing: the training loop acks each split once
         its update is applied (``ack_keys``), or gives it back (``release_keys``).
 
@@ -283,10 +307,14 @@ class DataClient:
             on_wait: called on the training loop's thread when ``next()`` is about to
                 wait at the end of the data for splits still out: the loop settles its
                 own last steps there (their acks may be what the wait is for).
+            every_s: call ``on_wait`` again every ``every_s`` while the wait lasts
+                (None: once). A resizing all-reduce replica takes part in its peers'
+                steps from there: they may be training the very splits it waits for.
         """
         self._auto = False
         if on_wait is not None:
             self._on_wait = on_wait
+            self._wait_every_s = every_s
 
     def ack_keys(self, keys: Iterable[SplitKey]) -> dict[str, int]:
         """Acks the splits named by ``keys`` (``Batch.keys``): their update is applied.
@@ -400,8 +428,9 @@ class DataClient:
                 if batch is not None:
                     return batch
                 continue
-            item = self._pushback if self._pushback is not None else self._splits.get()
+            item = self._pushback if self._pushback is not None else self._take_split()
             self._pushback = None
+            self._waited = item is _WAIT
             if isinstance(item, ReadSplit):
                 self._split = item
                 if batcher.starts_new_epoch(item):
@@ -423,6 +452,18 @@ class DataClient:
             if isinstance(item, _Failure):
                 raise item.error
             return None
+
+    def _take_split(self) -> Any:
+        """The reader's next item; while waiting after a ``_WAIT``, calls ``on_wait``
+        every ``every_s`` (``manual_acks``)."""
+        every, on_wait = self._wait_every_s, self._on_wait
+        if every is None or on_wait is None or not self._waited:
+            return self._splits.get()
+        while True:
+            try:
+                return self._splits.get(timeout=every)
+            except queue.Empty:
+                on_wait()
 
     # Acks -----------------------------------------------------------------------------
 

@@ -443,7 +443,11 @@ class Controller(Recovery, Elastic):
             respawnable=bool(body.get("respawnable")),
             resizable=resizable if isinstance(resizable, bool) else None,
         )
-        return {"max_restarts": self.config.max_restarts}
+        # elastic: an all-reduce group then watches for newcomers and leavers
+        return {
+            "max_restarts": self.config.max_restarts,
+            "elastic": self.workers_range() is not None,
+        }
 
     def _on_checkpoints(self, request: Request) -> dict[str, Any]:
         """The chief's checkpoints live at ``{"url"}``: restarts restore from there.

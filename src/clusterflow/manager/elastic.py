@@ -19,8 +19,10 @@ which alone changes the task table; the handler answers once the change took eff
 
 Only jobs whose workers said so at their first step resize (``manager.declare``'s
 ``resizable``: the workers of an asynchronous parameter-server strategy, which hold
-nothing the others need); a cluster whose workers did not (pipeline stages, all-reduce,
-sync ps) keeps its size, and ``scale`` on it is refused with one line.
+nothing the others need, and all-reduce workers trained through ``fit`` on the data
+service or a ``TrainingSession``, which re-form their group at a step boundary:
+``strategies/resizing.py``); a cluster whose workers did not (pipeline stages, sync
+ps) keeps its size, and ``scale`` on it is refused with one line.
 ``Controller`` mixes ``Elastic`` in; the state it acts on is the controller's.
 """
 
@@ -101,8 +103,9 @@ def check_scale(view: ScaleView, workers: int) -> None:
     if view.resizable is not True:
         raise ScaleRefused(
             f"the workers of {name} have not declared that they resize live: only "
-            "workers of an asynchronous parameter-server strategy do (at their first "
-            "step); pipeline, all-reduce and sync ps clusters keep their size"
+            "workers of an asynchronous parameter-server strategy, and all-reduce workers "
+            "trained through fit on the data service or a TrainingSession, do (at their "
+            "first step); pipeline and sync ps clusters keep their size"
         )
 
 

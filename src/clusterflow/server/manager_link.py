@@ -64,14 +64,17 @@ class ManagerLink:
             return None
         return cls(address, credentials, task)
 
-    def declare(self, *, respawnable: bool, resizable: bool | None = None) -> None:
+    def declare(self, *, respawnable: bool, resizable: bool | None = None) -> dict[str, Any] | None:
         """Whether the manager may relaunch this task alone when it dies, and whether
         the cluster may grow and shrink around it (``clusterflow scale``; None: not
-        said, so it may not). Never raises."""
+        said, so it may not). Returns the manager's answer (``max_restarts``, and
+        ``elastic``: whether the cluster has a worker range), None when it did not
+        answer. Never raises."""
         body: dict[str, Any] = {"task": self.task, "respawnable": respawnable}
         if resizable is not None:
             body["resizable"] = resizable
-        self._quiet(ManagerMethod.DECLARE, body)
+        reply = self._quiet(ManagerMethod.DECLARE, body)
+        return reply if isinstance(reply, dict) else None
 
     def checkpoints_at(self, url: str) -> bool:
         """Tells the manager that this job's checkpoints live at ``url`` (the chief's

@@ -258,6 +258,21 @@ class Strategy(SoloParticipant, ABC):
             StrategyError: the model was not created in the scope; the message says how.
         """
 
+    def begin_session(self, session: Any, *, resizable: bool) -> None:
+        """A ``TrainingSession`` opened, its hooks begun (restored). ``resizable``: the
+        session's loop can go on at another world size (``fit`` with a data-service
+        client, or a custom loop). The all-reduce strategies declare it to the manager
+        here and, on a worker added to a running cluster, receive the state."""
+
+    def boundary(
+        self, session: Any, go: bool | None, rows: int | None
+    ) -> tuple[bool, bool, float] | None:
+        """A step boundary of a run that resizes live (its membership may change here):
+        ``(step, end, loss scale)``. ``go``: this replica has a batch (True), its data
+        ended (False), or it waits for splits still out (None). None (the default): the
+        run does not resize, and the loop agrees on ``go`` as it always did."""
+        return None
+
     def refresh_model(self) -> None:
         """Makes the local model hold the shared parameters' newest values (before
         evaluating it): a replica whose values lag the shared ones pulls them here."""

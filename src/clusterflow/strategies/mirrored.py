@@ -38,7 +38,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -74,7 +74,18 @@ from clusterflow.strategies.module_scope import (
     trainable,
     unprepare_class,
 )
+from clusterflow.strategies.resizing import (
+    ElasticBatch,
+    Resizing,
+    check_elastic_batch,
+    join_if_added,
+)
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
+    from clusterflow.collective.elastic import Generation
 
 __all__ = ["CollectiveAllReduceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy"]
 
@@ -85,11 +96,13 @@ _active_scope: Strategy | None = None
 _GRADIENT_AS_BUCKET_VIEW: Final = True
 
 
-class CollectiveAllReduceStrategy(Strategy):
+class CollectiveAllReduceStrategy(Resizing, Strategy):
     """Synchronous data parallelism over an all-reduce group; the engine of both strategies.
 
     Not built directly: use :class:`MultiWorkerMirroredStrategy` or
-    :class:`MirroredStrategy`, which decide who the replicas are.
+    :class:`MirroredStrategy`, which decide who the replicas are. In an elastic cluster
+    trained through ``fit`` or a ``TrainingSession`` the group resizes live at step
+    boundaries (``strategies/resizing.py``).
     """
 
     def __init__(
@@ -99,17 +112,21 @@ class CollectiveAllReduceStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         devices: Sequence[str] | None = None,
         cluster_resolver: ClusterResolver | None = None,
+        elastic_batch: ElasticBatch = "global",
+        store: TCPStore | None = None,
+        joined: Generation | None = None,
     ) -> None:
         self._options = communication_options or CommunicationOptions()
         self._resolver = cluster_resolver
         self._device = select_device(membership, devices)
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-        self._group = CollectiveGroup.form(membership, self._options, self._device)
+        self._group = CollectiveGroup.form(membership, self._options, self._device, store=store)
         atexit.register(self.shutdown)  # after the group's own: runs before it (LIFO)
         self._scope_depth = 0
         self._prepared: list[weakref.ref[nn.Module]] = []
         self._bucket_workers: list[BucketWorker] = []
+        self._init_resizing(joined, check_elastic_batch(elastic_batch))
 
     # Who we are -------------------------------------------------------------------------
 
@@ -200,6 +217,19 @@ class CollectiveAllReduceStrategy(Strategy):
                 "the strategy wraps it"
             )
         module.to(self._device)
+        self._wrap(module)
+        self._prepared.append(weakref.ref(module))
+        _log.info(
+            "mirrored %s over %d replicas on %s",
+            type(module).__name__,
+            self.num_replicas_in_sync,
+            self._device,
+        )
+        return module
+
+    def _wrap(self, module: nn.Module) -> None:
+        """Routes ``module`` through a DDP wrapper over the current group (constructing
+        it broadcasts rank 0's parameters and buffers); alone, marks it only."""
         wrapper: nn.Module | None = None
         if self.num_replicas_in_sync > 1 and trainable(module):
             with self._group.guard("broadcasting rank 0's parameters and forming groups"):
@@ -217,14 +247,21 @@ class CollectiveAllReduceStrategy(Strategy):
                 self._bucket_workers.append(worker)
             wrapper = ddp
         prepare_module(module, wrapper)
-        self._prepared.append(weakref.ref(module))
-        _log.info(
-            "mirrored %s over %d replicas on %s",
-            type(module).__name__,
-            self.num_replicas_in_sync,
-            self._device,
-        )
-        return module
+
+    def _modules(self) -> list[nn.Module]:
+        """The prepared modules that are still alive, in the order they were prepared."""
+        return [m for m in (ref() for ref in self._prepared) if m is not None]
+
+    def _unwrap_all(self) -> list[nn.Module]:
+        """Drops every DDP wrapper (and bucket worker) over the current group; returns
+        the prepared modules, each still marked as mirrored."""
+        while self._bucket_workers:
+            self._bucket_workers.pop().close()
+        modules = self._modules()
+        for module in modules:
+            if replica_wrapper(module) is not None:
+                prepare_module(module, None)
+        return modules
 
     def _bucket_cap_mb(self) -> float | None:
         packed = self._options.bytes_per_pack
@@ -380,6 +417,7 @@ class CollectiveAllReduceStrategy(Strategy):
 
     def finish(self, error: BaseException | None, leave: bool) -> None:
         """On error this replica leaves its group at once, so no peer waits on it."""
+        self.end_resizing()
         if error is None:
             return
         try:
@@ -480,12 +518,9 @@ class CollectiveAllReduceStrategy(Strategy):
         (``CollectiveGroup.shutdown`` says why that hangs or aborts).
         """
         atexit.unregister(self.shutdown)
-        while self._bucket_workers:
-            self._bucket_workers.pop().close()
-        for ref in self._prepared:
-            module = ref()
-            if module is not None and replica_wrapper(module) is not None:
-                prepare_module(module, None)
+        if self._watcher is not None:
+            self._watcher.stop()
+        self._unwrap_all()
         self._group.shutdown()
 
 
@@ -497,27 +532,56 @@ class MultiWorkerMirroredStrategy(CollectiveAllReduceStrategy):
     here: this blocks until every replica has started, at most
     ``communication_options.rendezvous_timeout_seconds``.
 
+    In an elastic cluster (``clusterflow start --workers MIN:MAX``) trained through
+    ``fit`` or a ``TrainingSession``, the group resizes live at step boundaries
+    (``clusterflow scale``; ``strategies/resizing.py``). A worker added to a running
+    cluster joins the group the others re-form and receives their state.
+
+    Args:
+        communication_options: backend, timeouts, bucket size and gradient compression.
+        cluster_resolver: the cluster (default: ``TF_CONFIG``).
+        elastic_batch: what a resize keeps: ``"global"`` (the default) the global batch
+            (each replica's data-service batch becomes its share), ``"per_replica"``
+            each replica's batch, with every learning rate scaled by
+            ``world / initial world``.
+
     Raises:
         MembershipError: the launcher's variables and the cluster spec disagree (a
             ``WORLD_SIZE`` or ``RANK`` that is not the spec's), or this task is a ps.
         CollectiveError: the replicas did not all join in time (naming the missing).
+        StrategyError: ``elastic_batch`` is neither policy.
     """
 
     def __init__(
         self,
         communication_options: CommunicationOptions | None = None,
         cluster_resolver: ClusterResolver | None = None,
+        *,
+        elastic_batch: ElasticBatch = "global",
     ) -> None:
         resolver = cluster_resolver
         if resolver is None and TFConfig.from_env() is not None:
             resolver = TFConfigClusterResolver()
-        membership = Membership.from_env(
-            os.environ,
-            resolver.cluster_spec() if resolver else None,
-            resolver.task if resolver else None,
+        options = communication_options or CommunicationOptions()
+        check_elastic_batch(elastic_batch)
+        # A worker added by `clusterflow scale` joins the generation the others form;
+        # its TF_CONFIG and WORLD_SIZE describe the cluster when it registered.
+        membership, store, joined = join_if_added(
+            os.environ, resolver.task if resolver else None, options
         )
+        if membership is None:
+            membership = Membership.from_env(
+                os.environ,
+                resolver.cluster_spec() if resolver else None,
+                resolver.task if resolver else None,
+            )
         super().__init__(
-            membership, communication_options=communication_options, cluster_resolver=resolver
+            membership,
+            communication_options=options,
+            cluster_resolver=resolver,
+            elastic_batch=elastic_batch,
+            store=store,
+            joined=joined,
         )
 
 
@@ -534,6 +598,7 @@ class MirroredStrategy(CollectiveAllReduceStrategy):
         devices: the host's devices, one per process, in TensorFlow's syntax (``"/gpu:0"``)
             or torch's (``"cuda:0"``); default: this process's GPU, else the CPU.
         communication_options: backend, timeout, bucket size and gradient compression.
+        elastic_batch: what a live resize keeps (see :class:`MultiWorkerMirroredStrategy`).
 
     Raises:
         MembershipError: the replicas span more than one host (use
@@ -545,14 +610,22 @@ class MirroredStrategy(CollectiveAllReduceStrategy):
         self,
         devices: Sequence[str] | None = None,
         communication_options: CommunicationOptions | None = None,
+        *,
+        elastic_batch: ElasticBatch = "global",
     ) -> None:
         config = TFConfig.from_env()
         resolver = TFConfigClusterResolver() if config is not None else None
-        membership = Membership.from_env(
-            os.environ,
-            resolver.cluster_spec() if resolver else None,
-            resolver.task if resolver else None,
+        options = communication_options or CommunicationOptions()
+        check_elastic_batch(elastic_batch)
+        membership, store, joined = join_if_added(
+            os.environ, resolver.task if resolver else None, options
         )
+        if membership is None:
+            membership = Membership.from_env(
+                os.environ,
+                resolver.cluster_spec() if resolver else None,
+                resolver.task if resolver else None,
+            )
         if membership.local_world_size != membership.world_size:
             raise MembershipError(
                 f"MirroredStrategy mirrors the replicas of one host, but this cluster has "
@@ -561,9 +634,12 @@ class MirroredStrategy(CollectiveAllReduceStrategy):
             )
         super().__init__(
             membership,
-            communication_options=communication_options,
+            communication_options=options,
             devices=devices,
             cluster_resolver=resolver,
+            elastic_batch=elastic_batch,
+            store=store,
+            joined=joined,
         )
 
 

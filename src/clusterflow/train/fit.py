@@ -20,6 +20,7 @@ the slices (``feed.py`` says how uneven final batches stay exact).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from clusterflow.strategies.api import ALONE, Strategy
-from clusterflow.train.api import Hook, TrainConfigError
+from clusterflow.train.api import Hook, TrainConfigError, TrainError
 from clusterflow.train.evaluate import Evaluate, is_evaluator
 from clusterflow.train.feed import Feed, Feeder, is_data_client
 from clusterflow.train.history import History
@@ -139,6 +140,9 @@ def fit(
         # Replicas fed by the data service end unevenly: sync ps steps must stop
         # waiting for a replica whose data ran out. Otherwise all end on the same step.
         leave_at_end=feeder.client,
+        # Each replica reads its own share from the data service, so the loop goes on at
+        # another world size; global batches split by rank here would not.
+        resizable=feeder.client,
     )
     with session:
         if feeder.client:
@@ -234,17 +238,58 @@ class _Loop:
         epoch, totals = -1, Totals(self.metrics)
         counted = session.step  # steps toward steps_per_epoch epochs
         batches = feeder.client_batches()
+        last: list[Feed] = []  # this replica's last batch, for steps it has none in
+
+        def sit_in() -> None:
+            """A step of the others' that this replica, without a batch of its own,
+            takes part in: its last batch at a loss scale of 0 (nothing of it counts)."""
+            if not last:
+                raise TrainError(
+                    "fit(): this replica joined after the data ran out and has no batch "
+                    "to take part in its peers' last steps with"
+                )
+            self._step(session, None, dataclasses.replace(last[0], loss_scale=0.0))
+
+        def while_waiting() -> None:
+            """Its data client waits for splits still out: its peers may be training
+            them, and their steps need this replica (a resizing group only)."""
+            verdict = session.boundary(None, None)
+            if verdict is not None and verdict[0]:
+                sit_in()
+
+        if getattr(self.strategy, "resizes", False):
+            session.on_data_wait(while_waiting)
         while not session.should_stop():
             item = next(batches, None)
             number = epochs
             if item is not None:
                 number = item[1].epoch if steps_per_epoch is None else counted // steps_per_epoch
-            go = number < epochs
-            if lockstep:
-                go = _all_agree(self.strategy, go, feeder.replicas.count)
-            if not go or item is None:
-                break
-            batch, feed = item
+            go = number < epochs and item is not None
+            verdict = session.boundary(go, item[1].rows if go and item is not None else None)
+            if verdict is not None:
+                # A group that resizes live agreed (and maybe re-formed) here. It steps
+                # while any replica has a batch: one that has none takes part at a loss
+                # scale of 0, so the splits the others hold are trained, not left
+                # unacked at the end; it waits while one waits for splits still out.
+                # The vote weighs each replica by its rows: the update is the mean over
+                # the union of the step's batches, however they were cut.
+                step, end, scale = verdict
+                if end:
+                    break
+                if not step:
+                    continue
+                if not go or item is None:
+                    sit_in()
+                    continue
+                batch, feed = item
+                feed = dataclasses.replace(feed, loss_scale=scale)
+                last[:] = [feed]
+            else:
+                if lockstep:
+                    go = _all_agree(self.strategy, go, feeder.replicas.count)
+                if not go or item is None:
+                    break
+                batch, feed = item
             if number != epoch:
                 if epoch >= 0:
                     sums[epoch] = self._end_client_epoch(session, epoch, totals)
@@ -288,10 +333,15 @@ class _Loop:
     # One step, one validation ---------------------------------------------------------
 
     def _step(
-        self, session: TrainingSession, totals: Totals, feed: Feed, completes: Any = None
+        self, session: TrainingSession, totals: Totals | None, feed: Feed, completes: Any = None
     ) -> None:
+        """One step; ``totals`` None: a step this replica takes part in without data
+        (its loss scale is 0), counted in no figure."""
         args = (feed.inputs, feed.targets, feed.loss_scale)
         loss, outputs = session.run(self._step_fn, args, completes=completes)
+        if totals is None:
+            session.step_done(samples=0)
+            return
         values = totals.add(loss, outputs, feed.targets, feed.rows)
         session.step_done(loss=loss, samples=feed.rows, metrics=values)
 

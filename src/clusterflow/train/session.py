@@ -74,6 +74,10 @@ class TrainingSession:
             data ran out, so the others must stop waiting for it). ``fit`` turns it off
             when every replica runs the same steps anyway.
         report_figures: send step, loss and samples/s to the cluster manager.
+        resizable: the loop can go on at another world size, so an all-reduce group in
+            an elastic cluster resizes live at step boundaries (``strategy.boundary``,
+            run by ``run`` or by ``fit``). ``fit`` turns it off for data it splits by
+            rank itself (tensors, datasets, batches).
 
     Raises:
         TrainConfigError: a hook is not a ``Hook``, or (on entering) the model was not
@@ -92,6 +96,7 @@ class TrainingSession:
         max_steps: int | None = None,
         leave_at_end: bool = True,
         report_figures: bool = True,
+        resizable: bool = True,
     ) -> None:
         self.strategy = strategy
         self.model = model
@@ -111,6 +116,10 @@ class TrainingSession:
         """On an evaluator task: what the ``Evaluate`` hooks evaluated."""
         self._leave = leave_at_end
         self._report = report_figures
+        self._resizable = resizable
+        self._bounded = -1  # the step whose boundary ran (fit runs it with its vote)
+        self._partial: set[int] = set()  # leases with records trained, not completed
+        self._data_wait: Callable[[], None] | None = None
         self._step = 0
         self._initial_step = 0
         self._stop = False
@@ -208,16 +217,37 @@ class TrainingSession:
             TrainConfigError: ``completes`` is given but the session has no ``data``.
         """
         self._require_open("run")
+        if self.strategy is not None and self._bounded != self._step:
+            self.boundary(True, None)  # a custom loop: the membership may change here
         keys = _keys_of(completes)
         if keys and not self._keyed:
             self._take_over_acks()
         if self.strategy is not None:
             if keys:
-                return self.strategy.run(fn, args, kwargs, completes=keys)
-            return self.strategy.run(fn, args, kwargs)
+                result = self.strategy.run(fn, args, kwargs, completes=keys)
+            else:
+                result = self.strategy.run(fn, args, kwargs)
+            self._trained(completes)
+            return result
         result = fn(*args, **(kwargs or {}))
         self._local_keys.extend(keys)
         return result
+
+    @property
+    def holds_partial_splits(self) -> bool:
+        """Whether a split this replica holds has records trained and records not: a
+        replica that left now would give it back whole, and its trained records would
+        be trained again by whoever it is lent to (a leaving replica waits for this to
+        turn false, a few steps at most)."""
+        return bool(self._partial)
+
+    def _trained(self, completes: Any) -> None:
+        """Tracks the leases a ``Batch`` trained part of (known only from a ``Batch``)."""
+        leases = getattr(completes, "leases", None)
+        done = getattr(completes, "completes", None)
+        if isinstance(leases, tuple) and isinstance(done, tuple):
+            self._partial.update(leases)
+            self._partial.difference_update(done)
 
     def _take_over_acks(self) -> None:
         if self.data is None or not hasattr(self.data, "ack_keys"):
@@ -226,11 +256,21 @@ class TrainingSession:
                 "data client to ack them: pass data=client to TrainingSession"
             )
         self._keyed = True
-        self.data.manual_acks(on_wait=self._settle_all)
+        resizes = bool(getattr(self.strategy, "resizes", False))
+        self.data.manual_acks(on_wait=self._settle_all, every_s=0.05 if resizes else None)
+
+    def on_data_wait(self, take_part: Callable[[], None]) -> None:
+        """``take_part`` runs (on the loop's thread) while this replica's data client
+        waits for splits still out, every 50 ms: a resizing all-reduce replica takes
+        part in its peers' steps there (``fit`` sets it), since they may hold the very
+        splits it waits for."""
+        self._data_wait = take_part
 
     def _settle_all(self) -> None:
         """Waits until every step run so far is decided, then acks or gives back."""
         self._settle(wait=True)
+        if self._data_wait is not None:
+            self._data_wait()
 
     def _settle(self, *, wait: bool) -> None:
         """Acks the splits whose update is applied; gives back those dropped."""
@@ -246,6 +286,21 @@ class TrainingSession:
             self.data.ack_keys(settled.applied)
         if settled.dropped:
             self.data.release_keys(settled.dropped)
+
+    def boundary(self, go: bool | None, rows: int | None) -> tuple[bool, bool, float] | None:
+        """The step boundary before the next ``run``, where the strategy resizes live
+        (its group may re-form here): ``(step, end, loss scale)`` (``Strategy.boundary``;
+        ``go``: this replica has a batch, its data ended, or None: it waits for splits
+        still out). None where the strategy does not resize.
+
+        ``fit`` calls it with its batch's ``rows``; ``run`` calls it itself otherwise.
+        """
+        self._require_open("boundary")
+        if self.strategy is None:
+            return None
+        verdict = self.strategy.boundary(self, go, rows)
+        self._bounded = self._step
+        return verdict
 
     def step_done(
         self,
@@ -298,6 +353,10 @@ class TrainingSession:
             for hook in ordered:
                 hook.begin(self)
                 self._begun.append(hook)
+            if self.strategy is not None:
+                # After the restoring hooks: a worker added to a running group receives
+                # the survivors' model, optimizer and step here, over any checkpoint.
+                self.strategy.begin_session(self, resizable=self._resizable)
         except BaseException as exc:
             self._close(exc)
             raise
