@@ -348,3 +348,60 @@ def test_the_coordinator_sends_functions_to_the_workers_a_scale_adds_and_not_to_
     state = cf.state(cluster_id)
     assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
     assert state["restarts"] == 0
+
+
+PIPELINE = """\
+import sys, torch
+from pathlib import Path
+from torch import nn
+import clusterflow as cf
+
+out = Path(sys.argv[1])
+strategy = cf.PipelineStrategy("1f1b", microbatches=2)
+with strategy.scope():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+rounds = 0
+while not (out / "done").exists():
+    cf.fit(model, nn.CrossEntropyLoss(), optimizer, (x, y), strategy=strategy,
+           epochs=1, global_batch_size=16, seed=rounds)
+    rounds += 1
+    (out / f"rounds-{cf.TFConfigClusterResolver().task_id}").write_text(str(rounds))
+"""
+
+
+def _rounds_done(path: Path) -> int:
+    """The rounds a stage wrote it finished (0 while the file is being rewritten)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.timeout(240)
+def test_a_pipeline_keeps_its_stage_count_and_scale_is_refused_in_one_line(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """Issue 32: a pipeline's stage count is the model's cut, so its workers never
+    declare that they resize; ``scale`` on it is one line, exit 2, and the stages run on
+    in the same processes."""
+    script = cf.script("pipeline_scaled.py", PIPELINE)
+    cluster_id = cf.start_detached("--workers", "2:3", "--", PY, str(script), str(tmp_path))
+    cf.wait_until(
+        lambda: all((tmp_path / f"rounds-{i}").exists() for i in (0, 1)), 120, "a pipeline round"
+    )
+    before = _job_pids(cf, cluster_id, ("worker:0", "worker:1"))
+    done = cf.run("scale", cluster_id, "--workers", "3")
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "have not declared that they resize live" in lines[0] and "pipeline" in lines[0]
+    rounds = _rounds_done(tmp_path / "rounds-0")
+    cf.wait_until(lambda: _rounds_done(tmp_path / "rounds-0") > rounds, 60, "the stages to go on")
+    assert _job_pids(cf, cluster_id, ("worker:0", "worker:1")) == before
+    addresses, _ = _workers_in_spec(cf, cluster_id)
+    assert len(addresses) == 2 and cf.state(cluster_id).get("membership") == []
+    (tmp_path / "done").write_text("")
+    cf.wait_until(lambda: _ended(cf, cluster_id), 60, "the pipeline to end")
+    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
+    assert cf.state(cluster_id)["status"] == "succeeded", cf.output(cluster_id)
