@@ -12,6 +12,17 @@ Each launcher starts in a new session. After a trial it is left to exit by itsel
 its process group and every descendant seen during the trial are killed, and it is waited
 for, so no trial's tear-down overlaps the next one's start.
 
+With ``--verbose``, where clusterflow's time goes, phase by phase (the medians over its
+trials), from the wall-clock instants of each trial and of its cluster's own records:
+
+* ``cli``: the launcher's start to the cluster's folder (Python, the CLI's imports, the
+  settings merged);
+* ``manager``: the folder to the manager's ``starting`` event;
+* ``tasks``: ``starting`` to ``spec_assembled`` (every task's supervisor started and
+  registered at the barrier);
+* ``job``: ``spec_assembled`` to both ranks' ready lines (each job's own start: the
+  probe's process and its ``import torch``).
+
     python -m benchmarks.launch [--quick] [--rounds N] [--verbose]
 """
 
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import queue
 import re
@@ -43,6 +55,12 @@ READY = re.compile(r"ready rank=(\d+)")
 TRIAL_TIMEOUT_S = 120.0
 # Time a launcher gets to exit by itself once both ranks are ready (the probes exit at once).
 EXIT_GRACE_S = 30.0
+
+
+PHASES = ("cli", "manager", "tasks", "job")
+
+LAUNCHES: list[tuple[float, float]] = []
+"""(launch, both ranks ready) in wall-clock seconds, per clusterflow trial, in order."""
 
 
 class TrialError(RuntimeError):
@@ -109,6 +127,7 @@ def trial(cmd: list[str], env: dict[str, str] | None = None) -> float:
     """
     seen: list[psutil.Process] = []
     lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
+    wall = time.time()
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -157,7 +176,29 @@ def trial(cmd: list[str], env: dict[str, str] | None = None) -> float:
     if ready_at is None:
         tail = "".join(output[-20:])
         raise TrialError(f"{cmd[0]} exited {proc.returncode} before {WORKERS} ready lines:\n{tail}")
+    if Path(cmd[0]).name == "clusterflow":
+        LAUNCHES.append((wall, wall + ready_at - start))
     return ready_at - start
+
+
+def phases(home: Path) -> dict[str, list[float]]:
+    """Each clusterflow trial's phases (module docstring), from its cluster's folder."""
+    clusters = []
+    for folder in (home / "clusters").iterdir():
+        state = json.loads((folder / "state.json").read_text())
+        events = {}
+        for line in (folder / "events.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            events.setdefault(record["event"], float(record["time"]))
+        clusters.append((float(state["created"]), events))
+    clusters.sort(key=lambda c: c[0])
+    out: dict[str, list[float]] = {name: [] for name in PHASES}
+    # One cluster per clusterflow trial, the untimed first one too, in the same order.
+    for (launched, ready), (created, events) in zip(LAUNCHES, clusters, strict=True):
+        marks = [launched, created, events["starting"], events["spec_assembled"], ready]
+        for name, begin, end in zip(PHASES, marks, marks[1:], strict=False):
+            out[name].append(end - begin)
+    return out
 
 
 def main() -> None:
@@ -175,6 +216,12 @@ def main() -> None:
             rounds,
             verbose=args.verbose,
         )
+        if args.verbose:
+            spent = {name: Spread.of(values) for name, values in phases(Path(home)).items()}
+            print(
+                "clusterflow's launch by phase, seconds: "
+                + ", ".join(f"{name} {spread}" for name, spread in spent.items())
+            )
     medians = {name: Spread.of(t).median for name, t in times.items()}
     time_ratio = ratio(times["clusterflow"], times["torchrun"])
     print(
