@@ -106,6 +106,7 @@ class LoadRequest:
             raise MalformedBody(
                 f"{cls.METHOD}: parts must be [index, start, stop] triples, got {parts!r:.80}"
             )
+        assert isinstance(parts, list)  # ok says so
         if limit is not None:
             limit = _count(cls.METHOD, b, "limit")
         return cls(

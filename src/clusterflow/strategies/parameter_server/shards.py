@@ -126,7 +126,7 @@ def declare(
 
     def create(index: int) -> None:
         shards = placement.on_ps(index)
-        decl = [
+        decl: list[Mapping[str, Any]] = [
             {
                 "name": s.name,
                 "shape": list(s.shape),

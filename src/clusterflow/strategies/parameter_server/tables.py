@@ -296,10 +296,12 @@ class TableSession:
         # ages by this worker's steps, and with overlap_push a reply comes a step late.
         self.stats.steps += 1
         read, self._read = self._read, [None] * self._ps.num_ps
-        pushed = [
-            self._floor[i] if sync else (self.versions[i] if read[i] is None else read[i])
-            for i in range(self._ps.num_ps)
-        ]
+        pushed = []
+        for index, pulled in enumerate(read):
+            if sync:
+                pushed.append(self._floor[index])
+            else:
+                pushed.append(self.versions[index] if pulled is None else pulled)
         return RowsPush(per_ps, pushed, keys, hyper)
 
     def send(self, prepared: RowsPush) -> list[PushReply]:

@@ -98,7 +98,7 @@ class OverlappedSingle(_ReceivesFirst):
     def __init__(
         self, stage: PipelineStage, microbatches: int, loss_fn: Callable[..., Any], *, gpipe: bool
     ) -> None:
-        super().__init__([stage], microbatches, loss_fn=loss_fn)
+        super().__init__([stage], microbatches, loss_fn=loss_fn)  # type: ignore[no-untyped-call]
         stages = stage.num_stages
         self.pipeline_order = {
             rank: list(
