@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clusterflow.cli.main import _figures, _task_figures
+from clusterflow.cli.show import figures, task_figures
 from clusterflow.manager.state import ClusterState, TaskState
 
 
@@ -18,8 +18,8 @@ def test_ps_shows_the_furthest_step_and_the_summed_rate_of_running_tasks() -> No
         {"task": "ps:0", "exit_code": None},
     )
     # The finished worker's step counts (it got furthest); its rate no longer does.
-    assert _figures(state) == ("41", "1990")
-    assert _figures(_state({"task": "worker:0", "exit_code": None})) == ("-", "-")
+    assert figures(state) == ("41", "1990")
+    assert figures(_state({"task": "worker:0", "exit_code": None})) == ("-", "-")
 
 
 def test_an_ended_cluster_shows_the_figures_it_ended_on() -> None:
@@ -31,10 +31,10 @@ def test_an_ended_cluster_shows_the_figures_it_ended_on() -> None:
         {"task": "worker:1", "exit_code": 0, "step": 119, "samples_per_s": 800.0},
         {"task": "ps:0", "exit_code": -15},
     )
-    assert _figures(state) == ("120", "1612")
+    assert figures(state) == ("120", "1612")
 
 
 def test_describe_shows_each_tasks_figures_and_restarts() -> None:
     task = TaskState(task="worker:0", step=12, loss=0.123456, samples_per_s=812.6, restarts=2)
-    assert _task_figures(task) == "  step 12, loss 0.1235, 813 samples/s, restarts 2"
-    assert _task_figures(TaskState(task="worker:0", restarts=0)) == ""
+    assert task_figures(task) == "  step 12, loss 0.1235, 813 samples/s, restarts 2"
+    assert task_figures(TaskState(task="worker:0", restarts=0)) == ""

@@ -156,7 +156,7 @@ class _Data:
 
 def _resizing(policy: str, rank: int, world: int) -> Any:
     """The batch policy's side of a strategy in a group of ``world`` (no group formed)."""
-    from clusterflow.strategies.mirrored import CollectiveAllReduceStrategy
+    from clusterflow.strategies.all_reduce import CollectiveAllReduceStrategy
 
     strategy: Any = object.__new__(CollectiveAllReduceStrategy)
     strategy._group = SimpleNamespace(world_size=world, rank=rank)

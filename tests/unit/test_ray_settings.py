@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clusterflow.errors import ConfigError
-from clusterflow.manager.config import parse_job_settings
+from clusterflow.manager.job_settings import parse_job_settings
 
 
 def test_labels_take_ray_selectors_with_commas_inside_parentheses() -> None:

@@ -11,14 +11,13 @@ import shlex
 import signal
 import sys
 import time
-from collections import Counter
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from clusterflow import __version__
-from clusterflow.cli import follow, interrupts
+from clusterflow.cli import follow, interrupts, show
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.context import CONTEXT
 from clusterflow.cli.secret import secret
@@ -28,7 +27,7 @@ from clusterflow.cli.ui import ui
 from clusterflow.errors import ClusterflowError, ConfigError
 
 if TYPE_CHECKING:
-    from clusterflow.manager.state import ClusterState, TaskState
+    from clusterflow.manager.state import ClusterState
 
 USAGE_EXIT = 2
 
@@ -266,62 +265,6 @@ def _start_detached(cluster: Any) -> None:
 # ps / describe -------------------------------------------------------------------------
 
 
-def _uptime(state: ClusterState) -> str:
-    if not state.created:
-        return "-"
-    seconds = int(max(0.0, (state.ended or time.time()) - state.created))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
-def _task_summary(state: ClusterState) -> str:
-    tasks = state.tasks
-    running = sum(1 for t in tasks if t.exit_code is None and t.status == "running")
-    jobs = Counter(t.task.split(":")[0] for t in tasks)
-    shape = " ".join(f"{job}:{n}" for job, n in jobs.items())
-    return f"{running}/{len(tasks)} running ({shape})" if tasks else "-"
-
-
-def _figures(state: ClusterState) -> tuple[str, str]:
-    """The cluster's live figures (``ClusterState.figures``) as ``ps`` prints them."""
-    step, rate = state.figures()
-    return ("-" if step is None else str(step), "-" if rate is None else f"{rate:.0f}")
-
-
-def _task_figures(task: TaskState) -> str:
-    parts = [f"step {task.step}"] if task.step is not None else []
-    parts += [f"loss {task.loss:.4g}"] if task.loss is not None else []
-    parts += [f"{task.samples_per_s:.0f} samples/s"] if task.samples_per_s is not None else []
-    parts += [f"restarts {task.restarts}"] if task.restarts else []
-    return ("  " + ", ".join(parts)) if parts else ""
-
-
-def _task_placement(task: TaskState) -> str:
-    """Where a task on Ray runs: its node and what Ray gave it."""
-    if not task.node_id:
-        return ""
-    resources = ",".join(f"{k}={v:g}" for k, v in (task.resources or {}).items() if k != "memory")
-    asked, peak = task.memory_requested, task.memory_peak
-    memory = f" memory asked {_mib(asked)}, peak {_mib(peak)}" if asked or peak else ""
-    return f"  node {task.node_id[:12]} ({task.node_ip}) {resources}{memory}"
-
-
-def _mib(value: float | None) -> str:
-    return f"{value / 2**20:.0f}M" if value else "-"
-
-
-def _checkpoint_line(url: str) -> str:
-    """The checkpoint folder, named only once it holds a committed checkpoint: a folder
-    with no manifest has nothing to resume from, and naming it sent users looking."""
-    from clusterflow.manager.restore import committed_or_none
-
-    newest = committed_or_none(url)
-    if newest is None:
-        return "none committed"
-    return f"{url} (newest step {newest.step})"
-
-
 @cli.command(name="ps", context_settings=CONTEXT)
 @click.option("-a", "--all", "show_all", is_flag=True, help="Include finished clusters.")
 def ps_command(show_all: bool) -> None:
@@ -349,8 +292,16 @@ def ps_command(show_all: bool) -> None:
             if not show_all and status in registry.TERMINAL:
                 continue
             command = shlex.join(state.command)
-            step, rate = _figures(state)
-            cells = [cluster.id, status, _task_summary(state), _uptime(state), step, rate, command]
+            step, rate = show.figures(state)
+            cells = [
+                cluster.id,
+                status,
+                show.task_summary(state),
+                show.uptime(state),
+                step,
+                rate,
+                command,
+            ]
         table.add_row(*(Text(cell) for cell in cells))  # Text: no markup in a command
     # Off a terminal nothing is cut: the width only bounds the table.
     Console(width=None if sys.stdout.isatty() else 100_000).print(table)
@@ -371,12 +322,12 @@ def describe(cluster_id: str, as_json: bool) -> None:
     click.echo(f"id:       {cluster.id}")
     click.echo(f"status:   {registry.effective_status(state)}")
     click.echo(f"command:  {shlex.join(state.command)}")
-    click.echo(f"uptime:   {_uptime(state)}")
+    click.echo(f"uptime:   {show.uptime(state)}")
     if state.summary:
         click.echo(f"summary:  {state.summary} (exit code {state.exit_code})")
     click.echo(f"state:    {cluster.path}")
     if state.checkpoint_dir:
-        click.echo(f"checkpoints: {_checkpoint_line(state.checkpoint_dir)}")
+        click.echo(f"checkpoints: {show.checkpoint_line(state.checkpoint_dir)}")
     if state.max_restarts:
         click.echo(f"restarts: {state.restarts} of {state.max_restarts}")
     click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
@@ -399,7 +350,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
         click.echo(
             f"  {t.task:<14} {t.status:<10} {t.address or '-':<22} "
             f"pid {t.pid or '-':<8} exit {'-' if code is None else code}"
-            f"{_task_figures(t)}{_task_placement(t)}"
+            f"{show.task_figures(t)}{show.task_placement(t)}"
         )
     click.echo("events:")
     for event in cluster.read_events():

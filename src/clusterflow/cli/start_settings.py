@@ -73,7 +73,7 @@ def start_flags(values: dict[str, Any]) -> dict[str, Any]:
     trials' clusters. The command is not among them: ``start``'s runs on every task,
     ``tune``'s is the trials'.
     """
-    from clusterflow.manager.config import parse_job_settings
+    from clusterflow.manager.job_settings import parse_job_settings
 
     resources, labels = values.get("resources_") or (), values.get("labels_") or ()
     return {

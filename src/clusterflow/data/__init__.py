@@ -38,8 +38,9 @@ from clusterflow.data.api import (
     describe_source,
 )
 from clusterflow.data.batching import Batch
-from clusterflow.data.client import DataClient, DataConfig
+from clusterflow.data.client import DataClient
 from clusterflow.data.collate import numpy_collate, torch_collate
+from clusterflow.data.config import DataConfig
 from clusterflow.data.dataset import distributed_dataset
 from clusterflow.data.dispatcher import DispatcherConfig, DispatcherService
 from clusterflow.data.dispatcher_client import DispatcherClient

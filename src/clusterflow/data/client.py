@@ -36,9 +36,9 @@ from clusterflow.data.api import (
 )
 from clusterflow.data.batching import Batch, Batcher, ReadSplit
 from clusterflow.data.collate import Collate, take, torch_collate, writable
+from clusterflow.data.config import DataConfig
 from clusterflow.data.dispatcher_client import DispatcherClient
 from clusterflow.data.env import default_worker_name
-from clusterflow.data.messages import MAX_LEASES_PER_CALL
 from clusterflow.data.splits import location_runs, shuffle_buffer_order, split_range, split_seed
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcServer
@@ -54,64 +54,6 @@ ACK_DUE_S = 5.0
 alone. With splits leased ahead, lease calls come once per several splits; the acks are
 also what tells the dispatcher this worker is alive (its lease deadline), so a slow
 training loop must not hold them for as long as it takes to use up several splits."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataConfig:
-    """How one worker consumes one dataset. Every worker of a dataset must agree on the
-    fields that define it (``name``, ``split_size``, ``seed``, ``epochs``)."""
-
-    name: str = "default"
-    """The dataset's name on the dispatcher."""
-    batch_size: int = 32
-    """Records per batch; the last batch a worker gets of an epoch may be smaller."""
-    split_size: int = 1024
-    """Records per lease; for Parquet, the row-group size (a split then reads one)."""
-    seed: int = 0
-    """Seeds the split order of each epoch and the shuffle buffers."""
-    epochs: int | None = 1
-    """Epochs to go through; None for ever."""
-    shuffle_buffer: int = 0
-    """Records shuffled together inside a split (0: split order only); at least the
-    split size gives a full permutation of each split."""
-    prefetch: int = 4
-    """Batches' worth of records read ahead of the training loop, rounded up to whole
-    splits (at least one split is always read ahead, besides the one being cut)."""
-    leases_ahead: int = 4
-    """Splits kept leased ahead of the reading thread, besides those read ahead: once
-    half of them are taken, one dispatcher call asks for the rest (``data.lease`` with a
-    count). Four keeps a split ready to read through a round trip slowed by a busy
-    core and halves the calls; each such split is this worker's until acked, so more
-    ahead holds more of the last splits of the data away from idle peers (a dead worker's
-    go back to the queue all the same). At most ``MAX_LEASES_PER_CALL``."""
-    auto_ack: bool = True
-    """Ack a batch's completed leases when the next batch is asked for. Turn off when a
-    parameter server acks them with the update it applies."""
-    wait_for_all_acks: bool | None = None
-    """At the end of the data, wait until every worker's leases are acked, so that a
-    dead worker's splits still come back to the survivors: what parameter-server
-    training needs (a dead worker is replaced; the others go on). False stops as soon
-    as nothing is left to lend: what synchronous all-reduce training needs, whose ranks
-    must leave the loop for the others to finish their last steps (DDP's ``join()``),
-    and where a dead rank restarts the whole cluster from a checkpoint anyway. None:
-    False in the simple mode (``auto_ack``), True when a parameter server acks."""
-
-    @property
-    def waits_for_all_acks(self) -> bool:
-        return not self.auto_ack if self.wait_for_all_acks is None else self.wait_for_all_acks
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "split_size", "prefetch", "leases_ahead"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
-        if self.leases_ahead > MAX_LEASES_PER_CALL:
-            raise ConfigError(
-                f"leases_ahead must be at most {MAX_LEASES_PER_CALL} (one call's most), "
-                f"got {self.leases_ahead!r}"
-            )
-        if self.shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer!r}")
 
 
 @dataclass(slots=True)

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from clusterflow.data.api import Source
-from clusterflow.data.client import DataClient, DataConfig
+from clusterflow.data.client import DataClient
 from clusterflow.data.collate import Collate
+from clusterflow.data.config import DataConfig
 from clusterflow.data.dispatcher import DispatcherService
 from clusterflow.data.env import resolve_dispatcher
 from clusterflow.data.sources import as_source

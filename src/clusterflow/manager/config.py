@@ -10,6 +10,7 @@ from typing import Any
 
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
+from clusterflow.manager.job_settings import RAY_ONLY, parse_size
 from clusterflow.manager.limits import MAX_PROCESSES, task_processes
 
 KNOWN_JOBS = frozenset(JOB_ORDER)
@@ -454,14 +455,6 @@ BACKENDS = ("local", "ray", "hosts")
 """``hosts``: local tasks, each inside an emulated host (``clusterflow.testing``, tests)."""
 PUBLIC_BACKENDS = ("local", "ray")
 """What messages offer: ``hosts`` is the test harness's (``cli/main.py`` ``PublicChoice``)."""
-RAY_ONLY = {
-    "address": "--address",
-    "resources": "--resources",
-    "labels": "--label",
-    "job_dir": "--job-dir",
-    "memory": "--memory",
-}
-"""Settings that mean something only where tasks are placed on many machines."""
 
 
 def check_placement(config: RunConfig) -> None:
@@ -527,65 +520,6 @@ def _as_tuple(value: Any, name: str) -> tuple[Any, ...]:
     if isinstance(value, str) or not isinstance(value, list | tuple | set | frozenset):
         raise ConfigError(f"{name} must be a list, got {value!r}")
     return tuple(value)
-
-
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_size(text: str, what: str) -> int:
-    """``4G``, ``512M``, ``2GiB`` or plain bytes, as bytes (binary units, as Ray's)."""
-    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and raw[-1:].isalpha() else ""
-    try:
-        value = float(raw[: len(raw) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ConfigError(f"{what}: {text!r} is not a size such as 4G, 512M or 1073741824")
-    return int(value * _SIZE_UNITS[unit])
-
-
-def parse_job_settings(items: Sequence[str], what: str) -> dict[str, dict[str, Any]]:
-    """``["worker:GPU=1,CPU=8", "ps:CPU=2"]`` as ``{job: {name: value}}``.
-
-    ``what`` is ``resources`` (numbers; ``memory`` may be a size such as ``4G``) or
-    ``labels`` (strings).
-    """
-    out: dict[str, dict[str, Any]] = {}
-    flag = RAY_ONLY[what]
-    for item in items:
-        job, sep, pairs = item.partition(":")
-        if not sep or not job or not pairs:
-            raise ConfigError(f"{flag} {item!r}: expected JOB:NAME=VALUE[,NAME=VALUE...]")
-        settings = out.setdefault(job.strip(), {})
-        for pair in _split_pairs(pairs):
-            name, eq, value = (part.strip() for part in pair.partition("="))
-            if not eq or not name or not value:
-                raise ConfigError(f"{flag} {item!r}: {pair!r} is not NAME=VALUE")
-            settings[name] = _resource_value(name, value, item) if what == "resources" else value
-    return out
-
-
-def _split_pairs(pairs: str) -> list[str]:
-    """``a=1,b=in(x,y)`` as ``["a=1", "b=in(x,y)"]``: a comma inside parentheses (a label
-    selector's ``in(...)``) does not end a pair."""
-    out, depth, start = [], 0, 0
-    for i, char in enumerate(pairs):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth <= 0:
-            out.append(pairs[start:i])
-            start = i + 1
-    out.append(pairs[start:])
-    return out
-
-
-def _resource_value(name: str, value: str, item: str) -> float:
-    if name == "memory":
-        return float(parse_size(value, f"--resources {item!r}"))
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"--resources {item!r}: {name}={value!r} is not a number") from None
 
 
 def resources_from_file(value: Any) -> dict[str, dict[str, Any]]:

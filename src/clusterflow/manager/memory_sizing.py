@@ -29,7 +29,8 @@ from typing import Any
 from clusterflow.backends.memory_watch import FLOOR, HEADROOM, within_run
 from clusterflow.cluster import TaskId
 from clusterflow.manager import registry
-from clusterflow.manager.config import RunConfig, parse_size
+from clusterflow.manager.config import RunConfig
+from clusterflow.manager.job_settings import parse_size
 from clusterflow.manager.state import ClusterState
 
 ESTIMATE = float(1 << 30)

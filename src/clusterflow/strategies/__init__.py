@@ -22,13 +22,9 @@ from clusterflow.strategies.resolver import (
 )
 
 if TYPE_CHECKING:
+    from clusterflow.strategies.all_reduce import CollectiveAllReduceStrategy, unwrap
     from clusterflow.strategies.coordinator import ClusterCoordinator, RemoteValue, serve_worker
-    from clusterflow.strategies.mirrored import (
-        CollectiveAllReduceStrategy,
-        MirroredStrategy,
-        MultiWorkerMirroredStrategy,
-        unwrap,
-    )
+    from clusterflow.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 
 __all__ = [
     "AllReduceAlgorithm",
@@ -59,10 +55,10 @@ _LAZY = {
     "ClusterCoordinator": "clusterflow.strategies.coordinator",
     "RemoteValue": "clusterflow.strategies.coordinator",
     "serve_worker": "clusterflow.strategies.coordinator",
-    "CollectiveAllReduceStrategy": "clusterflow.strategies.mirrored",
+    "CollectiveAllReduceStrategy": "clusterflow.strategies.all_reduce",
     "MirroredStrategy": "clusterflow.strategies.mirrored",
     "MultiWorkerMirroredStrategy": "clusterflow.strategies.mirrored",
-    "unwrap": "clusterflow.strategies.mirrored",
+    "unwrap": "clusterflow.strategies.all_reduce",
 }
 
 
