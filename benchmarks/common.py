@@ -286,17 +286,3 @@ def report(name: str, figures: Mapping[str, Spread], load: str) -> None:
         print(f"{key}: {spread}")
     print(load, flush=True)
     result(name, **figures)
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float, poll_s: float = 0.05) -> Any:
-    """``predicate()``'s first true value, polled; ``TimeoutError`` naming ``what`` after
-    ``timeout`` seconds (a benchmark's or a scenario's wait on a condition,
-    never a bare sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:g}s")
-        time.sleep(poll_s)

@@ -47,8 +47,8 @@ from benchmarks.common import (
     ratio,
     report,
     timed,
-    wait_for,
 )
+from clusterflow.testing.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "benchmarks" / "recovery" / "job.py"
@@ -57,8 +57,8 @@ TIMEOUT_S = 120.0
 
 
 def _wait(predicate: Callable[[], object], what: str, timeout: float = TIMEOUT_S) -> object:
-    """``common.wait_for``, polled every 10 ms (the poll bounds the figures' resolution);
-    a wait that runs out ends the benchmark with one line."""
+    """``testing.waiting.wait_for``, polled every 10 ms (the poll bounds the figures'
+    resolution); a wait that runs out ends the benchmark with one line."""
     try:
         return wait_for(predicate, what, timeout, poll_s=0.01)
     except TimeoutError as exc:

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import wait_for
 from clusterflow.testing.netns import EmulatedHosts
+from clusterflow.testing.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: the hosts' processes run ``python -m benchmarks.scenarios.partition``."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import wait_for
+from clusterflow.testing.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 3000

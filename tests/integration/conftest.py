@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ import pytest
 
 from clusterflow.manager.registry import TERMINAL
 from clusterflow.manager.stopper import cluster_processes, kill_processes
+from clusterflow.testing.waiting import wait_for
 
 if TYPE_CHECKING:
     from clusterflow.rpc import Credentials
@@ -36,18 +36,10 @@ CLI = (sys.executable, "-m", "clusterflow.cli.main")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Polls ``predicate`` until it returns something truthy; fails naming ``what``.
-
-    The timeout is a safety net for a hung cluster, not a measurement: it is generous.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+    """Polls ``predicate`` until it returns something truthy; fails naming ``what``
+    (``clusterflow.testing.waiting``, the benchmarks' wait too). The timeout is a safety
+    net for a hung cluster, not a measurement: it is generous."""
+    return wait_for(predicate, what, timeout)
 
 
 class LineReader:
