@@ -143,6 +143,7 @@ def test_each_stage_posts_every_receive_before_it_computes(
     while it computes; torch's own lowering posts each one just before its compute. The
     run above, which equals one process, ran these very schedules."""
     for rank, result in enumerate(results["sync"]):
+        assert result[schedule]["actions"], f"{schedule} rank {rank} built no schedule"
         for actions in result[schedule]["actions"]:
             receives = [i for i, a in enumerate(actions) if "RECV" in a]
             others = [i for i, a in enumerate(actions) if "RECV" not in a]
