@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from clusterflow.ps.wire import DEFAULT_TIMEOUT_S
 from clusterflow.rpc import Credentials, RpcClient, codec
 from clusterflow.rpc.fuzz import FIELDS, WireProbe, hostile_message, raw_garbage
 
@@ -40,8 +41,12 @@ RSS_GROWTH_BOUND = 256 * 1024**2
 """Far above what a few thousand small messages may leave behind (allocator slack),
 far below what a leak of one copy per message, or one absurd allocation, would take."""
 
-ANSWER_TIMEOUT_S = 20.0
-"""A safety net for a hang, not a measurement: every answer comes in milliseconds."""
+ANSWER_TIMEOUT_S = DEFAULT_TIMEOUT_S + 20.0
+"""A safety net for a hang, not a measurement: an answer comes in milliseconds, except
+for a body that legitimately waits. A ``ps.pull`` or ``ps.wait_version`` for a version
+far ahead, with no ``timeout`` of its own, waits the default (``DEFAULT_TIMEOUT_S``)
+and is then answered with ``VersionTimeout``: Hypothesis found one, a ``ps.pull`` with
+``min_version`` 15729526, which the former 20 s net called unanswered."""
 
 _msgpack_values = st.recursive(
     st.none()
