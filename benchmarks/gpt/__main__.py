@@ -17,17 +17,41 @@ round. Keys:
 * ``time_to_loss_s_<side>``: seconds from the first step to the first evaluation at or
   below the target (1.01 x plain DDP's final validation loss in the first round).
 
-    python -m benchmarks.gpt [--quick] [--rounds N] [--verbose]
+    python -m benchmarks.gpt [--quick] [--rounds N] [--verbose] [--sides A,B,...]
+
+``--sides`` runs only the named sides (``torchrun_ddp`` always runs: it sets the loss
+target); a ratio whose two sides did not both run is left out of the RESULT line.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 from collections.abc import Callable
 
 from benchmarks.common import MachineLoad, Spread, one_thread_per_process, parser, result
 from benchmarks.gpt.runs import Run, clusterflow, launch, torchrun
+
+SIDES = (
+    "torchrun_ddp",
+    "torchrun_ddp_slow",
+    "torchrun_fsdp",
+    "mirrored",
+    "clusterflow_fsdp",
+    "ps_async",
+    "pipeline",
+)
+
+
+def _sides(text: str) -> set[str]:
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = names - set(SIDES)
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--sides {text!r}: a comma-separated choice of {', '.join(SIDES)}"
+        )
+    return names | {"torchrun_ddp"}
 
 
 def model_args(quick: bool) -> list[str]:
@@ -42,6 +66,7 @@ def model_args(quick: bool) -> list[str]:
 
 def main() -> None:
     p = parser("gpt", __doc__)
+    p.add_argument("--sides", type=_sides, help=f"a comma-separated subset of {', '.join(SIDES)}")
     args = p.parse_args()
     one_thread_per_process()
     rounds = args.rounds or 3
@@ -70,6 +95,8 @@ def main() -> None:
         "ps_async": side(clusterflow(["--strategy", "ps-async", *base, *slow], workers=2, ps=1)),
         "pipeline": side(clusterflow(["--strategy", "pipeline", *base], workers=2)),
     }
+    if args.sides:
+        sides = {name: go for name, go in sides.items() if name in args.sides}
     runs: dict[str, list[Run]] = {name: [] for name in sides}
     order = list(sides)
     for i in range(rounds):
@@ -86,11 +113,14 @@ def main() -> None:
             for a, b in zip(runs[ours], runs[peer], strict=True)
         )
 
+    pairs = {
+        "mirrored_vs_torchrun_ddp": ("mirrored", "torchrun_ddp"),
+        "fsdp_vs_torchrun_fsdp": ("clusterflow_fsdp", "torchrun_fsdp"),
+        "ps_async_vs_torchrun_ddp": ("ps_async", "torchrun_ddp_slow"),
+        "pipeline_vs_torchrun_ddp": ("pipeline", "torchrun_ddp"),
+    }
     figures: dict[str, float | Spread] = {
-        "mirrored_vs_torchrun_ddp": ratio("mirrored", "torchrun_ddp"),
-        "fsdp_vs_torchrun_fsdp": ratio("clusterflow_fsdp", "torchrun_fsdp"),
-        "ps_async_vs_torchrun_ddp": ratio("ps_async", "torchrun_ddp_slow"),
-        "pipeline_vs_torchrun_ddp": ratio("pipeline", "torchrun_ddp"),
+        key: ratio(ours, peer) for key, (ours, peer) in pairs.items() if {ours, peer} <= set(runs)
     }
     reference = runs["torchrun_ddp"][0].val_loss
     target = 1.01 * reference if reference is not None else float("nan")

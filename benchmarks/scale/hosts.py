@@ -84,6 +84,10 @@ class Agent:
         self.address: str = host.address
         env = dict(os.environ)
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+        # Compute is emulated (a step sleeps its GPU time) on CPU tensors; on a machine
+        # with a GPU the strategies would place the model on it (docs/gpu.md) and the
+        # emulated step's CPU inputs would not match (seen on an H100 host, 2026-11-27).
+        env["CUDA_VISIBLE_DEVICES"] = ""
         self.log = open(log_dir / f"agent-{host.index}-{replica}.log", "w")  # noqa: SIM115
         self.proc = host.popen(
             [sys.executable, "-m", "benchmarks.scale.agent", self.address],
