@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from clusterflow.backends import kinds
 from clusterflow.backends.local import LocalBackend
 from clusterflow.cli.main import main
 from clusterflow.errors import ConfigError
+from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.handle import task_backend
+from clusterflow.manager.state import ClusterState, TaskState
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("home")]
 
@@ -88,3 +91,45 @@ def test_the_hosts_launcher_registers_itself_from_the_harness_only_when_asked() 
         "--backend hosts needs CLUSTERFLOW_HOSTS=<placement file> "
         "(clusterflow.testing.hosts_backend.Placement.write)",
     ]
+
+
+@pytest.mark.parametrize(("backend", "measured"), [("local", True), (None, True), ("hosts", False)])
+def test_the_dashboard_measures_a_running_tasks_memory_only_on_this_machines_processes(
+    backend: str | None, measured: bool
+) -> None:
+    """``BackendKind.tasks_here`` decides it (``ui/views.py`` ``tasks_here``): a local
+    task's process tree is measured by its pid; an emulated host stands for another
+    machine, whose pids mean nothing here (as a Ray node's)."""
+    from clusterflow.ui import views
+
+    cluster = registry.create(f"k-{backend}-abcd")
+    task = TaskState(task="worker:0", status="running", pid=os.getpid())
+    state = ClusterState(id=cluster.id, status="running", backend=backend, tasks=(task,))
+    cluster.write_state(state)
+    row = views.cluster_detail(cluster, with_checkpoints=False)["tasks"][0]
+    assert (row["memory_measured"] is not None) is measured
+    assert views.tasks_here(replace(state, backend="ray")) is False
+    assert views.tasks_here(replace(state, backend="slurm")) is False  # unknown: not here
+
+
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_resume_trusts_a_missing_checkpoint_folder_only_where_the_manager_ran_elsewhere(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``BackendKind.manager_in_ray`` (``cli/start_settings.py`` ``resumed_settings``): a
+    Ray cluster's checkpoints may lie on its manager's node, which this machine does not
+    see, so its tasks are left to look there; a local cluster's folder is here, and
+    nothing in it is nothing to resume."""
+    from clusterflow.cli.start_settings import resumed_settings
+
+    url = str(tmp_path / "on-another-node")
+    cluster = registry.create(f"r-{backend}-abcd")
+    settings = {"command": ["true"], "backend": backend, "checkpoint_dir": url}
+    registry.write_json_atomic(cluster.config_file, settings)
+    cluster.write_state(ClusterState(id=cluster.id, status="failed", backend=backend))
+    if backend == "ray":
+        assert resumed_settings(cluster.id, fresh=False, new_dir=None) == settings
+        assert f"from what {url} holds" in capsys.readouterr().err
+    else:
+        with pytest.raises(ConfigError, match="committed no checkpoint"):
+            resumed_settings(cluster.id, fresh=False, new_dir=None)

@@ -132,6 +132,13 @@ def register_launcher(name: str, launcher: TaskLauncher) -> None:
     _LAUNCHERS[name] = launcher
 
 
+def find(name: object) -> BackendKind | None:
+    """The backend called ``name``; None for a name none is called (settings not checked
+    yet, or a folder written by another version), for callers that have an answer for
+    that case of their own."""
+    return KINDS.get(name) if isinstance(name, str) else None
+
+
 def named(name: str) -> BackendKind:
     """The backend called ``name``.
 

@@ -435,7 +435,7 @@ def check_worker_range(config: RunConfig) -> None:
         raise SettingError(setting, f" {low}:{high}: MIN must be at least 1")
     if high < low:
         raise SettingError(setting, f" {low}:{high}: MAX must be at least MIN")
-    kind = kinds.KINDS.get(config.backend) if isinstance(config.backend, str) else None
+    kind = kinds.find(config.backend)
     if kind is None or not kind.resizable:
         raise SettingError(
             setting,
@@ -457,7 +457,7 @@ def check_placement(config: RunConfig) -> None:
     """Validates the backend (one of ``backends/kinds.py``'s; messages offer the public
     ones) and the per-job placement settings (resources, labels)."""
     backend = Setting("backend")
-    kind = kinds.KINDS.get(config.backend) if isinstance(config.backend, str) else None
+    kind = kinds.find(config.backend)
     if kind is None:
         raise SettingError(backend, f" must be {' or '.join(kinds.PUBLIC)}, got {config.backend!r}")
     if not kind.placed_by_ray:

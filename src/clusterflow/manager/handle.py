@@ -142,7 +142,11 @@ class RayHandle:
         except ClusterflowError as exc:
             now = time.time()
             never = ClusterState(
-                id=cluster.id, status="failed", backend="ray", command=config.command, created=now
+                id=cluster.id,
+                status="failed",
+                backend=config.backend,
+                command=config.command,
+                created=now,
             )
             final = never.finished(exit_code=PLACEMENT_EXIT, summary=str(exc), ended=now)
             cluster.write_state(final)
@@ -210,7 +214,7 @@ def attach(cluster: ClusterDir) -> ClusterHandle:
         ConfigError: the cluster names a backend this version does not know.
     """
     backend = backend_of(cluster)
-    kind = kinds.KINDS.get(backend)
+    kind = kinds.find(backend)
     if kind is None:
         raise ConfigError(f"cluster {cluster.id} runs on backend {backend!r}, unknown here")
     return _handle_class(kind)(cluster)
