@@ -500,6 +500,31 @@ def test_fresh_without_resume_is_one_line(cf: Clusterflow) -> None:
     assert done.stderr.startswith("error: --fresh goes with --resume")
 
 
+def _imported(stderr: str) -> set[str]:
+    """The modules a process imported, from its ``PYTHONPROFILEIMPORTTIME`` listing."""
+    prefix = "import time:"
+    return {
+        line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith(prefix)
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_local_start_never_imports_the_test_harness(cf: Clusterflow) -> None:
+    """Pins ``backends/kinds.py``: only a start on ``hosts`` imports ``clusterflow.testing``
+    (its launcher registers itself from there). A local start does not, in the foreground
+    (the CLI runs the manager) nor detached (the manager's own process, whose stderr is
+    its ``manager.log``). Python lists every module each process imports."""
+    env = {"PYTHONPROFILEIMPORTTIME": "1"}
+    done = cf.run("start", "--workers", "1", "--", PY, "-c", "pass", env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cluster_id = cf.start_detached("--workers", "1", "--", PY, "-c", "pass", env=env)
+    cf.wait_until(lambda: cf.state(cluster_id)["status"] == "succeeded", 60, "the run to end")
+    manager_log = (cf.path(cluster_id) / "manager.log").read_text()
+    for imported in (_imported(done.stderr), _imported(manager_log)):
+        assert {"clusterflow.backends.kinds", "clusterflow.backends.local"} <= imported
+        assert not {m for m in imported if m.startswith("clusterflow.testing")}
+
+
 @pytest.mark.timeout(30)
 def test_resume_refuses_an_unknown_cluster(cf: Clusterflow) -> None:
     done = cf.run("start", "--resume", "nosuchcluster")

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 from clusterflow.backends.api import TaskLaunch, TaskProcess
 from clusterflow.backends.gpu_topology import (
@@ -123,3 +123,15 @@ class LocalBackend:
 
     def adopt(self, process: TaskProcess, task: TaskId) -> None:
         """Nothing to do: the manager's own records say which task a process runs."""
+
+
+class LocalLauncher:
+    """``--backend local``'s tasks: child processes of a manager on this machine, each
+    given GPUs of its own where the machine has enough (``LocalBackend.split_gpus``)."""
+
+    def check(self, config: Any) -> None:
+        """Nothing to check before the cluster's folder is made: this machine is here."""
+
+    def backend(self, config: Any) -> tuple[Any, LocalBackend]:
+        """``config`` unchanged (a ``RunConfig``), and a backend with its GPUs split."""
+        return config, LocalBackend.split_gpus(config.gpu_hosts())

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from clusterflow._files import write_json_atomic
+from clusterflow.backends import kinds
 from clusterflow.cache import plan
 from clusterflow.cache.plan import CacheExistsError
 from clusterflow.cache.store import free_for_caches, inspect, open_source
@@ -188,7 +189,7 @@ def describe(name: str) -> CacheMap:
         UnknownCacheError: no such cache.
     """
     cache = read_map(name)
-    if cache.backend == "ray":
+    if kinds.named(cache.backend).placed_by_ray:
         from clusterflow.cache import ray_nodes
 
         return ray_nodes.describe(cache)
@@ -209,13 +210,14 @@ def drop(name: str) -> CacheMap:
     """
     cache = read_map(name)
     folder = cache_dir(name)
-    if cache.backend == "ray":
+    on_ray = kinds.named(cache.backend).placed_by_ray
+    if on_ray:
         from clusterflow.cache import ray_nodes
 
         ray_nodes.drop(cache)
     secret = folder / "secret"
     for server in cache.servers.values():
-        if cache.backend == "local" and _alive(server.pid, folder) and secret.exists():
+        if not on_ray and _alive(server.pid, folder) and secret.exists():
             with (
                 contextlib.suppress(RpcError),
                 RpcClient(server.address, Credentials.from_file(secret), deadline=5.0) as client,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from clusterflow.backends import kinds
 from clusterflow.cli.context import CONTEXT
 from clusterflow.errors import ConfigError
 
@@ -92,7 +93,7 @@ def _create(
 ) -> Any:
     from clusterflow.cache import local
 
-    if backend == "ray":
+    if kinds.named(backend).placed_by_ray:
         from clusterflow.cache import ray_nodes
 
         cache = ray_nodes.create(
@@ -246,7 +247,7 @@ def cache_placement(config: Any) -> Any:
             f"{config.backend}: start it with --backend {cache.backend}"
         )
     labels = dict(config.labels)
-    if cache.backend == "ray":
+    if kinds.named(cache.backend).placed_by_ray:  # the chief and workers to the owners' nodes
         owners = sorted({p.owner for p in cache.partitions})
         for job in ("chief", "worker"):
             labels[job] = {**labels.get(job, {}), NODE_LABEL: f"in({','.join(owners)})"}

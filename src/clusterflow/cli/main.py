@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from clusterflow import __version__
+from clusterflow.backends import kinds
 from clusterflow.cli import follow, interrupts, show
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.context import CONTEXT
@@ -126,7 +127,7 @@ class WorkersParam(click.ParamType):  # type: ignore[type-arg]
 @click.option("--detach", is_flag=True, help="Run in the background; print the cluster id.")
 @click.option(
     "--backend",
-    type=PublicChoice(["local", "ray"], hidden=["hosts"]),
+    type=PublicChoice(list(kinds.PUBLIC), hidden=list(kinds.HIDDEN)),
     default=None,
     help="Where tasks run: local processes or a Ray cluster [default: local].",
 )
@@ -196,15 +197,14 @@ def start(
     )
     config = RunConfig.merge(*layers, spellings=spellings)
     config = cache_placement(config) if config.cache else config  # cli/cache.py
-    if config.backend == "hosts":  # its placement checked before anything starts
-        from clusterflow.testing.hosts_backend import for_run
-
-        for_run(config)
+    kind = kinds.named(config.backend)
+    if not kind.manager_in_ray:  # what its tasks need here, checked before anything starts
+        kind.launcher().check(config)
 
     cluster = registry.create()
     Credentials.generate().to_file(cluster.secret_file)
     registry.write_json_atomic(cluster.config_file, config.to_dict())
-    if config.backend == "ray":
+    if kind.manager_in_ray:
         from clusterflow.cli import ray_start
 
         sys.exit(ray_start.run(cluster, config, detach=detach))
@@ -215,17 +215,11 @@ def start(
 
 
 def _run_foreground(cluster: Any, config: Any) -> int:
-    from clusterflow.backends.local import LocalBackend
     from clusterflow.manager import Controller
+    from clusterflow.manager.handle import task_backend
 
-    backend: Any = None
-    if config.backend == "hosts":  # each task in an emulated host (testing/hosts_backend.py)
-        from clusterflow.testing.hosts_backend import for_run
-
-        config, backend = for_run(config)
-    controller = Controller(
-        cluster, config, backend or LocalBackend.split_gpus(config.gpu_hosts()), echo=True
-    )
+    config, backend = task_backend(config)
+    controller = Controller(cluster, config, backend, echo=True)
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         controller.request_stop()

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from clusterflow.backends import kinds
 from clusterflow.errors import ClusterflowError, ConfigError
 
 __all__ = ["START_FLAGS", "load_cluster_file", "read_yaml", "start_flags", "start_layers"]
@@ -160,7 +161,9 @@ def resumed_settings(cluster_id: str, *, fresh: bool, new_dir: str | None) -> di
     settings = old.read_config()
     settings.pop("grace_s", None)  # --grace always has a value: the option decides
     url = settings.get("checkpoint_dir") or str(old.path / "checkpoints")
-    if settings.get("backend") == "ray" and "://" not in url and not Path(url).exists():
+    kind = kinds.find(settings.get("backend") or kinds.LOCAL.name)
+    manager_elsewhere = kind is not None and kind.manager_in_ray
+    if manager_elsewhere and "://" not in url and not Path(url).exists():
         # On its manager's node, which this machine may not see: the tasks look there.
         click.echo(f"clusterflow: resuming cluster {old.id} from what {url} holds", err=True)
         return {**settings, "checkpoint_dir": url}

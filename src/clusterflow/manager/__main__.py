@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from clusterflow.backends.api import Backend
-from clusterflow.backends.local import LocalBackend
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
+from clusterflow.manager.handle import task_backend
 from clusterflow.manager.registry import ClusterDir
 
 log = logging.getLogger("clusterflow.manager")
@@ -23,11 +22,7 @@ def main() -> int:
     )
     cluster = ClusterDir(Path(sys.argv[1]))
     config = RunConfig.from_dict(cluster.read_config())
-    backend: Backend = LocalBackend.split_gpus(config.gpu_hosts())
-    if config.backend == "hosts":  # each task in an emulated host (testing/hosts_backend.py)
-        from clusterflow.testing.hosts_backend import for_run
-
-        config, backend = for_run(config)
+    config, backend = task_backend(config)
     controller = Controller(cluster, config, backend, echo=False)
 
     def _stop(signum: int, frame: FrameType | None) -> None:

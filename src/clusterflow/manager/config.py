@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from clusterflow.backends import kinds
 from clusterflow.cluster import JOB_ORDER, TaskId
 from clusterflow.errors import ConfigError
 from clusterflow.manager.job_settings import RAY_ONLY, parse_size
@@ -434,7 +435,8 @@ def check_worker_range(config: RunConfig) -> None:
         raise SettingError(setting, f" {low}:{high}: MIN must be at least 1")
     if high < low:
         raise SettingError(setting, f" {low}:{high}: MAX must be at least MIN")
-    if config.backend != "local":
+    kind = kinds.find(config.backend)
+    if kind is None or not kind.resizable:
         raise SettingError(
             setting,
             f" {low}:{high}: a range needs ",
@@ -451,20 +453,14 @@ def _as_command(value: Any, what: str) -> tuple[str, ...]:
     raise SettingError(Setting(what), f" must be a string or a list of strings, got {value!r}")
 
 
-BACKENDS = ("local", "ray", "hosts")
-"""``hosts``: local tasks, each inside an emulated host (``clusterflow.testing``, tests)."""
-PUBLIC_BACKENDS = ("local", "ray")
-"""What messages offer: ``hosts`` is the test harness's (``cli/main.py`` ``PublicChoice``)."""
-
-
 def check_placement(config: RunConfig) -> None:
-    """Validates the backend and the per-job placement settings (resources, labels)."""
+    """Validates the backend (one of ``backends/kinds.py``'s; messages offer the public
+    ones) and the per-job placement settings (resources, labels)."""
     backend = Setting("backend")
-    if config.backend not in BACKENDS:
-        raise SettingError(
-            backend, f" must be {' or '.join(PUBLIC_BACKENDS)}, got {config.backend!r}"
-        )
-    if config.backend != "ray":
+    kind = kinds.find(config.backend)
+    if kind is None:
+        raise SettingError(backend, f" must be {' or '.join(kinds.PUBLIC)}, got {config.backend!r}")
+    if not kind.placed_by_ray:
         for name in RAY_ONLY:
             if getattr(config, name):
                 raise SettingError(

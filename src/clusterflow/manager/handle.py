@@ -3,7 +3,8 @@ stop it.
 
 The CLI (``start --detach``, ``stop``, ``ps``, ``describe``, ``logs``), ``tune`` (a
 trial's cluster) and the dashboard (its state, its stop button) call these and never
-test a backend's name; each backend's handle knows where its manager runs:
+test a backend's name; the backend's description (``backends/kinds.py``) says where its
+manager runs, and that picks the handle:
 
 * ``local`` (and the emulated ``hosts``): the manager is a process on this machine,
   started as ``python -m clusterflow.manager FOLDER`` in a session of its own; the
@@ -26,10 +27,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
+from clusterflow.backends import kinds
+from clusterflow.backends.api import Backend
+from clusterflow.backends.kinds import BackendKind
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.manager import registry
@@ -138,7 +142,11 @@ class RayHandle:
         except ClusterflowError as exc:
             now = time.time()
             never = ClusterState(
-                id=cluster.id, status="failed", backend="ray", command=config.command, created=now
+                id=cluster.id,
+                status="failed",
+                backend=config.backend,
+                command=config.command,
+                created=now,
             )
             final = never.finished(exit_code=PLACEMENT_EXIT, summary=str(exc), ended=now)
             cluster.write_state(final)
@@ -187,18 +195,16 @@ class RayHandle:
         return outcome
 
 
-_HANDLES: dict[str, Callable[[ClusterDir], ClusterHandle]] = {
-    "local": LocalHandle,
-    "hosts": LocalHandle,  # emulated hosts: the manager is a process on this machine
-    "ray": RayHandle,
-}
+def _handle_class(kind: BackendKind) -> type[LocalHandle] | type[RayHandle]:
+    """Where the backend's manager runs decides the handle (``BackendKind``)."""
+    return RayHandle if kind.manager_in_ray else LocalHandle
 
 
 def backend_of(cluster: ClusterDir) -> str:
     """The backend a cluster was started on (``local`` for a folder without settings)."""
     with contextlib.suppress(ConfigError):
-        return str(cluster.read_config().get("backend") or "local")
-    return "local"
+        return str(cluster.read_config().get("backend") or kinds.LOCAL.name)
+    return kinds.LOCAL.name
 
 
 def attach(cluster: ClusterDir) -> ClusterHandle:
@@ -208,10 +214,10 @@ def attach(cluster: ClusterDir) -> ClusterHandle:
         ConfigError: the cluster names a backend this version does not know.
     """
     backend = backend_of(cluster)
-    factory = _HANDLES.get(backend)
-    if factory is None:
+    kind = kinds.find(backend)
+    if kind is None:
         raise ConfigError(f"cluster {cluster.id} runs on backend {backend!r}, unknown here")
-    return factory(cluster)
+    return _handle_class(kind)(cluster)
 
 
 def start(
@@ -220,9 +226,21 @@ def start(
     """Starts a cluster whose settings and secret are in ``cluster``'s folder, detached,
     on ``config.backend``. ``manager_env``: variables of a local manager's own
     environment (the GPUs it may use, as a machine's manager sees its machine's)."""
-    if config.backend == "ray":
+    if kinds.named(config.backend).manager_in_ray:
         return RayHandle.start(cluster, config)
     return LocalHandle.start(cluster, manager_env)
+
+
+def task_backend(config: RunConfig) -> tuple[RunConfig, Backend]:
+    """What a manager on this machine runs ``config``'s cluster with: the config (a
+    backend may set the manager's address) and the ``Backend`` that launches its tasks
+    (``BackendKind.launcher``; ``hosts`` registers its own from the test harness).
+
+    Raises:
+        ConfigError: the backend's manager does not run here, or cannot start it
+            (``hosts`` without its placement file).
+    """
+    return kinds.named(config.backend).launcher().backend(config)
 
 
 def read(cluster: ClusterDir) -> ClusterState:

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clusterflow.backends import kinds
 from clusterflow.backends.memory_watch import FLOOR, HEADROOM, within_run
 from clusterflow.cluster import TaskId
 from clusterflow.manager import registry
@@ -91,7 +92,7 @@ def earlier_peaks(config: RunConfig, jobs: frozenset[str]) -> dict[str, float]:
 def size(config: RunConfig) -> tuple[RunConfig, frozenset[str]]:
     """``config`` with a memory request for every job (on Ray); and the jobs sized
     automatically (not named by the user: an error blames only what the user named)."""
-    if config.backend != "ray":
+    if not kinds.named(config.backend).placed_by_ray:  # only Ray places by memory requests
         return config, frozenset()
     resources = {job: dict(r) for job, r in config.resources.items()}
     automatic = set()

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clusterflow.backends import ray_driver
+from clusterflow.backends import kinds, ray_driver
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
 from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
 from clusterflow.errors import ConfigError
@@ -265,7 +265,8 @@ class ManagerHandle:
     def find(cls, cluster: ClusterDir) -> ManagerHandle | None:
         """The handle of a Ray cluster's manager; None for a local cluster or a gone one."""
         config = cluster.read_config()
-        if config.get("backend") != "ray":
+        kind = kinds.find(config.get("backend") or kinds.LOCAL.name)
+        if kind is None or not kind.manager_in_ray:
             return None
         connect(config.get("address"))
         import ray
@@ -344,7 +345,8 @@ def refresh(cluster: ClusterDir) -> None:
         RayUnreachable: the cluster's Ray cannot be reached (the mirror is left as is).
     """
     with contextlib.suppress(ConfigError):
-        if cluster.read_config().get("backend") != "ray":
+        kind = kinds.find(cluster.read_config().get("backend") or kinds.LOCAL.name)
+        if kind is None or not kind.manager_in_ray:
             return
     state = cluster.read_state()
     if state.status in TERMINAL:

@@ -4,8 +4,9 @@
 with its own private address and a shaped full-duplex link, so clusterflow's addresses,
 auth and timeouts run as across real machines, and moving bytes costs link time, not
 only CPU. Partitions (``cut``/``heal``) and re-shaping serve the hostile-conditions
-tests. Needs root and iproute2; nothing in ``src/`` imports this package but
-``clusterflow start --backend hosts`` (``hosts_backend.py``: each task in its host).
+tests. Needs root and iproute2; nothing in ``src/`` imports this package: a start on
+``--backend hosts`` loads ``hosts_backend.py`` (each task in its host), which registers
+its launcher with ``backends/kinds.py``.
 """
 
 from __future__ import annotations

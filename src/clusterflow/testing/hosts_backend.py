@@ -15,6 +15,10 @@ respawned worker comes back on another machine, as a replacement would. Processe
 stay children of the manager (one machine), so it still reads their exit codes and
 signals them directly; what crosses the emulated network is everything clusterflow
 sends over RPC, ZeroMQ and gloo.
+
+``backends/kinds.py`` describes the ``hosts`` backend (a cluster on it is read and
+stopped as a local one); importing this module registers how it starts
+(``HostsLauncher``), which a start on it does through ``HOSTS.launcher_from``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clusterflow.backends import kinds
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.local import SUPERVISOR_MODULE, LocalBackend, LocalProcess
 from clusterflow.cluster import TaskId
@@ -177,3 +182,19 @@ def for_run(config: Any, environ: Mapping[str, str] = os.environ) -> tuple[Any, 
         dataclasses.replace(config, host=placement.manager.address, **placement.limits),
         HostsBackend(placement),
     )
+
+
+class HostsLauncher:
+    """``--backend hosts``' tasks (``backends/kinds.py`` describes the backend; this
+    module registers how it starts, so only a start on it imports the harness)."""
+
+    def check(self, config: Any) -> None:
+        """Its placement file, root, and the manager's host: checked before anything
+        starts (``for_run``)."""
+        for_run(config)
+
+    def backend(self, config: Any) -> tuple[Any, HostsBackend]:
+        return for_run(config)
+
+
+kinds.register_launcher(kinds.HOSTS.name, HostsLauncher())

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clusterflow.backends import kinds
 from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 from clusterflow.errors import ConfigError
 from clusterflow.manager.config import RunConfig
@@ -213,7 +214,7 @@ def ray_nodes(config: RunConfig) -> list[dict[str, Any]]:
 
 def trials_at_once(config: RunConfig, parallel: int) -> Fit:
     """How many trials of ``config`` run at once (see the module's docstring)."""
-    if config.backend == "ray":
+    if kinds.named(config.backend).placed_by_ray:
         return fit_ray(ray_requests(config), ray_nodes(config), parallel)
     have = machine()
     return fit_local(local_needs(config, gpus=have["GPU"] > 0), have, parallel)

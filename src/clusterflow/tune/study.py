@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterflow.backends import kinds
 from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 from clusterflow.cluster.trial import (
     ENV_TRIAL_PARAMS,
@@ -275,7 +276,7 @@ class StudyRunner:
     def _gpu_pool(self) -> list[str]:
         """The GPUs local trials are given, a disjoint share each (none on Ray, where Ray
         assigns them, nor without GPUs: see ``tune.placement``)."""
-        if self.base.backend == "ray" or not gpus_per_trial(self.base):
+        if kinds.named(self.base.backend).placed_by_ray or not gpus_per_trial(self.base):
             return []
         from clusterflow.tune.placement import visible_gpus
 

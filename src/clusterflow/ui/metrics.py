@@ -81,7 +81,7 @@ class ClusterCollector(Collector):
             restarts.add_metric([cluster.id], float(state.restarts))
             if row["age_s"] is not None:
                 age.add_metric([cluster.id], row["age_s"])
-            local = (state.backend or "local") == "local"
+            local = views.tasks_here(state)
             for task in state.tasks:
                 task_row: dict[str, Any] = views.task_row(task, local=local)
                 labels = [cluster.id, task_row["job"], task_row["index"]]

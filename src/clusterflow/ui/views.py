@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import psutil
 
+from clusterflow.backends import kinds
 from clusterflow.cluster.contract import TENSORBOARD_FILE
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.manager import handle, registry
@@ -141,6 +142,13 @@ def _tree_rss(pid: int | None) -> int | None:
     return total or None
 
 
+def tasks_here(state: ClusterState) -> bool:
+    """Whether the cluster's tasks are this machine's processes (``BackendKind.tasks_here``):
+    only then is a live task's memory measured by its pid. A backend unknown here: no."""
+    kind = kinds.find(state.backend or kinds.LOCAL.name)
+    return kind is not None and kind.tasks_here
+
+
 def task_row(task: TaskState, *, local: bool) -> dict[str, Any]:
     """One task, as the tasks table and the charts show it."""
     job, _, index = task.task.partition(":")
@@ -227,7 +235,7 @@ def log_tails(cluster: ClusterDir, tasks: Iterable[str]) -> dict[str, str]:
 def cluster_detail(cluster: ClusterDir, *, with_checkpoints: bool = True) -> dict[str, Any]:
     """Everything the cluster's page shows except log tails and the data service."""
     state = read_state(cluster)
-    local = (state.backend or "local") == "local"
+    local = tasks_here(state)
     detail = cluster_row(cluster, state, time.time())
     detail.update(
         {
