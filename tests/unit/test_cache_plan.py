@@ -9,7 +9,6 @@ import pytest
 from clusterflow.cache.plan import (
     CacheMemoryError,
     check_memory,
-    parse_size,
     partition_ranges,
     place,
     rebalance,
@@ -79,11 +78,3 @@ def test_a_partition_without_any_survivor_is_reloaded_on_the_least_loaded_node()
     assert dict(moved.loads) == {moved.partitions[2].owner: (2,)}
     with pytest.raises(ConfigError, match="every node of the cache is lost"):
         rebalance(parts, {"a", "b", "c"}, [], replicas=0)
-
-
-def test_sizes() -> None:
-    assert parse_size("512M") == 512 << 20
-    assert parse_size("1.5GiB") == int(1.5 * (1 << 30))
-    assert parse_size("100") == 100
-    with pytest.raises(ConfigError, match="not a size"):
-        parse_size("lots")

@@ -183,21 +183,3 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def parse_size(text: str) -> int:
-    """``512M``, ``4G``, ``1.5GiB`` or a plain byte count as bytes.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(raw[-1:], 1)
-    number = raw[:-1] if scale != 1 else raw
-    try:
-        value = float(number)
-    except ValueError:
-        raise ConfigError(f"not a size: {text!r} (use e.g. 512M or 4G)") from None
-    if value < 0:
-        raise ConfigError(f"a size must not be negative, got {text!r}")
-    return int(value * scale)

@@ -64,10 +64,11 @@ def create(
     Example:
       clusterflow cache create mnist --from 's3://bucket/mnist/*.parquet' --partitions 8
     """
-    from clusterflow.cache.plan import human, parse_size
+    from clusterflow._sizes import parse_size
+    from clusterflow.cache.plan import human
     from clusterflow.data import UnknownFormatError
 
-    limit = parse_size(memory_per_node) if memory_per_node else None
+    limit = parse_size(memory_per_node, "--memory-per-node") if memory_per_node else None
     try:
         cache = _create(name, source, partitions, replicas, limit, backend, address, label)
     except UnknownFormatError as exc:

@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from clusterflow._sizes import parse_size
 from clusterflow.errors import ConfigError
+
+__all__ = ["RAY_ONLY", "parse_job_settings", "parse_size"]
 
 RAY_ONLY = {
     "address": "--address",
@@ -21,22 +24,6 @@ RAY_ONLY = {
     "memory": "--memory",
 }
 """Settings that mean something only where tasks are placed on many machines."""
-
-
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_size(text: str, what: str) -> int:
-    """``4G``, ``512M``, ``2GiB`` or plain bytes, as bytes (binary units, as Ray's)."""
-    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and raw[-1:].isalpha() else ""
-    try:
-        value = float(raw[: len(raw) - len(unit)])
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ConfigError(f"{what}: {text!r} is not a size such as 4G, 512M or 1073741824")
-    return int(value * _SIZE_UNITS[unit])
 
 
 def parse_job_settings(items: Sequence[str], what: str) -> dict[str, dict[str, Any]]:
