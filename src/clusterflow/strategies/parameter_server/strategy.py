@@ -38,7 +38,8 @@ from clusterflow.ps.api import (
 from clusterflow.ps.client import PSConnection, RemotePS, send
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
-from clusterflow.ps.protocol import STATS, LeaveRequest
+from clusterflow.ps.membership import LeaveRequest
+from clusterflow.ps.protocol import STATS
 from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
