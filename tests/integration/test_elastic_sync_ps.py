@@ -8,10 +8,13 @@ in one process. What this pins:
 
 - the steps follow the membership: they take 3 replicas, then 5 (the newcomers are
   waited for from the step after the manager named them: ``ps.members``, sent before
-  they are launched), then 3 (the leavers are waited for no more: ``ps.leave``, sent
-  once each is gone); without ``ps.leave`` a step waits for a dead worker and the run
-  never ends; without the membership the newcomers' pushes are counted in steps of 3
-  (or, with ``agrees_with`` refusing their count, they fail at ``ps.create``);
+  they are launched; both count from the same step), then 3 (the leavers are waited
+  for no more: ``ps.leave``, sent once each is gone). Without the manager's
+  ``ps.members`` (or with ``agrees_with`` refusing another replica count) the ps
+  refuses the newcomers at ``ps.create`` and they never step; without ``resizable``
+  from the sync workers ``scale`` is refused (``tests/unit/test_ps_membership.py``
+  pins the leave, which here only matters when the step being collected lacks a
+  leaver's commit);
 - every record applied exactly once per epoch (each id in the applied parts ``EPOCHS``
   times; a leaver's applied but unacked split comes back as an empty part);
 - the surviving tasks' supervisor and job pids unchanged across every resize, and no
