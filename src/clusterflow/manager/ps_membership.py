@@ -137,8 +137,10 @@ def leaving(manager: Resizing, left: TaskId) -> None:
 def _tell(
     manager: Resizing, *, before: list[str], after: list[str], left: str | None = None
 ) -> None:
-    credentials = cluster_credentials(manager.cluster, manager.config)
     spec = manager.rendezvous.current()[0]
+    if spec is None or "ps" not in spec.jobs:
+        return  # all-reduce, pipelines: no step of theirs is a ps's
+    credentials = cluster_credentials(manager.cluster, manager.config)
     missed = tell_ps_tasks(spec, credentials, before=before, after=after, left=left)
     if missed:  # an event, and on: the failure policy acts on a dead ps by itself
         manager.cluster.append_event(
