@@ -41,7 +41,7 @@ def test_a_size_within_the_range_of_a_resizable_running_cluster_is_taken(workers
         ({"workers_range": None}, 3, "cluster c0ffee has a fixed size of 2 worker(s)"),
         ({"status": "restarting"}, 3, "cluster c0ffee is restarting: it can be resized only"),
         ({"resizable": None}, 3, "the workers of cluster c0ffee have not declared"),
-        ({"resizable": False}, 3, "pipeline and sync ps clusters keep their size"),
+        ({"resizable": False}, 3, "sync ps clusters with embedding tables keep"),
     ],
 )
 def test_a_request_the_cluster_cannot_take_is_refused_in_one_line(

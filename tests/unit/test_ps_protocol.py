@@ -13,12 +13,12 @@ from clusterflow.ps.api import MalformedRequest, PSConfig, PSError
 from clusterflow.ps.client import PSConnection
 from clusterflow.ps.handler import PSHandler
 from clusterflow.ps.local import LocalPS
+from clusterflow.ps.membership import LeaveRequest, MembersRequest
 from clusterflow.ps.optimizer import OptimizerSpec
 from clusterflow.ps.protocol import (
     METHODS,
     ApplyRequest,
     CreateRequest,
-    LeaveRequest,
     OptimizerRequest,
     PSState,
     PullReply,
@@ -73,6 +73,8 @@ REQUESTS = [
     WaitVersionRequest(version=9, timeout=0.5),
     QuiesceRequest(timeout=3.0),
     LeaveRequest(worker="worker:2"),
+    MembersRequest(workers=("chief:0", "worker:0", "worker:3"), version=7, previous=("w",)),
+    MembersRequest(workers=("worker:0",)),
     PSState(meta={"version": 1, "trainable": {"w": True}}, tensors={"var/w": torch.ones(1)}),
 ]
 
@@ -114,6 +116,16 @@ def test_replies_travel_and_come_back_equal() -> None:
         ("pull", {"dtype": "__class__"}, {}, "no floating wire dtype"),
         ("pull", [1, 2], {}, "body must be a map"),
         ("apply", {"version": 1}, {}, "lacks 'workers'"),
+        ("leave", {}, {}, "'worker' must be a task name"),
+        ("members", {}, {}, "'workers' must list task names"),
+        ("members", {"workers": "worker:0"}, {}, "'workers' must list task names"),
+        ("members", {"workers": []}, {}, "'workers' names no replica"),
+        ("members", {"workers": ["w", "w"]}, {}, "'workers' repeats a name"),
+        ("members", {"workers": ["w", 3]}, {}, "'workers' must be a task name"),
+        ("members", {"workers": ["w"], "version": "3"}, {}, "'version' must be int"),
+        ("members", {"workers": ["w"], "version": True}, {}, "'version' must be int"),
+        ("members", {"workers": ["w"], "version": 2**63}, {}, "'version' must be in"),
+        ("members", {"workers": ["w"], "previous": "w"}, {}, "'previous' must list task"),
         ("teleport", {}, {}, "unknown ps method 'teleport'"),
     ],
 )

@@ -18,11 +18,12 @@ which alone changes the task table; the handler answers once the change took eff
   more than MIN workers, leaves the same way (``Decision.SHRINK``); the others go on.
 
 Only jobs whose workers said so at their first step resize (``manager.declare``'s
-``resizable``: the workers of an asynchronous parameter-server strategy, which hold
-nothing the others need, and all-reduce workers trained through ``fit`` on the data
+``resizable``: the workers of a parameter-server strategy, which hold nothing the
+others need (sync ones without embedding tables: their steps follow the membership
+``ps_membership.py`` sends the ps tasks), and all-reduce workers trained through ``fit`` on the data
 service or a ``TrainingSession``, which re-form their group at a step boundary:
 ``strategies/resizing.py``); a cluster whose workers did not (pipeline stages, sync
-ps) keeps its size, and ``scale`` on it is refused with one line.
+ps with tables) keeps its size, and ``scale`` on it is refused with one line.
 ``Controller`` mixes ``Elastic`` in; the state it acts on is the controller's.
 """
 
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ManagerMethod, ScaleRequest
 from clusterflow.errors import ClusterflowError, ConfigError
+from clusterflow.manager import ps_membership
 from clusterflow.manager.registry import TERMINAL, ClusterDir, effective_status
 from clusterflow.manager.state import MembershipChange
 from clusterflow.rpc import Credentials, Request, RpcClient
@@ -103,9 +105,10 @@ def check_scale(view: ScaleView, workers: int) -> None:
     if view.resizable is not True:
         raise ScaleRefused(
             f"the workers of {name} have not declared that they resize live: only "
-            "workers of an asynchronous parameter-server strategy, and all-reduce workers "
-            "trained through fit on the data service or a TrainingSession, do (at their "
-            "first step); pipeline and sync ps clusters keep their size"
+            "parameter-server workers (sync ones without embedding tables), and all-reduce "
+            "workers trained through fit on the data service or a TrainingSession, do (at "
+            "their first step); pipeline clusters and sync ps clusters with embedding "
+            "tables keep their size"
         )
 
 
@@ -258,7 +261,9 @@ class Elastic:
         if wanted > len(workers):
             top = (workers[-1].index + 1) if workers else 0
             restore = self._choose_checkpoint(restore_data=False)
-            for index in range(top, top + wanted - len(workers)):
+            added = range(top, top + wanted - len(workers))
+            ps_membership.joining(self, [TaskId("worker", i) for i in added])  # before launch
+            for index in added:
                 task = TaskId("worker", index)
                 record = self.tasks.add(
                     task, tracked=self.config.is_tracked(task), restarts=self._departed.get(task, 0)
@@ -306,6 +311,7 @@ class Elastic:
         if returned:
             self.cluster.append_event("leases_returned", task=str(record.id), leases=returned)
         self.tasks.remove(record.id)
+        ps_membership.leaving(self, record.id)  # gone: no sync step waits for it
         self._departed[record.id] = record.restarts
         self._resized()
         self._record_membership(record.id, change, self.rendezvous.dismiss(record.id))

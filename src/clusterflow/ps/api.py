@@ -80,11 +80,17 @@ class PSConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
-    def agrees_with(self, other: PSConfig) -> bool:
-        """Whether ``other`` (a worker's) is the config this ps runs by. An async ps
-        applies each push on its own, so the replica count is no part of its rules: the
-        workers of an elastic cluster count differently as it grows (issue 32)."""
-        if self.mode == "async" and other.mode == "async":
+    def agrees_with(self, other: PSConfig, *, resizable: bool = False) -> bool:
+        """Whether ``other`` (a worker's) is the config this ps runs by.
+
+        The workers of an elastic cluster count the replicas differently as it grows
+        (issue 32): each counts the spec it started with. An async ps applies each push
+        on its own, so the count is no part of its rules. A sync step counts its
+        replicas, so the count must agree, unless the ps was told who the replicas are
+        (``resizable``: ``ps.members``), whose membership then decides each step."""
+        if (self.mode == "async" and other.mode == "async") or (
+            resizable and self.mode == other.mode == "sync"
+        ):
             return replace(self, num_replicas=other.num_replicas) == other
         return self == other
 

@@ -15,6 +15,12 @@ for variables only):
 * **staleness** (async): ``max_staleness`` and ``stale_policy`` drop or scale a push.
 * **the sync barrier**: a step is the average of the first N committers at the ps's
   version (``_quorum``); late pushes are dropped, a replica that left stops counting.
+* **membership** (elastic clusters, ``membership.py``): once told who the replicas are
+  (``set_members``), a step waits for exactly the members of its version that did not
+  leave; a push from a replica that is no member of its step is refused, not counted,
+  so a newcomer counts from the step after the one it was added in, and the step being
+  collected never changes its mind about who it waits for except to stop waiting for
+  one that left.
   Dense variables commit on ps 0 only, which then fans the step out to every shard
   (``apply_sync``); a table step takes every replica, so each row push commits on its
   own shard.
@@ -93,6 +99,9 @@ class ApplyEngine(Generic[G]):
         self._pending: dict[int, dict[str, Part[G]]] = {}
         self._commits: dict[int, list[str]] = {}
         self._departed: set[str] = set()
+        self._members: list[tuple[int, frozenset[str]]] = []
+        """The replicas a sync step takes, from each step on, oldest first; empty: never
+        told (a cluster of a fixed size), so a step takes ``config.num_replicas``."""
         self._held = False
         self._busy = 0
 
@@ -162,6 +171,12 @@ class ApplyEngine(Generic[G]):
             return PushResult(False, self.version, "late", self.version - version)
         if version > self.version:
             raise PSError(f"push for version {version}, but {self.name} is at {self.version}")
+        members = self.members_at(version)
+        if commit and members is not None and worker not in members:
+            # Only a commit is judged: a shard that buffers a part (not ps 0) applies the
+            # set ps 0 names, so it must never refuse a part ps 0 may count.
+            self.stats["dropped_not_member"] += 1
+            return PushResult(False, self.version, "not_member")
         self._pending.setdefault(version, {})[worker] = part
         if not commit:
             return PushResult(True, self.version, "buffered")
@@ -180,14 +195,71 @@ class ApplyEngine(Generic[G]):
     def _quorum(self, config: PSConfig, version: int) -> int:
         """Pushes sync step ``version`` takes: N, or fewer once replicas left for good.
 
-        A replica that committed to this step and then left still counts for it: the
-        replicas still present push to this step too, and had the step been taken
-        without them their pushes would be dropped as late, and their data lost.
+        N is ``config.num_replicas`` (less the backup workers), or, once ``set_members``
+        named the replicas, the members of this step. A replica that committed to this
+        step and then left still counts for it: the replicas still present push to this
+        step too, and had the step been taken without them their pushes would be
+        dropped as late, and their data lost.
         """
         committed = self._commits.get(version, [])
-        left_after_committing = sum(1 for worker in committed if worker in self._departed)
-        present = config.num_replicas - len(self._departed) + left_after_committing
-        return max(1, min(config.replicas_per_step, present))
+        members = self.members_at(version)
+        if members is None:
+            left_after_committing = sum(1 for worker in committed if worker in self._departed)
+            present = config.num_replicas - len(self._departed) + left_after_committing
+            return max(1, min(config.replicas_per_step, present))
+        present = sum(1 for w in members if w not in self._departed or w in committed)
+        return max(1, min(len(members) - config.backup_workers, present))
+
+    @property
+    def resizable(self) -> bool:
+        """Whether the manager told this ps who the replicas are: the cluster resizes."""
+        return bool(self._members)
+
+    def members_at(self, version: int) -> frozenset[str] | None:
+        """The replicas sync step ``version`` takes; None: never told (the lock is held)."""
+        found = None
+        for start, names in self._members:
+            if start > version:
+                break
+            found = names
+        return found
+
+    def set_members(
+        self, workers: Iterable[str], version: int | None, previous: Iterable[str] = ()
+    ) -> int:
+        """From step ``version`` on (None: the next), a sync step takes ``workers``;
+        returns the step they take effect at.
+
+        Never the step being collected: its commits were counted against the replicas
+        it began with, and a replica added now has pulled no values of it, so a step
+        the change reached late takes effect at the next one (``version + 1`` at the
+        least). That is how a newcomer joins at the next step: its push to this one is
+        refused (``not_member``, its keys go back), and the next waits for it. Leaving
+        is ``leave``'s, which acts at once.
+
+        ``previous``: the replicas before the change. A store never told a membership
+        counted its steps by number; it takes them as the step being collected's, so
+        the first change refuses a newcomer's early push as every later one does.
+        """
+        names = frozenset(workers)
+        with self.cond:
+            if not self._members and previous:
+                self._members = [(self.version, frozenset(previous))]
+            start = self.version + 1 if version is None else max(version, self.version + 1)
+            current = self.members_at(self.version)
+            if current is not None:
+                # A name the membership adds is a new replica (a task of a name that
+                # left may come back): it is waited for from ``start`` on, until it
+                # leaves. (Before the first membership, a name that left stays gone.)
+                self._departed -= names - current
+            kept = [(s, n) for s, n in self._members if s < start]
+            # what no step will read again: all but the newest entry at or below now
+            while len(kept) > 1 and kept[1][0] <= self.version:
+                kept.pop(0)
+            self._members = [*kept, (start, names)]
+            self.stats["membership_changes"] += 1
+            self.cond.notify_all()
+            return start
 
     def leave(self, config: PSConfig | None, worker: str) -> dict[str, Any] | None:
         """A replica will push no more (its data ran out): steps stop waiting for it.

@@ -14,13 +14,13 @@ import torch
 
 from clusterflow.ps.api import MalformedRequest
 from clusterflow.ps.loans import Loan
+from clusterflow.ps.membership import LeaveRequest, MembersRequest
 from clusterflow.ps.protocol import (
     CONTROL,
     ApplyRequest,
     ControlRequest,
     CreateReply,
     CreateRequest,
-    LeaveRequest,
     OptimizerRequest,
     PSState,
     PullReply,
@@ -139,6 +139,13 @@ class PSHandler:
         if commit is not None:
             self._commit(commit)
 
+    def members(self, request: MembersRequest) -> None:
+        """The manager names the replicas of the steps to come (an elastic cluster): the
+        dense variables and the tables take them, each at its own next step unless the
+        request names one. Completes no step (``leave`` does that)."""
+        self.store.members(request.workers, request.version, request.previous)
+        self.tables.members(request.workers, request.version, request.previous)
+
     def stats(self) -> dict[str, Any]:
         stats = self.store.snapshot_stats()
         if self.tables.tables:
@@ -200,6 +207,9 @@ class PSHandler:
             return None, {}
         if method == "leave":
             self.leave(LeaveRequest.from_wire(body, tensors))
+            return None, {}
+        if method == "members":
+            self.members(MembersRequest.from_wire(body, tensors))
             return None, {}
         if method in ROWS_METHODS:
             return rows_dispatch(self.tables, method, body, tensors)

@@ -9,6 +9,10 @@ ways: over RPC (``RemotePS`` to ``PSService``) or in process (``LocalPS``, under
 dropped a pull's and a push's timeout). docs/architecture.md section 4 describes the
 contract.
 
+The two requests that change who a sync step waits for (``LeaveRequest``,
+``MembersRequest``) live in ``membership.py``, which the manager imports without torch;
+``METHODS`` lists them with the others.
+
 Tensor names on the wire carry a role prefix: ``g/`` gradients and ``b/`` buffer values
 in a push; plain variable names in a pull's and a push's reply.
 """
@@ -283,21 +287,6 @@ class QuiesceRequest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LeaveRequest:
-    """A replica will push no more: sync steps stop waiting for it."""
-
-    METHOD: ClassVar[str] = "leave"
-    worker: str
-
-    def to_wire(self) -> Wire:
-        return {"worker": self.worker}, {}
-
-    @classmethod
-    def from_wire(cls, body: Any, tensors: Tensors) -> LeaveRequest:
-        return cls(worker=_field(cls.METHOD, _body(cls.METHOD, body), "worker", str, _REQUIRED))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class PSState:
     """Everything a ps needs to resume (``state``'s reply, ``load_state``'s request)."""
 
@@ -439,6 +428,7 @@ METHODS: tuple[str, ...] = (
     "state",
     "load_state",
     "leave",
+    "members",
     "stats",
     *ROWS_METHODS,
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ class VariableStore(Applied):
         with self._cond:
             if self.config is None:
                 self.config = config
-            elif not self.config.agrees_with(config):
+            elif not self.config.agrees_with(config, resizable=self._engine.resizable):
                 raise PSError(
                     f"ps:{self.ps_index} runs {self.config.to_dict()}; a worker asked for "
                     f"{config.to_dict()} (every worker must build the same strategy)"
@@ -340,6 +340,13 @@ class VariableStore(Applied):
     def leave(self, worker: str) -> dict[str, Any] | None:
         """A replica will push no more; the step this completed, if any (``engine.py``)."""
         return self._engine.leave(self.config, worker)
+
+    def members(
+        self, workers: Sequence[str], version: int | None, previous: Sequence[str] = ()
+    ) -> int:
+        """From step ``version`` on (None: the next), a sync step takes ``workers``;
+        the step that is (``ApplyEngine.set_members``)."""
+        return self._engine.set_members(workers, version, previous)
 
     def apply_sync(self, version: int, workers: list[str]) -> int:
         """Applies step ``version`` that ps 0 decided (``ApplyEngine.apply_sync``)."""

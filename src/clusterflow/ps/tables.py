@@ -84,7 +84,7 @@ class RowStore(Applied):
                 raise PSError(
                     f"ps:{self.ps_index} was created as shard {self.ps_index}, not {shard}"
                 )
-            elif not self.config.agrees_with(config):
+            elif not self.config.agrees_with(config, resizable=self._engine.resizable):
                 raise PSError(
                     f"ps:{self.ps_index} tables run {self.config.to_dict()}; a worker asked "
                     f"for {config.to_dict()}"
@@ -262,6 +262,12 @@ class RowStore(Applied):
     def leave(self, worker: str) -> None:
         """A replica will push no more: sync steps stop waiting for it."""
         self._engine.leave(self.config, worker)
+
+    def members(
+        self, workers: Sequence[str], version: int | None, previous: Sequence[str] = ()
+    ) -> int:
+        """From table step ``version`` on (None: the next), a sync step takes ``workers``."""
+        return self._engine.set_members(workers, version, previous)
 
     # Checkpoint hooks -------------------------------------------------------------
 

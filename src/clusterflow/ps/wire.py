@@ -9,15 +9,18 @@ half cannot import the dense one).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from clusterflow.ps.api import MalformedRequest
 from clusterflow.ps.applied import Key
 from clusterflow.rpc.message import body_map
 
-Tensors = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+# torch by name only: the manager reads these helpers (``ps/membership.py``) and must not
+# pay torch's import (docs/architecture.md section 2).
+Tensors = dict[str, "torch.Tensor"]
 """Named tensors, as a message carries them and the ps and its clients hold them."""
 Wire = tuple[Any, Tensors]
 """A message as it travels: a msgpack-able body and named tensors."""

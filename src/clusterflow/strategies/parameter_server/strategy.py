@@ -36,9 +36,10 @@ from clusterflow.ps.api import (
     VariableSpec,
 )
 from clusterflow.ps.client import PSConnection, RemotePS, send
+from clusterflow.ps.membership import LeaveRequest
 from clusterflow.ps.optimizer import hyperparameters
 from clusterflow.ps.placement import place
-from clusterflow.ps.protocol import STATS, LeaveRequest
+from clusterflow.ps.protocol import STATS
 from clusterflow.ps.wire import Tensors
 from clusterflow.server.manager_link import ManagerLink
 from clusterflow.strategies.api import (
@@ -150,6 +151,10 @@ class ParameterServerStrategy(PSCut, Strategy):
         self.dropped_pushes = 0
         self.last_push_applied = False
         """Whether the last answered push was applied on every ps task."""
+        self.last_step: int | None = None
+        """sync: the step ps 0 took this replica's last push into (with its gradients
+        when ``last_push_applied``, else as an empty part: its keys were applied
+        before); None when it took none (late, or not a member of that step yet)."""
         self._keys: tuple[SplitKey, ...] = ()
         self._ledger = KeyLedger()
         self._left = False
@@ -162,16 +167,24 @@ class ParameterServerStrategy(PSCut, Strategy):
     def _declare(self) -> None:
         """When training starts (the first ``run``), not when the strategy is built: a
         worker holds nothing the others need, so the manager may relaunch it alone (its
-        splits go back to the queue; each ps applies a split's update at most once)."""
+        splits go back to the queue; each ps applies a split's update at most once).
+
+        And whether the cluster may grow and shrink around it (``clusterflow scale``):
+        async, a worker is a pusher with a lease set, so workers come and go; sync, a
+        step counts its replicas, and the manager tells the ps tasks who they are at
+        each change (``manager/ps_membership.py``), so they follow it at a step
+        boundary. Not sync with embedding tables or all-reduced dense layers: each
+        table shard judges its own steps, and a membership it took a step later than
+        ps 0 would refuse rows whose keys ps 0's reply acks; a collective group of
+        dense replicas is formed once."""
         self._declared = True
         task = self._resolver.task
         if task is not None and task.job == "worker":
             link = ManagerLink.from_env()
             if link is not None:
                 try:
-                    # async: a worker is a pusher with a lease set, so workers may come
-                    # and go (clusterflow scale); a sync step counts its replicas
-                    link.declare(respawnable=True, resizable=self.config.mode == "async")
+                    resizable = self.config.mode == "async" or not self._sparse.active
+                    link.declare(respawnable=True, resizable=resizable)
                 finally:
                     link.close()
 
@@ -533,6 +546,7 @@ class ParameterServerStrategy(PSCut, Strategy):
             replies = push.sync(self._ps, step_version, self._value_dtype, self._deadline)
             # ps 0 decides the step: a commit it counted is in the step on every shard.
             self._count(self._ledger.sync_reply(keys, replies[0], step_version))
+            self.last_step = step_version if replies[0].applied else None
             targets = [step_version + 1] * self._ps.num_ps
             self._next = self._prefetcher.submit(self._pull, targets)
             return

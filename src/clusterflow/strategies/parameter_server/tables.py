@@ -25,7 +25,8 @@ from torch import nn
 
 from clusterflow.ps.api import PSConfig
 from clusterflow.ps.client import PSConnection, send
-from clusterflow.ps.protocol import LeaveRequest, PushReply
+from clusterflow.ps.membership import LeaveRequest
+from clusterflow.ps.protocol import PushReply
 from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
 from clusterflow.ps.rows_protocol import (
     RowsCreateRequest,
