@@ -287,6 +287,47 @@ def test_counts_and_numbers_mean_what_their_headers_say(site: Site, page: Any) -
     assert page.evaluate(MISALIGNED) == []
 
 
+MEMBERSHIP_ROWS = """(view) => {
+  cf.renderMembership(view);  // read back at once: the stream re-renders the real one
+  const rows = [...document.querySelectorAll("#membership tbody tr")];
+  return [document.getElementById("workers-size").textContent,
+    rows.map((tr) => [...tr.children].map((td) => td.textContent))];
+}"""
+"""Renders a membership view into the page and returns what it shows."""
+
+
+def test_the_membership_shows_the_size_the_range_and_who_joined_and_left(
+    site: Site, page: Any
+) -> None:
+    """Pins ``views.membership`` on the cluster's page (``renderMembership``): this
+    cluster's fixed size, as the manager's state has it, then the rows of an elastic
+    cluster's history (the view of a state, as ``test_membership_view`` builds it)."""
+    from clusterflow.manager.state import ClusterState, MembershipChange
+    from clusterflow.ui import views
+
+    page.goto(f"{site.base}/clusters/{site.cluster_id}")
+    page.wait_for_function(
+        "document.getElementById('workers-size').textContent === '2 workers, fixed size'",
+        timeout=20_000,
+    )
+    assert page.text_content("#membership tbody") == "a fixed size: scale does not resize it"
+    history = (
+        MembershipChange(time=1.0, task="worker:2", change="joined", spec_version=2, workers=3),
+        MembershipChange(time=2.0, task="worker:3", change="joined", spec_version=3, workers=4),
+        MembershipChange(
+            time=3.0, task="worker:3", change="left", spec_version=4, step=57, workers=3
+        ),
+    )
+    state = ClusterState(id="c", tasks=(), workers_range=(2, 4), membership=history)
+    size, rows = page.evaluate(MEMBERSHIP_ROWS, views.membership(state))
+    assert size == "0 workers, elastic 2:4"
+    assert [r[1:] for r in rows] == [
+        ["worker:3", "left", "57", "4", "3"],
+        ["worker:3", "joined", "-", "3", "4"],
+        ["worker:2", "joined", "-", "2", "3"],
+    ]
+
+
 def test_the_list_page_shows_the_cluster(site: Site, page: Any) -> None:
     page.goto(site.base + "/")
     page.wait_for_selector(f"#clusters a[href='/clusters/{site.cluster_id}']")

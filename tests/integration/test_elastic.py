@@ -180,6 +180,8 @@ def test_async_ps_through_fit_grows_2_4_2_applying_every_record_once_per_epoch(
         history[:2]
     ) == [("worker:2", "joined", 3), ("worker:3", "joined", 2)], history
     assert history[2:] == [("worker:3", "left", 4), ("worker:2", "left", 5)], history
+    # the size each change left the job at: the newcomers' own, not the grow's final one
+    assert [m["workers"] for m in state["membership"]] == [3, 4, 3, 2], state["membership"]
     assert state["workers_range"] == [2, 4]
     shown = cf.run("describe", cluster_id)
     assert "workers:  2 (elastic, 2:4)" in shown.stdout, shown.stdout

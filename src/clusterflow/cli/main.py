@@ -327,8 +327,7 @@ def describe(cluster_id: str, as_json: bool) -> None:
     click.echo(f"spec (v{state.spec_version}): {json.dumps(state.spec)}")
     if state.workers_range:
         low, high = state.workers_range
-        workers = sum(1 for t in state.tasks if t.task.startswith("worker:"))
-        click.echo(f"workers:  {workers} (elastic, {low}:{high})")
+        click.echo(f"workers:  {state.workers()} (elastic, {low}:{high})")
     if state.membership:
         click.echo("membership:")
         for m in state.membership:

@@ -112,6 +112,8 @@ class Controller(Recovery, Elastic):
         self.backend = backend
         self.tasks = TaskTable(config)
         self._init_elastic()
+        self._arrivals = threading.Lock()
+        """Held by a registration from the rendezvous to its record (``_on_register``)."""
         self._wake = threading.Event()
         self._stop_requested = False
         self.failure: str | None = None
@@ -383,21 +385,25 @@ class Controller(Recovery, Elastic):
         respawned = task.status in ("restarting", "joining") and self.rendezvous.spec is not None
         if not respawned:
             self.tasks.registered(task, address, running=False)
-        arrival = self.rendezvous.register(task.id, address, respawned=respawned)
-        if arrival == Arrival.ASSEMBLED:
-            self._on_assembled()
-        if respawned:
-            self.tasks.registered(task, address, running=True)
-            if arrival == Arrival.JOINED:
-                self._record_membership(task.id, "joined", self.rendezvous.version)
-                self._joined()
-            if arrival == Arrival.MOVED:
-                self.cluster.append_event(
-                    "spec_updated",
-                    version=self.rendezvous.version,
-                    task=str(task.id),
-                    address=address,
-                )
+        # One arrival at a time from register to its record: the history's version and
+        # size are those of the spec this arrival published, not of a newcomer's that
+        # registered meanwhile (two of one grow: 3 workers, then 4).
+        with self._arrivals:
+            arrival = self.rendezvous.register(task.id, address, respawned=respawned)
+            if arrival == Arrival.ASSEMBLED:
+                self._on_assembled()
+            if respawned:
+                self.tasks.registered(task, address, running=True)
+                if arrival == Arrival.JOINED:
+                    self._record_membership(task.id, "joined", self.rendezvous.version)
+                    self._joined()
+                if arrival == Arrival.MOVED:
+                    self.cluster.append_event(
+                        "spec_updated",
+                        version=self.rendezvous.version,
+                        task=str(task.id),
+                        address=address,
+                    )
         try:
             spec, version = self.rendezvous.wait(lambda: self._stop_requested)
         except RegistrationError as exc:

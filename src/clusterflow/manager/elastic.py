@@ -175,7 +175,7 @@ class Elastic:
             change=change,
             spec_version=version,
             step=max(numbers) if numbers else None,
-            workers=len(self.tasks.workers()),
+            workers=self.rendezvous.size("worker"),
         )
         self._membership.append(entry)
         self.tasks.changed()

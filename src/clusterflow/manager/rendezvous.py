@@ -83,6 +83,15 @@ class Rendezvous:
         with self._cond:
             return self._spec, self._version
 
+    def size(self, job: str) -> int:
+        """Tasks of ``job`` in the current spec: the membership as the tasks see it, so a
+        task admitted but not registered yet is not counted (two newcomers of one grow
+        make the job 3, then 4). While a barrier is open: its members."""
+        with self._cond:
+            if self._spec is None:
+                return sum(1 for t in self._tasks if t.job == job)
+            return self._spec.num_tasks(job) if job in self._spec.jobs else 0
+
     def overdue(self) -> bool:
         """Whether the open barrier has waited longer than the registration timeout."""
         with self._cond:

@@ -216,6 +216,10 @@ class ClusterState:
     def task(self, name: str) -> TaskState | None:
         return next((t for t in self.tasks if t.task == name), None)
 
+    def workers(self) -> int:
+        """The worker tasks now: the size ``describe`` and the dashboard show."""
+        return sum(1 for t in self.tasks if t.task.startswith("worker:"))
+
     def figures(self) -> tuple[int | None, float | None]:
         """The cluster's live figures, as ``ps`` and the dashboard show them: the
         furthest step any task reported, and the summed samples/s of the tasks not

@@ -38,6 +38,7 @@ __all__ = [
     "cluster_rows",
     "find",
     "log_tails",
+    "membership",
     "read_state",
     "tensorboard_dir",
 ]
@@ -174,6 +175,30 @@ def task_row(task: TaskState, *, local: bool) -> dict[str, Any]:
     }
 
 
+def membership(state: ClusterState) -> dict[str, Any]:
+    """The worker job's size and who joined and left it (an elastic cluster, issue 32).
+
+    ``workers`` counts the worker tasks now, as ``describe`` does; ``range`` is MIN and
+    MAX (None: a fixed size); ``history`` is the state's membership, newest first, each
+    row with the size the change left the job at.
+    """
+    return {
+        "workers": state.workers(),
+        "range": list(state.workers_range) if state.workers_range else None,
+        "history": [
+            {
+                "time": m.time,
+                "task": m.task,
+                "change": m.change,
+                "step": m.step,
+                "spec_version": m.spec_version,
+                "workers": m.workers,
+            }
+            for m in reversed(state.membership)
+        ],
+    }
+
+
 def events(cluster: ClusterDir) -> list[dict[str, Any]]:
     """The newest ``MAX_EVENTS`` of the timeline, oldest first."""
     return cluster.read_events()[-MAX_EVENTS:]
@@ -242,6 +267,7 @@ def cluster_detail(cluster: ClusterDir, *, with_checkpoints: bool = True) -> dic
             "spec": state.spec,
             "spec_version": state.spec_version,
             "tasks": [task_row(t, local=local) for t in state.tasks],
+            "membership": membership(state),
             "events": events(cluster),
             "checkpoint_dir": state.checkpoint_dir,
             "tensorboard_dir": tensorboard_dir(cluster),

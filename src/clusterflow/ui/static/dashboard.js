@@ -183,6 +183,8 @@ const cf = (() => {
       return tr;
     }), "no tasks yet");
 
+    if (c.membership) renderMembership(c.membership);
+
     // A point a second while the cluster runs (a flat line is a stall); none after it ended.
     const ended = TERMINAL.includes(c.status);
     const now = Date.now() / 1000;
@@ -215,6 +217,21 @@ const cf = (() => {
       return row([cell(clock(e.time)), cell(e.event || "?"), cell(rest, "cmd")]);
     }), "no events yet");
     renderLogs(c.logs || {});
+  }
+
+  // The worker job's size now and who joined and left it, newest first (issue 32).
+  function renderMembership(m) {
+    document.getElementById("workers-size").textContent =
+      `${m.workers} worker${m.workers === 1 ? "" : "s"}, ` +
+      (m.range ? `elastic ${m.range[0]}:${m.range[1]}` : "fixed size");
+    fill("membership", m.history.map((h) => {
+      const tr = row([
+        cell(clock(h.time)), cell(h.task), cell(h.change), cell(num(h.step), "num"),
+        cell(String(h.spec_version), "num"), cell(String(h.workers), "num"),
+      ]);
+      tr.dataset.task = h.task;
+      return tr;
+    }), m.range ? "no worker joined or left yet" : "a fixed size: scale does not resize it");
   }
 
   function renderLogs(logs) {
@@ -266,7 +283,7 @@ const cf = (() => {
   }
 
   return {
-    listPage, clusterPage, charts, yAxis, lastPoint: (key, task) => charts[key].last(task),
+    listPage, clusterPage, charts, yAxis, renderMembership, lastPoint: (key, task) => charts[key].last(task),
   };
 })();
 window.cf = cf;
