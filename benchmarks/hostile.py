@@ -101,7 +101,7 @@ def fuzz(total: int, workdir: Path, verbose: bool) -> dict[str, float]:
             (ps_address, [m for m in FIELDS if m.startswith(("ps.", "health."))], "health.ping"),
             (
                 str(manager["address"]),
-                [m for m in FIELDS if m.startswith(("data.", "manager.", "task."))],
+                [m for m in FIELDS if m.startswith(("data.", "manager.", "task.", "trial."))],
                 "manager.status",
             ),
         ]

@@ -138,7 +138,7 @@ def test_fuzzed_wire_gets_answers_and_the_cluster_keeps_serving(cf: Clusterflow)
     before = {p.pid: p.memory_info().rss for p in (manager, ps_proc)}
 
     ps_methods = [m for m in FIELDS if m.startswith(("ps.", "health."))]
-    manager_methods = [m for m in FIELDS if m.startswith(("data.", "manager.", "task."))]
+    manager_methods = [m for m in FIELDS if m.startswith(("data.", "manager.", "task.", "trial."))]
     sent = _fuzz(ps_address, credentials, ps_methods, "health.ping")
     sent += _fuzz(manager_address, credentials, manager_methods, "manager.status")
     assert sent == 2 * EXAMPLES * PER_EXAMPLE

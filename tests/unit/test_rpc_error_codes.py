@@ -196,6 +196,12 @@ def _report(body: Any) -> Any:
     return line(body)
 
 
+def _declare(body: Any) -> Any:
+    from clusterflow.server.manager_messages import DeclareRequest
+
+    return DeclareRequest.from_wire(body)
+
+
 def _lease(body: Any) -> Any:
     from clusterflow.data.dispatcher import DispatcherService
 
@@ -228,6 +234,7 @@ def _worker_run(body: Any) -> Any:
         (_lease, "MalformedBody", "data.lease body"),
         (_cache_read, "MalformedBody", "cache.read body"),
         (_report, "MalformedBody", "trial.report body"),
+        (_declare, "MalformedBody", "manager.declare body"),
     ],
 )
 def test_a_body_that_is_not_a_map_is_one_error_whichever_contract_reads_it(

@@ -17,6 +17,7 @@ from clusterflow.cluster import TaskId
 from clusterflow.manager.output import OutputRouter
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.standby import StandbyPool
+from clusterflow.server.manager_messages import StandbyReply
 
 
 class _Process:
@@ -68,5 +69,5 @@ def test_the_task_owns_the_standby_before_the_standby_hears_of_it(tmp_path: Path
     waiter.join(30)
     backend.release.set()
     hander.join(30)
-    assert seen["answer"] == {"task": "worker:1"}
+    assert seen["answer"] == StandbyReply(task="worker:1")
     assert seen["owner_then"] is not None and seen["owner_then"].pid == 4242

@@ -65,10 +65,17 @@ from clusterflow.cluster.contract import (
     ENV_STANDBY,
     ENV_TASK,
     ENV_ZYGOTE_READY_FD,
-    ManagerMethod,
 )
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials, RpcClient, RpcError
+from clusterflow.server.manager_messages import (
+    ExitedRequest,
+    HeartbeatRequest,
+    RegisterReply,
+    RegisterRequest,
+    StandbyReply,
+    StandbyRequest,
+)
 
 log = logging.getLogger("clusterflow.supervisor")
 
@@ -142,18 +149,19 @@ class Supervisor:
         try:
             if self.standby and not self._take_over(client, reserved.fileno()):
                 return 0
-            reply = client.call(
-                ManagerMethod.REGISTER,
-                {"task": str(self.task), "address": address, "pid": os.getpid()},
-                deadline=self.register_timeout_s,
-            ).body
+            registration = RegisterRequest(task=str(self.task), address=address, pid=os.getpid())
+            reply = RegisterReply.from_wire(
+                client.call(
+                    registration.METHOD, registration.to_wire(), deadline=self.register_timeout_s
+                ).body
+            )
             env = dict(self.environ)
             env.pop(ENV_STANDBY, None)
             env[ENV_TASK] = str(self.task)
-            env.update(reply["env"])
+            env.update(reply.env)
             env[ENV_LISTEN_FD] = str(reserved.fileno())
-            command = list(reply["command"])
-            replicas: list[dict[str, str]] = list(reply.get("replicas") or [])
+            command = list(reply.command)
+            replicas = [dict(r) for r in reply.replicas]
             if self.terminating:
                 return 143
             try:
@@ -241,15 +249,14 @@ class Supervisor:
             self.zygote.wait()
             self.zygote = None
         while not self.terminating:
-            reply = client.call(
-                ManagerMethod.STANDBY,
-                {"pid": os.getpid(), "wait_s": STANDBY_ROUND_S},
-                deadline=STANDBY_ROUND_S + 10.0,
-            ).body
-            if reply.get("exit"):
+            waiting = StandbyRequest(pid=os.getpid(), wait_s=STANDBY_ROUND_S)
+            reply = StandbyReply.from_wire(
+                client.call(waiting.METHOD, waiting.to_wire(), deadline=STANDBY_ROUND_S + 10.0).body
+            )
+            if reply.exit:
                 break
-            if reply.get("task"):
-                self.task = TaskId.parse(str(reply["task"]))
+            if reply.task:
+                self.task = TaskId.parse(reply.task)
                 return True
         if self.zygote is not None:
             _dismiss(self.zygote)
@@ -292,11 +299,8 @@ class Supervisor:
                     self.stop_child()
                 return code
             try:
-                client.call(
-                    ManagerMethod.HEARTBEAT,
-                    {"task": str(self.task), "pid": self.children[0].pid},
-                    deadline=max(2.0, self.heartbeat_s * 2),
-                )
+                beat = HeartbeatRequest(task=str(self.task), pid=self.children[0].pid)
+                client.call(beat.METHOD, beat.to_wire(), deadline=max(2.0, self.heartbeat_s * 2))
                 last_ok = time.monotonic()
                 self.manager_lost = False
             except RpcError as exc:
@@ -312,11 +316,9 @@ class Supervisor:
     def _report(self, client: RpcClient, code: int, error: str | None = None) -> None:
         if self.manager_lost:
             return  # not worth another deadline: the manager reads the exit code itself
-        body: dict[str, object] = {"task": str(self.task), "code": code}
-        if error:
-            body["error"] = error
+        exited = ExitedRequest(task=str(self.task), code=code, error=error)
         with contextlib.suppress(RpcError):
-            client.call(ManagerMethod.EXITED, body, deadline=2.0)
+            client.call(exited.METHOD, exited.to_wire(), deadline=2.0)
 
     def stop_child(self) -> None:
         """SIGTERM to the job's processes, SIGKILL after the grace period."""

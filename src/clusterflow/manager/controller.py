@@ -63,8 +63,22 @@ from clusterflow.manager.store_host import StoreHost
 from clusterflow.manager.tasks import TaskRecord, TaskTable
 from clusterflow.manager.trial_reports import TrialReports
 from clusterflow.rpc import Credentials, Request, RpcServer
-from clusterflow.rpc.errors import ProtocolError
-from clusterflow.rpc.message import map_body
+from clusterflow.server.manager_messages import (
+    CheckpointsReply,
+    CheckpointsRequest,
+    DeclareReply,
+    DeclareRequest,
+    ExitedRequest,
+    HeartbeatRequest,
+    RegisterReply,
+    RegisterRequest,
+    ReportRequest,
+    SpecReply,
+    SpecRequest,
+    StandbyRequest,
+    StatusRequest,
+    StopRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +171,7 @@ class Controller(Recovery, Elastic):
             (ManagerMethod.HEARTBEAT, self._on_heartbeat, False),
             (ManagerMethod.EXITED, self._on_exited, False),
             (ManagerMethod.STOP, self._on_stop, False),
-            (ManagerMethod.STATUS, lambda request: self.state().to_dict(), False),
+            (ManagerMethod.STATUS, self._on_status, False),
             (ManagerMethod.DECLARE, self._on_declare, False),
             (ManagerMethod.CHECKPOINTS, self._on_checkpoints, False),
             (ManagerMethod.STANDBY, self._on_standby, True),
@@ -166,7 +180,9 @@ class Controller(Recovery, Elastic):
             (ManagerMethod.REPORT, self._on_report, False),
             (ManagerMethod.TRIAL_REPORT, TrialReports(cluster.path).on_report, False),
         ):
-            self._rpc.register(method, map_body(handler), blocking=blocking)
+            # Each handler parses its body with its type (server/manager_messages.py): a
+            # body that breaks the contract is MalformedBody, answered as `malformed`.
+            self._rpc.register(method, handler, blocking=blocking)
         # The data service lives here for clusters started by `clusterflow start`: every
         # task reaches it at CLUSTERFLOW_MANAGER, and the manager learns of deaths first.
         self.data = (data or DispatcherService()).register_on(self._rpc)
@@ -375,12 +391,11 @@ class Controller(Recovery, Elastic):
 
     def _on_register(self, request: Request) -> dict[str, Any]:
         """A supervisor registers: held at the barrier, answered with what to run."""
-        body = request.body or {}
-        task = self.tasks.find(body.get("task"))
-        pid = body.get("pid")
-        if task.process is not None and isinstance(pid, int) and pid != task.process.pid:
+        registration = RegisterRequest.from_wire(request.body)
+        task = self.tasks.find(registration.task)
+        pid, address = registration.pid, registration.address
+        if task.process is not None and pid is not None and pid != task.process.pid:
             raise RegistrationError(f"{task.id}: pid {pid} is not its current supervisor")
-        address = str(body.get("address"))
         # relaunched alone, or added by `clusterflow scale`, while the others run
         respawned = task.status in ("restarting", "joining") and self.rendezvous.spec is not None
         if not respawned:
@@ -408,18 +423,18 @@ class Controller(Recovery, Elastic):
             spec, version = self.rendezvous.wait(lambda: self._stop_requested)
         except RegistrationError as exc:
             raise RegistrationError(f"cluster {self.cluster.id}: {exc}") from None
-        return {
-            "spec": spec.as_dict(),
-            "spec_version": version,
-            "env": {
+        return RegisterReply(
+            spec=spec.as_dict(),
+            spec_version=version,
+            env={
                 **job_env(
                     self.config, self.place, spec, task.id, self._incarnation(task.id, version)
                 ),
                 **self.backend.job_env(task.id),
             },
-            "replicas": replica_env(self.config, task.id),
-            "command": list(self.config.command_for(task.id)),
-        }
+            replicas=tuple(replica_env(self.config, task.id)),
+            command=tuple(self.config.command_for(task.id)),
+        ).to_wire()
 
     def _on_assembled(self) -> None:
         """Every task registered: the spec is assembled, the commands run."""
@@ -437,23 +452,21 @@ class Controller(Recovery, Elastic):
         what connects to workers reads the newest spec through ``manager.spec`` when a
         worker stops answering (docs/architecture.md section 3).
         """
-        self.tasks.heartbeat((request.body or {}).get("task"))
+        self.tasks.heartbeat(HeartbeatRequest.from_wire(request.body).task)
 
     def _on_declare(self, request: Request) -> dict[str, Any]:
         """A job says how it recovers and whether it resizes live: ``{"task",
         "respawnable": bool, "resizable": bool (optional)}``."""
-        body = request.body or {}
-        resizable = body.get("resizable")
+        declared = DeclareRequest.from_wire(request.body)
         self.tasks.declare(
-            self.tasks.find(body.get("task")),
-            respawnable=bool(body.get("respawnable")),
-            resizable=resizable if isinstance(resizable, bool) else None,
+            self.tasks.find(declared.task),
+            respawnable=declared.respawnable,
+            resizable=declared.resizable,
         )
         # elastic: an all-reduce group then watches for newcomers and leavers
-        return {
-            "max_restarts": self.config.max_restarts,
-            "elastic": self.workers_range() is not None,
-        }
+        return DeclareReply(
+            max_restarts=self.config.max_restarts, elastic=self.workers_range() is not None
+        ).to_wire()
 
     def _on_checkpoints(self, request: Request) -> dict[str, Any]:
         """The chief's checkpoints live at ``{"url"}``: restarts restore from there.
@@ -465,13 +478,8 @@ class Controller(Recovery, Elastic):
         respawned task would not be told which checkpoint the others continue from.
         The new place is kept in the cluster's config, so ``start --resume`` finds it.
         """
-        body = request.body or {}
-        task = self.tasks.find(body.get("task"))
-        url = body.get("url")
-        if not isinstance(url, str) or not url:
-            raise ProtocolError(
-                f"{task.id}: a checkpoint url must be a non-empty string, got {url!r}"
-            )
+        moved = CheckpointsRequest.from_wire(request.body)
+        task, url = self.tasks.find(moved.task), moved.url
         if url != self.restore_points.url:
             self.restore_points = RestorePoints(url)
             self.place = dataclasses.replace(self.place, checkpoint_url=url)
@@ -484,32 +492,36 @@ class Controller(Recovery, Elastic):
                 log.warning("cannot keep %s for --resume in the cluster's config: %s", url, exc)
                 self.output.line(f"clusterflow: --resume will not find {url}: {exc}")
             log.info("%s keeps its checkpoints at %s: restarts restore from there", task.id, url)
-        return {"url": url}
+        return CheckpointsReply(url=url).to_wire()
+
+    def _on_status(self, request: Request) -> dict[str, Any]:
+        StatusRequest.from_wire(request.body)
+        return self.state().to_dict()
 
     def _on_spec(self, request: Request) -> dict[str, Any]:
+        SpecRequest.from_wire(request.body)
         spec, version = self.rendezvous.current()
-        return {"spec": spec.as_dict() if spec else None, "spec_version": version}
+        return SpecReply(spec=spec.as_dict() if spec else None, spec_version=version).to_wire()
 
     def _on_standby(self, request: Request) -> dict[str, Any]:
         """A standby waits here (bounded rounds) until a task is handed to it."""
-        body = request.body or {}
-        return self.standby.wait(body.get("pid"), body.get("wait_s"))
+        waiting = StandbyRequest.from_wire(request.body)
+        return self.standby.wait(waiting.pid, waiting.wait_s).to_wire()
 
     def _on_report(self, request: Request) -> None:
-        """Live figures from a job: ``{"task", "step", "loss", "samples_per_s"}``."""
-        body = request.body or {}
-        self.tasks.report(self.tasks.find(body.get("task")), body)
+        """Live figures from a job (``ReportRequest``)."""
+        figures = ReportRequest.from_wire(request.body)
+        self.tasks.report(self.tasks.find(figures.task), figures.figures())
 
     def _on_exited(self, request: Request) -> None:
-        body = request.body or {}
-        error = body.get("error")
-        if isinstance(error, str) and error:
-            self.tasks.failed_to_run(body.get("task"), error)
+        exited = ExitedRequest.from_wire(request.body)
+        if exited.error:
+            self.tasks.failed_to_run(exited.task, exited.error)
         self._wake.set()  # the loop reads the exit code from the process itself
 
     def _on_stop(self, request: Request) -> dict[str, Any]:
-        grace = (request.body or {}).get("grace_s")
-        if isinstance(grace, int | float) and grace > 0:
+        grace = StopRequest.from_wire(request.body).grace_s
+        if grace is not None and grace > 0:
             self._grace_s = float(grace)
         self.cluster.append_event("stop_requested", by="rpc")
         self.request_stop()

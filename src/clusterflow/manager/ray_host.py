@@ -31,7 +31,7 @@ from typing import Any
 
 from clusterflow.backends import kinds, ray_driver
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
-from clusterflow.cluster.contract import ENV_SECRET_FILE, ManagerMethod
+from clusterflow.cluster.contract import ENV_SECRET_FILE
 from clusterflow.errors import ConfigError
 from clusterflow.manager import registry
 from clusterflow.manager.config import RunConfig
@@ -165,6 +165,7 @@ class ManagerHost:
     def stop(self, grace_s: float) -> None:
         """Asks the controller to stop, as ``clusterflow stop`` asks a local manager."""
         from clusterflow.rpc import Credentials, RpcClient
+        from clusterflow.server.manager_messages import StopRequest
 
         manager = self.cluster.read_state().manager
         address = manager.address if manager else None
@@ -176,7 +177,7 @@ class ManagerHost:
         credentials = Credentials.from_env(environ)
         assert credentials is not None  # the secret file is given
         with RpcClient(address, credentials, deadline=10.0) as client:
-            client.call(ManagerMethod.STOP, {"grace_s": grace_s})
+            client.call(StopRequest.METHOD, StopRequest(grace_s=grace_s).to_wire())
 
     def release(self) -> None:
         """The CLI has the final state: the manager may end now."""

@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.manager.output import Label, OutputRouter
 from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.state import StandbyState
+from clusterflow.server.manager_messages import StandbyReply
 
 log = logging.getLogger(__name__)
 
@@ -123,23 +123,23 @@ class StandbyPool:
         self._on_change()
         return standby.process
 
-    def wait(self, pid: Any, wait_s: Any) -> dict[str, Any]:
+    def wait(self, pid: int, wait_s: float | None) -> StandbyReply:
         """A standby's ``manager.standby`` call: held until it is given a task.
 
-        Returns ``{"task": name}``, ``{"task": None}`` (the round ended: ask again) or
-        ``{"exit": True}`` (not the standby kept here, or the cluster stops).
+        Returns the task, no task (the round ended: ask again) or word to exit (not the
+        standby kept here, or the cluster stops).
         """
-        seconds = float(wait_s) if isinstance(wait_s, int | float) and wait_s else DEFAULT_WAIT_S
+        seconds = float(wait_s) if wait_s else DEFAULT_WAIT_S
         deadline = time.monotonic() + min(max(seconds, 0.1), MAX_WAIT_S)
         changed = False
         try:
             with self._cond:
                 handed = self._handed.pop(pid, None)
                 if handed is not None:
-                    return {"task": handed}  # given a task while it was still warming up
+                    return StandbyReply(task=handed)  # given a task while it was still warming up
                 standby = self._standby
                 if standby is None or standby.process.pid != pid:
-                    return {"exit": True}  # not (or no longer) the standby kept here
+                    return StandbyReply(exit=True)  # not (or no longer) the standby kept here
                 if not standby.waiting:
                     standby.waiting = changed = True
                 while standby.task is None and not (self._closed or self._stopping()):
@@ -147,10 +147,10 @@ class StandbyPool:
                         break
                 if standby.task is not None:
                     self._handed.pop(standby.process.pid, None)
-                    return {"task": standby.task}
+                    return StandbyReply(task=standby.task)
                 if self._closed or self._stopping():
-                    return {"exit": True}
-                return {"task": None}
+                    return StandbyReply(exit=True)
+                return StandbyReply()
         finally:
             if changed:
                 self._on_change()

@@ -17,10 +17,11 @@ from dataclasses import replace
 
 import psutil
 
-from clusterflow.cluster.contract import ENV_CLUSTER_ID, ManagerMethod
+from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.manager.registry import TERMINAL, ClusterDir, effective_status, process_alive
 from clusterflow.manager.state import ManagerProcess
 from clusterflow.rpc import Credentials, RpcClient, RpcError
+from clusterflow.server.manager_messages import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def stop_cluster(cluster: ClusterDir, grace_s: float) -> str:
         try:
             credentials = Credentials.from_file(cluster.secret_file)
             with RpcClient(manager.address, credentials, deadline=5.0) as client:
-                client.call(ManagerMethod.STOP, {"grace_s": grace_s})
+                client.call(StopRequest.METHOD, StopRequest(grace_s=grace_s).to_wire())
         except RpcError as exc:
             log.warning("manager of %s did not take the stop request: %s", cluster.id, exc)
         deadline = time.monotonic() + grace_s + 15.0

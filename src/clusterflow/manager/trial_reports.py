@@ -20,37 +20,20 @@ from typing import Any
 
 from clusterflow.cluster.contract import ManagerMethod
 from clusterflow.cluster.trial import REPORT_FILE
-from clusterflow.rpc import MalformedBody, Request, body_map
-
-MAX_FIGURES = 256
-"""Most figures one report may carry (a report is a handful; a flood is refused)."""
-MAX_NAME = 200
+from clusterflow.rpc import Request
+from clusterflow.server.manager_messages import TrialReportRequest
 
 
 def line(body: Any) -> str:
-    """The report file's line for a ``trial.report`` body ``{"step", "metrics"}``.
+    """The report file's line for a ``trial.report`` body (``TrialReportRequest``).
 
     Raises:
         MalformedBody: the body is not a step and a map of names to numbers.
     """
-    body = body_map("trial.report body", body)
-    step, metrics = body.get("step"), body.get("metrics")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise MalformedBody(f"trial.report: step must be a whole number, got {step!r}")
-    if not isinstance(metrics, dict) or len(metrics) > MAX_FIGURES:
-        raise MalformedBody(
-            f"trial.report: metrics must map at most {MAX_FIGURES} names to numbers"
-        )
-    figures: dict[str, float] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
-            raise MalformedBody(f"trial.report: bad figure name {str(name)[:MAX_NAME]!r}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise MalformedBody(f"trial.report: figure {name} is not a number: {value!r}")
-        figures[name] = float(value) if math.isfinite(value) else float("nan")
+    report = TrialReportRequest.from_wire(body)
     # NaN is kept as null: the tuner drops it (a diverged step), the line stays JSON.
-    shown = {k: (None if math.isnan(v) else v) for k, v in figures.items()}
-    return json.dumps({"step": step, "time": time.time(), "metrics": shown}) + "\n"
+    shown = {k: (None if math.isnan(v) else v) for k, v in report.metrics.items()}
+    return json.dumps({"step": report.step, "time": time.time(), "metrics": shown}) + "\n"
 
 
 class TrialReports:

@@ -14,7 +14,8 @@ a run (the benchmark draws 100 000 of them); the tests draw theirs with hypothes
 Well-formed requests that change a cluster's state (``manager.stop``, ``ps.quiesce``,
 ``manager.exited`` naming a real task) are not hostile bytes but a member's orders: the
 secret is the trust boundary, so ``FIELDS`` leaves those methods out and no hostile
-value names a real task.
+value names a real task. A well-formed ``trial.report`` only appends a line to the
+manager's report file, which nothing reads outside a tuning study.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ FIELDS: Mapping[str, tuple[str, ...]] = {
     ManagerMethod.HEARTBEAT: ("task",),
     ManagerMethod.DECLARE: ("task", "respawnable", "resizable"),
     ManagerMethod.CHECKPOINTS: ("task", "url"),
-    ManagerMethod.EXITED: ("task", "code", "summary"),
+    ManagerMethod.EXITED: ("task", "code", "error"),
     ManagerMethod.REGISTER: ("task", "pid", "address"),
+    ManagerMethod.STANDBY: ("pid", "wait_s"),
     ManagerMethod.STATUS: (),
     ManagerMethod.SPEC: (),
-    ManagerMethod.REPORT: ("task", "step", "loss"),
+    ManagerMethod.REPORT: ("task", "step", "loss", "samples_per_s"),
+    ManagerMethod.TRIAL_REPORT: ("step", "metrics"),
 }
 """Methods the fuzzer calls with hostile bodies, and the body keys each one reads."""
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from clusterflow.rpc.errors import MalformedBody, ProtocolError
+from clusterflow.rpc.errors import MalformedBody
 
 if TYPE_CHECKING:
     import torch
@@ -45,26 +45,6 @@ class Response:
 
 Handler = Callable[[Request], "Response | Any"]
 """A handler returns a ``Response``, or any msgpack-able value taken as the body."""
-
-
-def map_body(handler: Handler) -> Handler:
-    """``handler``, refusing a request whose body is neither a map nor absent.
-
-    Handlers that read ``(request.body or {}).get(...)`` would otherwise raise an
-    ``AttributeError`` (an ``internal`` error) on a list or a number from a broken peer.
-
-    Raises:
-        ProtocolError: from the wrapped handler, for a body of the wrong type.
-    """
-
-    def checked(request: Request) -> Any:
-        if request.body is not None and not isinstance(request.body, Mapping):
-            raise ProtocolError(
-                f"{request.method} needs a map body, got {type(request.body).__name__}"
-            )
-        return handler(request)
-
-    return checked
 
 
 def body_map(

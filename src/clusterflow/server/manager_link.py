@@ -14,13 +14,24 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from clusterflow.cluster.contract import ENV_MANAGER, ENV_TASK, ManagerMethod
-from clusterflow.rpc import Credentials, RpcClient, RpcError
+from clusterflow.cluster.contract import ENV_MANAGER, ENV_TASK
+from clusterflow.rpc import Credentials, MalformedBody, RpcClient, RpcError
+from clusterflow.server.manager_messages import (
+    CheckpointsReply,
+    CheckpointsRequest,
+    DeclareReply,
+    DeclareRequest,
+    ReportRequest,
+    SpecReply,
+    SpecRequest,
+)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEADLINE_S = 2.0
 """Every call's deadline: the manager answers at once, or it is gone."""
@@ -64,31 +75,30 @@ class ManagerLink:
             return None
         return cls(address, credentials, task)
 
-    def declare(self, *, respawnable: bool, resizable: bool | None = None) -> dict[str, Any] | None:
+    def declare(self, *, respawnable: bool, resizable: bool | None = None) -> DeclareReply | None:
         """Whether the manager may relaunch this task alone when it dies, and whether
         the cluster may grow and shrink around it (``clusterflow scale``; None: not
         said, so it may not). Returns the manager's answer (``max_restarts``, and
         ``elastic``: whether the cluster has a worker range), None when it did not
         answer. Never raises."""
-        body: dict[str, Any] = {"task": self.task, "respawnable": respawnable}
-        if resizable is not None:
-            body["resizable"] = resizable
-        reply = self._quiet(ManagerMethod.DECLARE, body)
-        return reply if isinstance(reply, dict) else None
+        request = DeclareRequest(task=self.task, respawnable=respawnable, resizable=resizable)
+        return self._quiet(request.METHOD, request.to_wire(), DeclareReply.from_wire)
 
     def checkpoints_at(self, url: str) -> bool:
         """Tells the manager that this job's checkpoints live at ``url`` (the chief's
         own ``--checkpoint-dir``), so a whole restart restores every task, the ps tasks
         and the data cursor from there. Whether the manager took it (never raises)."""
-        return self._quiet(ManagerMethod.CHECKPOINTS, {"task": self.task, "url": url}) is not None
+        request = CheckpointsRequest(task=self.task, url=url)
+        reply = self._quiet(request.METHOD, request.to_wire(), CheckpointsReply.from_wire)
+        return reply is not None
 
-    def spec(self) -> dict[str, Any] | None:
+    def spec(self) -> SpecReply | None:
         """The newest cluster spec and its version (a respawned task may have moved).
 
         None when the manager did not answer (never raises).
         """
-        reply = self._quiet(ManagerMethod.SPEC, None)
-        return reply if isinstance(reply, dict) else None
+        request = SpecRequest()
+        return self._quiet(request.METHOD, request.to_wire(), SpecReply.from_wire)
 
     def report(self, *, step: int, loss: float | None, samples_per_s: float | None) -> None:
         """Sends live figures now, for ``clusterflow ps`` and stall detection.
@@ -100,8 +110,8 @@ class ManagerLink:
             RpcError: the manager did not take them (``RemoteError`` with code
                 ``not_found``: a manager that takes no figures at all).
         """
-        body = {"task": self.task, "step": step, "loss": loss, "samples_per_s": samples_per_s}
-        self.call(ManagerMethod.REPORT, body)
+        request = ReportRequest(task=self.task, step=step, loss=loss, samples_per_s=samples_per_s)
+        self.call(request.METHOD, request.to_wire())
 
     def call(self, method: str, body: Any) -> Any:
         """One call to the manager; returns the reply's body.
@@ -116,10 +126,12 @@ class ManagerLink:
         with self._lock:
             self._client.close()
 
-    def _quiet(self, method: str, body: Any) -> Any:
+    def _quiet(self, method: str, body: Any, parse: Callable[[Any], T]) -> T | None:
+        """``parse`` of the reply; None, with one warning, when the manager did not
+        answer or answered what the contract does not allow (``MalformedBody``)."""
         try:
-            return self.call(method, body)
-        except RpcError as exc:
+            return parse(self.call(method, body))
+        except (RpcError, MalformedBody) as exc:
             if not self._warned:
                 self._warned = True
                 log.warning("manager %s did not take %s: %s", self.address, method, exc)

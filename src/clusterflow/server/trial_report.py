@@ -18,9 +18,10 @@ import os
 import threading
 from typing import Any
 
-from clusterflow.cluster.contract import ENV_TASK, ENV_TRIAL_REPORTER, ManagerMethod
+from clusterflow.cluster.contract import ENV_TASK, ENV_TRIAL_REPORTER
 from clusterflow.cluster.trial import in_trial
 from clusterflow.rpc import RpcError
+from clusterflow.server.manager_messages import TrialReportRequest
 
 __all__ = ["report"]
 
@@ -48,9 +49,9 @@ def report(step: int | None = None, **metrics: float) -> None:
         if link is None:
             log.warning("a tuning trial's report with no manager to send it to: dropped")
             return
-        body = {"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}
+        request = TrialReportRequest(step=step, metrics={k: float(v) for k, v in metrics.items()})
         try:
-            link.call(ManagerMethod.TRIAL_REPORT, body)
+            link.call(request.METHOD, request.to_wire())
         except RpcError as exc:
             if not _state["warned"]:
                 _state["warned"] = True

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store, TCPStore
 
     from clusterflow.collective.bucket_worker import BucketWorker
+    from clusterflow.server.manager_link import ManagerLink
 
 __all__ = ["ElasticBatch", "Resizing", "join_if_added"]
 
@@ -220,7 +221,7 @@ class Resizing:
             reply = link.declare(respawnable=False, resizable=resizable)
         finally:
             link.close()
-        return bool(resizable and isinstance(reply, dict) and reply.get("elastic"))
+        return bool(resizable and reply is not None and reply.elastic)
 
     def _start_watching(self) -> None:
         if self._group.rank == 0 and self._watcher is None:
@@ -228,7 +229,7 @@ class Resizing:
 
             link = ManagerLink.from_env()
             if link is not None:
-                self._watcher = SpecWatcher(link.spec, SPEC_POLL_S).start()
+                self._watcher = SpecWatcher(lambda: _spec_body(link), SPEC_POLL_S).start()
         if threading.current_thread() is threading.main_thread() and self._previous_term is None:
             self._previous_term = signal.signal(signal.SIGTERM, self._on_term)
 
@@ -421,6 +422,13 @@ class Resizing:
             return
         for group, base in zip(optimizer.param_groups, self._base_lrs, strict=False):
             group["lr"] = base * world / self._base_world
+
+
+def _spec_body(link: ManagerLink) -> dict[str, Any] | None:
+    """The manager's newest spec in the wire form ``SpecWatcher`` reads: the watcher is
+    the collective layer's, below the link, and takes no type of the server side."""
+    reply = link.spec()
+    return None if reply is None else reply.to_wire()
 
 
 def _drain(data: Any) -> None:

@@ -130,16 +130,14 @@ class WorkerLink:
         made names the new address (``manager.spec``).
         """
         reply = manager.spec()
-        if not reply or not reply.get("spec"):
+        if not reply or not reply.spec:
             return
         try:
-            address = ClusterSpec(reply["spec"]).task_address("worker", self.index)
+            address = ClusterSpec(reply.spec).task_address("worker", self.index)
         except ClusterflowError:
             return
         if address != self.address:
-            log.info(
-                "%s moved to %s (spec version %s)", self.name, address, reply.get("spec_version")
-            )
+            log.info("%s moved to %s (spec version %s)", self.name, address, reply.spec_version)
             self.client.close()
             self.address = address
             self.client = RpcClient(address, self.credentials)

@@ -386,12 +386,11 @@ class ClusterCoordinator:
         assert self._manager is not None
         while not self._closing.wait(MEMBERSHIP_POLL_S):
             reply = self._manager.spec()
-            version = reply.get("spec_version") if reply else None
-            if not isinstance(version, int) or version <= self._spec_version or not reply:
+            if reply is None or reply.spec is None or reply.spec_version <= self._spec_version:
                 continue
-            self._spec_version = version
+            version = self._spec_version = reply.spec_version
             try:
-                spec = ClusterSpec(reply["spec"])
+                spec = ClusterSpec(reply.spec)
             except ClusterflowError as exc:
                 log.warning("cannot read spec version %d: %s", version, exc)
                 continue
