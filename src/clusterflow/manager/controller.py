@@ -411,7 +411,7 @@ class Controller(Recovery, Elastic):
                 ),
                 **self.backend.job_env(task.id),
             },
-            "replicas": replica_env(self.config, task.id),
+            "replicas": replica_env(self.config, spec, task.id),
             "command": list(self.config.command_for(task.id)),
         }
 

@@ -311,8 +311,10 @@ class Elastic:
         self._record_membership(record.id, change, self.rendezvous.dismiss(record.id))
 
     def _resized(self) -> None:
-        """``config.workers`` follows the size the cluster runs at (the ranks of a new
-        task's environment count the workers); MIN stays in ``_workers_min``."""
+        """``config.workers`` follows the size the cluster runs at; MIN stays in
+        ``_workers_min``. (The ranks of a task's environment come from the spec it is
+        answered with, ``job_env.rank_of``: dense over the members whatever their
+        indexes.)"""
         self.config = replace(self.config, workers=len(self.tasks.workers()))
 
 
