@@ -422,6 +422,7 @@ class Controller(Recovery, Elastic):
         spec, version = self.rendezvous.current()
         assert spec is not None
         self.cluster.append_event("spec_assembled", version=version, spec=spec.as_dict())
+        self._restart_assembled()  # a resizing restart's joins and departures
         self._wake.set()
 
     def _on_heartbeat(self, request: Request) -> None:
