@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 JOB = str(Path(__file__).resolve().parent / "elastic_ddp_job.py")
 PY = sys.executable
-STEPS = 30
+STEPS = 40
 
 
 def _allow(out: Path, steps: int | None) -> None:
@@ -77,11 +77,12 @@ def _expected(world: int, restarts: int, resumes: int) -> list[tuple[Any, ...]]:
 def test_an_unmodified_ddp_script_restarts_at_each_new_size_from_its_own_checkpoint(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    """1 -> 3 -> 2 workers. Pins: a job that declared nothing is restarted whole rather
-    than resized live (a live add would leave worker:0 at world 1 and the newcomers
-    waiting for it); every rank of each restart gets the new ``WORLD_SIZE``, its dense
-    rank and a restart count one higher; it resumes at the checkpoint's step; the
-    ``--max-restarts`` budget is untouched; the membership history records the change;
+    """1 -> 3 -> 2 -> 3 workers. Pins: a job that declared nothing is restarted whole
+    rather than resized live (a live add would leave worker:0 at world 1 and the
+    newcomers waiting for it); every rank of each restart gets the new ``WORLD_SIZE``,
+    its dense rank and a restart count one higher, a newcomer the group's (worker:2
+    comes back after it left); it resumes at the checkpoint's step; the
+    ``--max-restarts`` budget is untouched; the membership history records each change;
     a bad size is still one line, exit 2, nothing restarted; and the script's result
     equals one process's over the same global batches (1e-5)."""
     out, alone_out = tmp_path / "run", tmp_path / "alone"
@@ -98,23 +99,32 @@ def test_an_unmodified_ddp_script_restarts_at_each_new_size_from_its_own_checkpo
         _allow(out, 10)
         cluster_id = cf.start_detached("--workers", "1:3", "--", PY, JOB, str(out), str(STEPS))
         cf.wait_until(lambda: _progress(out) == 10, 120, f"step 10\n{cf.output(cluster_id)}")
-        assert _ranks(_starts(out)) == _expected(1, 0, 0)
+        assert _ranks(_starts(out)) == _expected(1, 0, 0)  # held at step 10, checkpointed
 
         done = cf.run("scale", cluster_id, "--workers", "4")
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
         assert "--workers 4 is outside the range 1:3" in done.stderr, done.stderr
 
-        said = _scale(cf, cluster_id, 3)
-        assert said.endswith("3 workers at spec version 2 (added worker:1, worker:2)"), said
-        _allow(out, 20)
-        cf.wait_until(lambda: _progress(out) == 20, 120, f"step 20\n{cf.output(cluster_id)}")
-        starts = _starts(out)
-        assert len(starts) == 4, starts  # a bad size restarted nothing
-        assert _ranks(starts[1:]) == _expected(3, 1, 10)
+        phases = [
+            (3, "3 workers at spec version 2 (added worker:1, worker:2)"),
+            (2, "2 workers at spec version 3 (removed worker:2)"),
+            (3, "3 workers at spec version 4 (added worker:2)"),
+        ]
+        seen = 1
+        for restarts, (workers, said) in enumerate(phases, 1):
+            step = 10 * restarts
+            cf.wait_until(lambda s=step: _progress(out) == s, 120, f"step {step}")
+            answer = _scale(cf, cluster_id, workers)
+            assert answer.endswith(said), answer
+            _allow(out, step + 10 if restarts < len(phases) else None)
+            cf.wait_until(
+                lambda s=step: _progress(out) > s, 120, f"step {step + 1}\n{cf.output(cluster_id)}"
+            )
+            starts = _starts(out)
+            assert len(starts) == seen + workers, starts  # no other start (the bad size)
+            assert _ranks(starts[seen:]) == _expected(workers, restarts, step)
+            seen += workers
 
-        said = _scale(cf, cluster_id, 2)
-        assert said.endswith("2 workers at spec version 3 (removed worker:2)"), said
-        _allow(out, None)
         cf.wait_until(
             lambda: cf.state(cluster_id).get("status") in ("succeeded", "failed"),
             120,
@@ -123,20 +133,18 @@ def test_an_unmodified_ddp_script_restarts_at_each_new_size_from_its_own_checkpo
         cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
         state = cf.state(cluster_id)
         assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
-        starts = _starts(out)
-        assert len(starts) == 6, starts
-        assert _ranks(starts[4:]) == _expected(2, 2, 20)
-
         assert state["restarts"] == 0, "a resize spent the --max-restarts budget"
         assert [(t["task"], t["restarts"]) for t in state["tasks"]] == [
-            ("worker:0", 2),
-            ("worker:1", 2),
+            ("worker:0", 3),
+            ("worker:1", 3),
+            ("worker:2", 3),
         ]
         history = [(m["task"], m["change"], m["spec_version"]) for m in state["membership"]]
         assert history == [
             ("worker:1", "joined", 2),
             ("worker:2", "joined", 2),
             ("worker:2", "left", 3),
+            ("worker:2", "joined", 4),
         ], history
 
         output, _ = alone.communicate(timeout=120)
