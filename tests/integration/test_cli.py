@@ -519,6 +519,8 @@ def test_a_local_start_never_imports_the_test_harness(cf: Clusterflow) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     cluster_id = cf.start_detached("--workers", "1", "--", PY, "-c", "pass", env=env)
     cf.wait_until(lambda: cf.state(cluster_id)["status"] == "succeeded", 60, "the run to end")
+    # The manager writes its last state before it exits: its log is whole once it is gone.
+    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
     manager_log = (cf.path(cluster_id) / "manager.log").read_text()
     for imported in (_imported(done.stderr), _imported(manager_log)):
         assert {"clusterflow.backends.kinds", "clusterflow.backends.local"} <= imported

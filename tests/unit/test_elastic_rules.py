@@ -8,6 +8,7 @@ needs unique module names); here are its pure pieces.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,8 +29,13 @@ VIEW = ScaleView(
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4])
-def test_a_size_within_the_range_of_a_resizable_running_cluster_is_taken(workers: int) -> None:
-    check_scale(VIEW, workers)
+@pytest.mark.parametrize("resizable", [True, None])
+def test_a_size_within_the_range_of_a_running_cluster_is_taken(
+    workers: int, resizable: bool | None
+) -> None:
+    """Resizable: live. Declared nothing (an unmodified torchrun script): taken too,
+    the manager restarts every task at the new size."""
+    check_scale(replace(VIEW, resizable=resizable), workers)
 
 
 @pytest.mark.parametrize(
@@ -40,8 +46,9 @@ def test_a_size_within_the_range_of_a_resizable_running_cluster_is_taken(workers
         ({}, 0, "--workers 0 is outside the range 2:4"),
         ({"workers_range": None}, 3, "cluster c0ffee has a fixed size of 2 worker(s)"),
         ({"status": "restarting"}, 3, "cluster c0ffee is restarting: it can be resized only"),
-        ({"resizable": None}, 3, "the workers of cluster c0ffee have not declared"),
-        ({"resizable": False}, 3, "sync ps clusters with embedding tables keep"),
+        ({"resizable": False}, 3, "the workers of cluster c0ffee have not declared"),
+        ({"resizable": False}, 3, "a pipeline's stage count is the model's cut"),
+        ({"resizable": False}, 3, "a sync ps with embedding tables keeps it"),
     ],
 )
 def test_a_request_the_cluster_cannot_take_is_refused_in_one_line(

@@ -48,7 +48,7 @@ def test_supervisor_env_finds_the_manager_and_keeps_the_run_s_variables() -> Non
 
 def test_ranks_are_the_chief_then_the_workers() -> None:
     config = RunConfig(command=("p",), chief=True, ps=2, workers=2, evaluator=True)
-    assert ranks(config) == [TaskId("chief", 0), TaskId("worker", 0), TaskId("worker", 1)]
+    assert ranks(_spec(config)) == [TaskId("chief", 0), TaskId("worker", 0), TaskId("worker", 1)]
 
 
 def test_job_env_gives_tf_config_and_torchrun_variables_to_replicas() -> None:
@@ -79,7 +79,7 @@ def test_tasks_that_do_not_train_get_no_rank(task: TaskId) -> None:
 
 def test_replica_env_numbers_processes_as_torchrun_nodes() -> None:
     config = RunConfig(command=("p",), chief=True, workers=1, replicas_per_host=2)
-    assert replica_env(config, TaskId("worker", 0)) == [
+    assert replica_env(config, _spec(config), TaskId("worker", 0)) == [
         {
             "RANK": str(rank),
             "WORLD_SIZE": "4",
@@ -93,7 +93,8 @@ def test_replica_env_numbers_processes_as_torchrun_nodes() -> None:
         }
         for local, rank in ((0, 2), (1, 3))
     ]
-    assert replica_env(RunConfig(command=("p",), workers=2), TaskId("worker", 1)) == []
+    two = RunConfig(command=("p",), workers=2)
+    assert replica_env(two, _spec(two), TaskId("worker", 1)) == []
 
 
 def test_every_variable_given_to_a_task_is_in_the_contract_table() -> None:
@@ -102,7 +103,7 @@ def test_every_variable_given_to_a_task_is_in_the_contract_table() -> None:
     now = Incarnation(spec_version=1, attempt=0, restarts=0, restore="5", store_port=1)
     given = set(supervisor_env({}, config, PLACE, task))
     given |= set(job_env(config, PLACE, _spec(config), task, now))
-    given |= {k for overrides in replica_env(config, task) for k in overrides}
+    given |= {k for overrides in replica_env(config, _spec(config), task) for k in overrides}
     assert given <= set(TASK_ENVIRONMENT), sorted(given - set(TASK_ENVIRONMENT))
 
 
@@ -113,14 +114,58 @@ def test_every_variable_given_to_a_task_is_in_the_contract_table() -> None:
 def test_rank_of_is_the_position_in_ranks(
     chief: bool, ps: int, workers: int, evaluator: bool
 ) -> None:
-    """The O(1) rank each registration asks for is the one the ordered list gives."""
-    from clusterflow.manager.job_env import rank_of, ranks
+    """The rank each registration asks for is the one the ordered list gives."""
+    from clusterflow.manager.job_env import rank_of
 
     config = RunConfig(
         command=("python", "t.py"), chief=chief, ps=ps, workers=workers, evaluator=evaluator
     )
-    order = ranks(config)
+    spec = _spec(config)
+    order = ranks(spec)
     for task in config.tasks():
         expected = (order.index(task), len(order)) if task in order else None
-        assert rank_of(config, task) == expected, task
-    assert rank_of(config, TaskId("worker", workers)) is None
+        assert rank_of(spec, task) == expected, task
+    assert rank_of(spec, TaskId("worker", workers)) is None
+
+
+@pytest.mark.parametrize(
+    ("chief", "workers", "expected"),
+    [
+        # worker:1 lost above MIN (2:3): the two left are ranks 0 and 1 of 2
+        (False, {0: "h:10", 2: "h:12"}, {"worker:0": ("0", "2"), "worker:2": ("1", "2")}),
+        # ... and worker:3 added later by `scale`, with a chief in front
+        (
+            True,
+            {0: "h:10", 2: "h:12", 3: "h:13"},
+            {"chief:0": ("0", "4"), "worker:0": ("1", "4"), "worker:2": ("2", "4")}
+            | {"worker:3": ("3", "4")},
+        ),
+    ],
+)
+def test_ranks_are_dense_over_the_current_members_when_the_worker_indexes_have_a_hole(
+    chief: bool, workers: dict[int, str], expected: dict[str, tuple[str, str]]
+) -> None:
+    """A loss above MIN leaves a hole in the worker indexes and a later worker takes an
+    index above the highest: every replica still gets ``RANK`` 0..n-1 (chief first,
+    then the workers by index) and ``WORLD_SIZE`` n, as ``collective.Membership``
+    derives them from ``TF_CONFIG``. ``config.workers`` follows the size, as the
+    manager's ``_resized`` keeps it. Counting ranks as ``chief + index`` gave
+    ``worker:2`` no rank (or rank 3 of 4) and ``worker:3`` none at all."""
+    config = RunConfig(command=("p",), chief=chief, ps=1, workers=len(workers), max_restarts=1)
+    jobs: dict[str, object] = {"ps": ["h:1"], "worker": workers}
+    if chief:
+        jobs["chief"] = ["h:2"]
+    spec = ClusterSpec(jobs)
+    seen = {}
+    for task in spec.tasks():
+        env = job_env(config, PLACE, spec, task, FIRST)
+        if "RANK" in env or task.job != "ps":
+            seen[str(task)] = (env.get("RANK"), env.get("WORLD_SIZE"))
+    assert seen == expected
+    hosts = RunConfig(command=("p",), chief=chief, workers=len(workers), replicas_per_host=2)
+    last = replica_env(hosts, spec, TaskId("worker", max(workers)))
+    world = 2 * len(expected)
+    assert [(e["RANK"], e["WORLD_SIZE"]) for e in last] == [
+        (str(world - 2), str(world)),
+        (str(world - 1), str(world)),
+    ]

@@ -432,7 +432,7 @@ class Controller(Recovery, Elastic):
                 ),
                 **self.backend.job_env(task.id),
             },
-            replicas=tuple(replica_env(self.config, task.id)),
+            replicas=tuple(replica_env(self.config, spec, task.id)),
             command=tuple(self.config.command_for(task.id)),
         ).to_wire()
 
@@ -443,6 +443,7 @@ class Controller(Recovery, Elastic):
         spec, version = self.rendezvous.current()
         assert spec is not None
         self.cluster.append_event("spec_assembled", version=version, spec=spec.as_dict())
+        self._restart_assembled()  # a resizing restart's joins and departures
         self._wake.set()
 
     def _on_heartbeat(self, request: Request) -> None:

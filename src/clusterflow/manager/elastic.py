@@ -17,13 +17,33 @@ which alone changes the task table; the handler answers once the change took eff
 - **Loss above MIN**: a worker that dies with no restart left, while the cluster holds
   more than MIN workers, leaves the same way (``Decision.SHRINK``); the others go on.
 
-Only jobs whose workers said so at their first step resize (``manager.declare``'s
-``resizable``: the workers of a parameter-server strategy, which hold nothing the
-others need (sync ones without embedding tables: their steps follow the membership
-``ps_membership.py`` sends the ps tasks), and all-reduce workers trained through ``fit`` on the data
-service or a ``TrainingSession``, which re-form their group at a step boundary:
-``strategies/resizing.py``); a cluster whose workers did not (pipeline stages, sync
-ps with tables) keeps its size, and ``scale`` on it is refused with one line.
+What a resize does depends on what the workers' job declared (``manager.declare``,
+``ScaleView.resizable``); the manager knows nothing else of a job:
+
+- **Declared resizable** (``resizable: true``): the workers of a parameter-server
+  strategy, which hold nothing the others need (sync ones without embedding tables:
+  their steps follow the membership ``ps_membership.py`` sends the ps tasks), a
+  ``ClusterCoordinator``'s workers, and all-reduce workers trained through ``fit`` on
+  the data service or a ``TrainingSession``, which re-form their group at a step
+  boundary (``strategies/resizing.py``). They resize live, as above.
+- **Declared nothing**: a worker that never called ``manager.declare`` runs no
+  clusterflow strategy, an unmodified torchrun script (plain DDP, FSDP) that cannot
+  re-form its group. The resize restarts every task at the new size, as torchrun's
+  elastic mode does: every task is killed, the workers are added or removed while none
+  runs, and all are launched again through the whole-restart path of a failure
+  (``Recovery._relaunch_all``) with ``WORLD_SIZE``/``RANK`` of the new size,
+  ``TORCHELASTIC_RESTART_COUNT`` one higher, and the newest checkpoint (the script's
+  own, which it reloads; clusterflow's, with the data cursor, when it wrote one). It
+  does not count against ``--max-restarts``: nothing failed (torchrun does not count
+  a membership change either).
+- **Declared, but not resizable** (``resizable`` false or not said): a pipeline, whose
+  stage count is the model's cut (its strategy declares at once, when it is built), a
+  sync ps with embedding tables (each table shard decides its own steps), or
+  all-reduce outside ``fit`` on the data service and a ``TrainingSession``.
+  ``scale`` is refused with one line and the cluster runs on untouched.
+
+Until a worker declares (before its job's first step), a job is one that declared
+nothing: a ``scale`` that early restarts it, which any job survives.
 ``Controller`` mixes ``Elastic`` in; the state it acts on is the controller's.
 """
 
@@ -33,6 +53,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -77,16 +98,21 @@ class ScaleView:
     workers_range: tuple[int, int] | None
     """MIN and MAX (``--workers MIN:MAX``); None: a fixed size."""
     resizable: bool | None
-    """Whether the workers' job resizes live: True once a worker declared it and none
-    declared otherwise; None before any worker declared (before their first step)."""
+    """Whether the workers' job resizes live: True when every worker that called
+    ``manager.declare`` said ``resizable``; False when one declared and did not say so;
+    None when none declared (an unmodified script, or before the first step): a resize
+    then restarts every task at the new size."""
 
 
 def check_scale(view: ScaleView, workers: int) -> None:
     """Refuses a request to run ``workers`` worker tasks that the cluster cannot take.
 
+    A job that declared nothing (``view.resizable`` None) is taken: it will be
+    restarted at the new size rather than resized live.
+
     Raises:
-        ScaleRefused: not running, a fixed size, outside MIN:MAX, or a job that does
-            not resize live; the message is one line naming the value.
+        ScaleRefused: not running, a fixed size, outside MIN:MAX, or a job whose workers
+            declared that they do not resize; the message is one line naming the value.
     """
     name = f"cluster {view.cluster_id}"
     if view.status != "running":
@@ -102,13 +128,12 @@ def check_scale(view: ScaleView, workers: int) -> None:
             f"--workers {workers} is outside the range {low}:{high} of {name} "
             f"(it runs {view.workers} now)"
         )
-    if view.resizable is not True:
+    if view.resizable is False:
         raise ScaleRefused(
-            f"the workers of {name} have not declared that they resize live: only "
-            "parameter-server workers (sync ones without embedding tables), and all-reduce "
-            "workers trained through fit on the data service or a TrainingSession, do (at "
-            "their first step); pipeline clusters and sync ps clusters with embedding "
-            "tables keep their size"
+            f"the workers of {name} have not declared that they resize live: their job "
+            "keeps its size (a pipeline's stage count is the model's cut; a sync ps with "
+            "embedding tables keeps it; all-reduce resizes only through fit on the data "
+            "service or a TrainingSession)"
         )
 
 
@@ -122,6 +147,7 @@ class Elastic:
     rendezvous: Rendezvous
     data: DispatcherService
     _status: str
+    _restarts: int
     _grace_s: float
     _wake: threading.Event
     _stop_requested: bool
@@ -132,6 +158,10 @@ class Elastic:
 
         def _choose_checkpoint(self, *, restore_data: bool) -> str | None: ...
 
+        def _relaunch_all(
+            self, said: str, *, between: Callable[[], None] | None = None, **event: Any
+        ) -> None: ...
+
         def _write_state(self, state: Any = None) -> None: ...
 
     def _init_elastic(self) -> None:
@@ -139,8 +169,12 @@ class Elastic:
         """MIN of an elastic cluster (``config.workers`` follows the size it runs at)."""
         self._scale_lock = threading.Lock()  # one change at a time
         self._scale_cond = threading.Condition()
-        self._scale_pending: int | None = None
+        self._scale_pending: tuple[int, bool] | None = None
+        """The size asked for, and whether to restart every task to reach it."""
         self._scale_result: tuple[list[TaskId], list[TaskId]] | None = None
+        self._restart_changes: list[tuple[TaskId, str, int | None]] = []
+        """Who joined or left in a resizing restart, and the step then: recorded in
+        the history once the new barrier assembles (the first spec that holds them)."""
         self._membership: list[MembershipChange] = []
         self._departed: dict[TaskId, int] = {}
         """Restarts of each task that left, carried by a later task of its name: the
@@ -156,25 +190,31 @@ class Elastic:
         return tuple(self._membership)
 
     def _scale_view(self) -> ScaleView:
-        declared = [r.resizable for r in self.tasks.values() if r.id.job == "worker"]
-        known = [d for d in declared if d is not None]
+        workers = [r for r in self.tasks.values() if r.id.job == "worker"]
+        declared = [r.resizable is True for r in workers if r.declared]
         return ScaleView(
             cluster_id=self.cluster.id,
             status=self._status,
-            workers=len(declared),
+            workers=len(workers),
             workers_range=self.workers_range(),
-            resizable=(all(known) if known else None),
+            resizable=(all(declared) if declared else None),
         )
 
-    def _record_membership(self, task: TaskId, change: str, version: int) -> None:
+    def _step(self) -> int | None:
+        """The furthest training step any task reported."""
         steps = [r.figures.get("step") for r in self.tasks.values()]
         numbers = [s for s in steps if isinstance(s, int)]
+        return max(numbers) if numbers else None
+
+    def _record_membership(
+        self, task: TaskId, change: str, version: int, *, step: int | None = None
+    ) -> None:
         entry = MembershipChange(
             time=time.time(),
             task=str(task),
             change=change,
             spec_version=version,
-            step=max(numbers) if numbers else None,
+            step=self._step() if step is None else step,
             workers=self.rendezvous.size("worker"),
         )
         self._membership.append(entry)
@@ -192,18 +232,22 @@ class Elastic:
 
     def _on_scale(self, request: Request) -> dict[str, Any]:
         """``manager.scale``: checks, hands the change to the loop, answers once it took
-        effect: ``{"workers", "spec_version", "joined", "left"}``."""
+        effect: ``{"workers", "spec_version", "joined", "left", "restarted"}``
+        (``restarted``: every task was restarted at the new size, a job that declared
+        nothing)."""
         try:
             wanted = ScaleRequest.from_body(request.body).workers
         except ConfigError as exc:
             raise ScaleRefused(str(exc)) from None
         with self._scale_lock:
-            check_scale(self._scale_view(), wanted)
+            view = self._scale_view()
+            check_scale(view, wanted)
             joined: list[TaskId] = []
             left: list[TaskId] = []
+            restart = view.resizable is None
             if wanted != len(self.tasks.workers()):
                 with self._scale_cond:
-                    self._scale_pending, self._scale_result = wanted, None
+                    self._scale_pending, self._scale_result = (wanted, restart), None
                 self._wake.set()
                 joined, left = self._await_scale()
             return {
@@ -211,10 +255,12 @@ class Elastic:
                 "spec_version": self.rendezvous.version,
                 "joined": [str(t) for t in joined],
                 "left": [str(t) for t in left],
+                "restarted": restart and bool(joined or left),
             }
 
     def _await_scale(self) -> tuple[list[TaskId], list[TaskId]]:
-        """Waits for the loop to apply the change and for every new task to register.
+        """Waits for the loop to apply the change and for every new task to register
+        (after a resizing restart: for the new barrier to assemble).
 
         Raises:
             ClusterflowError: the cluster stopped first, or a new task did not register
@@ -227,7 +273,8 @@ class Elastic:
             if result is None:
                 return False
             joiners = [self.tasks.get(t) for t in result[0]]
-            return all(r is None or r.status != "joining" for r in joiners)
+            assembled = self.rendezvous.spec is not None
+            return assembled and all(r is None or r.status != "joining" for r in joiners)
 
         with self._scale_cond:
             while not done():
@@ -252,8 +299,12 @@ class Elastic:
     def _apply_scale(self) -> None:
         """Carries out a pending ``scale`` (the loop calls it once per poll)."""
         with self._scale_cond:
-            wanted, self._scale_pending = self._scale_pending, None
-        if wanted is None:
+            pending, self._scale_pending = self._scale_pending, None
+        if pending is None:
+            return
+        wanted, restart = pending
+        if restart:
+            self._restart_resized(wanted)
             return
         workers = self.tasks.workers()
         joined: list[TaskId] = []
@@ -281,6 +332,64 @@ class Elastic:
         with self._scale_cond:
             self._scale_result = (joined, left)
             self._scale_cond.notify_all()
+
+    def _restart_resized(self, wanted: int) -> None:
+        """Resizes a job whose workers declared nothing (an unmodified torchrun script:
+        it cannot re-form its group): every task restarts at ``wanted`` workers from the
+        newest checkpoint, through the whole-restart path of a failure. Not counted in
+        ``restarts`` (the ``--max-restarts`` budget): nothing failed."""
+        before = len(self.tasks.workers())
+        joined: list[TaskId] = []
+        left: list[TaskId] = []
+        step = self._step()
+
+        def change_members() -> None:
+            # Every task is dead here and the barrier reopened: no spec to publish.
+            workers = self.tasks.workers()
+            if wanted > len(workers):
+                top = (workers[-1].index + 1) if workers else 0
+                # The group's restart count, so every rank sees the same one (each
+                # relaunch below adds one); never below a departed namesake's (fences).
+                count = max((r.restarts for r in self.tasks.values()), default=0)
+                for index in range(top, top + wanted - len(workers)):
+                    task = TaskId("worker", index)
+                    restarts = max(count, self._departed.get(task, 0))
+                    self.tasks.add(task, tracked=self.config.is_tracked(task), restarts=restarts)
+                    self.rendezvous.admit(task)
+                    joined.append(task)
+            for task in reversed(workers[wanted:]):
+                self._departed[task] = self.tasks.remove(task).restarts
+                self.rendezvous.dismiss(task)
+                left.append(task)
+            self._resized()
+            self._restart_changes = [
+                *((t, "joined", step) for t in joined),
+                *((t, "left", step) for t in left),
+            ]
+
+        reason = (
+            f"clusterflow scale: {before} -> {wanted} workers, and the workers' job did not "
+            "declare that it resizes live"
+        )
+        log.info("%s: restarting every task at the new size", reason)
+        self._relaunch_all(
+            f"{reason}; restarting every task at {wanted} workers from the newest checkpoint",
+            between=change_members,
+            reason=reason,
+            restarts=self._restarts,
+            workers=wanted,
+        )
+        with self._scale_cond:
+            self._scale_result = (joined, left)
+            self._scale_cond.notify_all()
+
+    def _restart_assembled(self) -> None:
+        """The barrier of a resizing restart assembled: its joins and departures enter
+        the history at this spec version, the first that holds them."""
+        changes, self._restart_changes = self._restart_changes, []
+        for task, change, step in changes:
+            self._record_membership(task, change, self.rendezvous.version, step=step)
+        self._joined()
 
     def _lose(self, verdict: Verdict) -> None:
         """A dead worker above MIN with no restart left leaves the cluster; the others
@@ -317,8 +426,10 @@ class Elastic:
         self._record_membership(record.id, change, self.rendezvous.dismiss(record.id))
 
     def _resized(self) -> None:
-        """``config.workers`` follows the size the cluster runs at (the ranks of a new
-        task's environment count the workers); MIN stays in ``_workers_min``."""
+        """``config.workers`` follows the size the cluster runs at; MIN stays in
+        ``_workers_min``. (The ranks of a task's environment come from the spec it is
+        answered with, ``job_env.rank_of``: dense over the members whatever their
+        indexes.)"""
         self.config = replace(self.config, workers=len(self.tasks.workers()))
 
 

@@ -8,6 +8,7 @@ from ``cluster/contract.py``; docs/architecture.md section 3 says who reads them
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -87,25 +88,34 @@ def supervisor_env(
     return env
 
 
-def ranks(config: RunConfig) -> list[TaskId]:
-    """The tasks that train, in rank order: the chief, then the workers by index."""
-    return [t for t in config.tasks() if t.job in REPLICA_JOBS]
+def ranks(spec: ClusterSpec) -> list[TaskId]:
+    """The tasks that train, in rank order: the chief, then the workers by index.
 
-
-def rank_of(config: RunConfig, task: TaskId) -> tuple[int, int] | None:
-    """``task``'s position in ``ranks(config)`` and that list's length, in O(1).
-
-    Each of a cluster's tasks asks for this when it registers: building the list each
-    time made registering 1,000 tasks cost a million ``TaskId``s (docs/scaling.md).
+    Over the tasks the spec holds now, so the ranks are dense ``0..n-1`` however the
+    worker indexes run: a worker lost above MIN leaves a hole (``worker:0`` and
+    ``worker:2``), and a worker added later takes an index above the highest.
     """
-    if task.job not in REPLICA_JOBS:
+    return [t for t in spec.tasks() if t.job in REPLICA_JOBS]
+
+
+def rank_of(spec: ClusterSpec, task: TaskId) -> tuple[int, int] | None:
+    """``task``'s position in ``ranks(spec)`` and that list's length; None for a task
+    that does not train, or one the spec does not hold.
+
+    The rank comes from the spec the task is answered with, not from a count of the
+    workers: ``chief + index`` is right only while the indexes are ``0..n-1``, and an
+    elastic cluster's are not (a loss above MIN leaves a hole). It is also the rank
+    ``collective.Membership`` derives from ``TF_CONFIG``, which must agree with
+    ``RANK``. One pass over the spec's replica indexes (ints, no ``TaskId`` built per
+    task: registering 1,000 tasks once cost a million, docs/scaling.md); each answer
+    serialises the whole spec into ``TF_CONFIG`` anyway.
+    """
+    if task.job not in REPLICA_JOBS or task not in spec:
         return None
-    chief = 1 if config.chief else 0
-    world = chief + config.workers
-    position = 0 if task.job == "chief" else chief + task.index
-    if (task.job == "chief" and not chief) or not 0 <= position < world:
-        return None
-    return position, world
+    chief = 1 if TaskId("chief", 0) in spec else 0
+    workers = spec.task_indices("worker") if "worker" in spec.jobs else []
+    position = 0 if task.job == "chief" else chief + bisect.bisect_left(workers, task.index)
+    return position, chief + len(workers)
 
 
 def job_env(
@@ -131,7 +141,7 @@ def job_env(
     }
     if now.restore is not None:
         env[ENV_RESTORE] = now.restore
-    placed = rank_of(config, task)
+    placed = rank_of(spec, task)
     if placed is not None:
         rank, world = placed
         env.update(
@@ -156,7 +166,7 @@ def job_env(
     return env
 
 
-def replica_env(config: RunConfig, task: TaskId) -> list[dict[str, str]]:
+def replica_env(config: RunConfig, spec: ClusterSpec, task: TaskId) -> list[dict[str, str]]:
     """Per-process overrides when ``task`` runs several replicas; [] when it runs one.
 
     The task stands for a host with ``n`` devices, as a torchrun node with
@@ -167,7 +177,7 @@ def replica_env(config: RunConfig, task: TaskId) -> list[dict[str, str]]:
     n = config.replicas_of(task)
     if n == 1:
         return []
-    placed = rank_of(config, task)
+    placed = rank_of(spec, task)
     if placed is None:
         raise ValueError(f"{task} is not a replica task of this cluster")
     position, hosts = placed

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import TaskId
@@ -137,16 +137,39 @@ class Recovery:
             self._memory_restarts += 1
         else:
             self._restarts += 1
+        log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
+        more = " with more memory" if verdict.memory else ""
+        self._relaunch_all(
+            f"{verdict.reason}; restarting every task{more}",
+            task=verdict.failed_task,
+            reason=verdict.reason,
+            restarts=self._restarts,
+            memory=verdict.memory,
+        )
+
+    def _relaunch_all(
+        self, said: str, *, between: Callable[[], None] | None = None, **event: Any
+    ) -> None:
+        """A whole restart: kills every task, then (``between``, while none runs) lets
+        the caller change who the tasks are, and launches them all again at a new
+        attempt, each one's restart count one higher (``TORCHELASTIC_RESTART_COUNT``),
+        from the newest checkpoint with the data cursor of the same cut. ``said`` goes
+        to the output, ``event`` into the ``cluster_restarted`` event.
+
+        The one path for a failure's restart and for resizing a job that cannot resize
+        live (``Elastic._restart_resized``): the new barrier, the fresh store, the
+        checkpoint and the new incarnations are the same for both.
+        """
         self._attempt += 1
         live = [t for t in self.tasks.values() if t.exit_code is None]
         self._kill(live)
-        log.info("%s; restarting every task (restart %d)", verdict.reason, self._restarts)
-        more = " with more memory" if verdict.memory else ""
-        self.output.line(f"clusterflow: {verdict.reason}; restarting every task{more}")
+        self.output.line(f"clusterflow: {said}")
         # A new barrier: the restarted supervisors register anew (new addresses), and
         # the registration timeout counts afresh.
         self.rendezvous.reopen()
         self._status = "restarting"
+        if between is not None:
+            between()
         for task in self.tasks.values():
             task.address = None
         if self._store is not None:
@@ -154,14 +177,7 @@ class Recovery:
             self._store.close()
             self._store = self._new_store()
         restore = self._choose_checkpoint(restore_data=True)
-        self.cluster.append_event(
-            "cluster_restarted",
-            task=verdict.failed_task,
-            reason=verdict.reason,
-            restarts=self._restarts,
-            memory=verdict.memory,
-            checkpoint=restore,
-        )
+        self.cluster.append_event("cluster_restarted", **event, checkpoint=restore)
         for task in self.tasks.values():
             self.tasks.relaunching(task)
             self._launch(task, restore)

@@ -37,6 +37,9 @@ class TaskRecord:
     status: str = "starting"
     error: str | None = None
     """Why the supervisor could not run the command (from ``manager.exited``)."""
+    declared: bool = False
+    """Its job called ``manager.declare`` (it trains through clusterflow's strategies);
+    an unmodified script (plain DDP, FSDP) never does (``elastic.ScaleView``)."""
     respawnable: bool = False
     """Its job declared it can be relaunched alone (``manager.declare``)."""
     resizable: bool | None = None
@@ -136,6 +139,7 @@ class TaskTable(Mapping[TaskId, TaskRecord]):
         self, record: TaskRecord, *, respawnable: bool, resizable: bool | None = None
     ) -> None:
         with self.lock:
+            record.declared = True
             record.respawnable = respawnable
             if resizable is not None:
                 record.resizable = resizable

@@ -136,6 +136,7 @@ class PipelineStrategy(Strategy):
             membership.rank, membership.world_size, stages, self.config.chunks_per_task
         )
         self._membership = membership
+        _declare_fixed_size()
         self._device = select_device(membership, None)
         self._group = CollectiveGroup.form(
             membership, communication_options or CommunicationOptions(), self._device
@@ -564,3 +565,20 @@ class PipelineStrategy(Strategy):
         assert self._model is not None
         mine = {self._names[i] for c in self.layout.my_chunks() for i in self._bounds[c]}
         return [k for k in self._model.state_dict() if k.split(".", 1)[0] in mine]
+
+
+def _declare_fixed_size() -> None:
+    """Tells the manager that this job's workers do not resize: a pipeline's stage count
+    is the model's cut, so ``clusterflow scale`` must refuse it. Said when the strategy
+    is built, before any step: a worker that has declared nothing is taken for an
+    unmodified script, which a ``scale`` restarts at the new size (manager/elastic.py).
+    Nothing to tell outside a cluster; never raises."""
+    from clusterflow.server.manager_link import ManagerLink
+
+    link = ManagerLink.from_env()
+    if link is None:
+        return
+    try:
+        link.declare(respawnable=False, resizable=False)
+    finally:
+        link.close()
