@@ -101,8 +101,11 @@ def test_a_refused_address_fails_again_at_once_without_probing(
 def test_auto_names_the_address_and_the_stale_file_it_read(
     refused: str, hung_init: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ray's `ray_current_cluster`, left behind by a stopped cluster, is what `auto` reads."""
+    """Ray's `ray_current_cluster`, left behind by a stopped cluster, is what `auto` reads
+    where no Ray runs on this machine (Ray looks for a running GCS first: another test's
+    or checkout's Ray on the machine must not decide this one)."""
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setattr("ray._private.services.find_gcs_addresses", lambda: [])
     (tmp_path / "ray").mkdir()
     stale = tmp_path / "ray" / "ray_current_cluster"
     stale.write_text(refused + "\n")
