@@ -2,9 +2,10 @@
 (docs/failure-semantics.md, "Detecting failures" and "Recovering").
 
 Two ways a task hangs: its supervisor falls silent (the whole task is stopped: the
-manager's heartbeat deadline, 30 s), or its job stops advancing while the supervisor
-heartbeats on (``--stall-timeout``). Either way the manager SIGKILLs what is left of it
-and, the job being no parameter-server worker, restarts every task. The respawn of a
+manager's heartbeat deadline, here 8 s from the cluster file, 30 s by default), or its
+job stops advancing while the supervisor heartbeats on (``--stall-timeout``). Either
+way the manager SIGKILLs what is left of it and, the job being no parameter-server
+worker, restarts every task. The respawn of a
 hung parameter-server worker is proven with its fencing, in
 ``test_hostile_fencing.py::test_the_manager_fences_a_hung_worker_before_its_replacement_starts``.
 """
@@ -64,6 +65,8 @@ def test_a_hung_task_is_killed_and_the_cluster_restarted(
     out.mkdir()
     script = cf.script("job.py", JOB)
     stall = ["--stall-timeout", "3"] if hang == "job" else []
+    if hang == "task":  # the cluster file's heartbeat deadline, shorter than the default 30 s
+        stall = ["-c", str(cf.script("cluster.yaml", "heartbeat_timeout_s: 8\n"))]
     proc = cf.popen(
         "start", "--workers", "1", "--max-restarts", "1", *stall,
         "--", sys.executable, str(script), str(out),

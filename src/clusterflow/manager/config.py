@@ -30,6 +30,7 @@ FILE_KEYS = frozenset(
         "max_restarts",
         "checkpoint_dir",
         "stall_timeout_s",
+        "heartbeat_timeout_s",
         "evaluator_grace_s",
         "backend",
         "address",
