@@ -467,14 +467,14 @@ def scale(cluster_id: str, workers: int | None, ps: int | None) -> None:
     cluster = registry.find(cluster_id)
     reply = scale_cluster(cluster, workers)
     moved = [
-        f"{word} {', '.join(reply[key])}"
-        for word, key in (("added", "joined"), ("removed", "left"))
-        if reply.get(key)
+        f"{word} {', '.join(names)}"
+        for word, names in (("added", reply.joined), ("removed", reply.left))
+        if names
     ]
     change = f" ({'; '.join(moved)})" if moved else " (unchanged)"
+    how = "; every task restarted at the new size" if reply.restarted else ""
     click.echo(
-        f"{cluster.id}: {reply.get('workers')} workers at spec version "
-        f"{reply.get('spec_version')}{change}"
+        f"{cluster.id}: {reply.workers} workers at spec version {reply.spec_version}{change}{how}"
     )
 
 

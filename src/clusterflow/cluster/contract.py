@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, Literal
-
-from clusterflow.errors import ConfigError
+from typing import Final, Literal
 
 # The supervisor's environment (set by the manager when it launches a supervisor) ----------
 
@@ -199,36 +197,13 @@ class ManagerMethod:
     """The newest cluster spec and its version."""
     SCALE: Final = "manager.scale"
     """``clusterflow scale``: grow or shrink the worker job of an elastic cluster
-    (body: ``ScaleRequest``); answered once the change took effect."""
+    (body: ``server/manager_messages.py`` ``ScaleRequest``, reply ``ScaleReply``); answered
+    once the change took effect."""
     REPORT: Final = "task.report"
     """A job's live figures: step, loss, samples/s."""
     TRIAL_REPORT: Final = "trial.report"
     """A tuning trial's figures at a step: the manager appends them to its folder's
     report file, which the tuner reads (on Ray, from the manager's mirror)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ScaleRequest:
-    """The body of ``manager.scale``: one typed definition for the CLI and the manager."""
-
-    workers: int
-    """The worker tasks the cluster should have."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int):
-            raise ConfigError(f"--workers must be a whole number, got {self.workers!r}")
-        if self.workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
-
-    def to_body(self) -> dict[str, Any]:
-        return {"workers": self.workers}
-
-    @classmethod
-    def from_body(cls, body: Any) -> ScaleRequest:
-        """Raises ConfigError: not a mapping with a whole number ``workers`` >= 1."""
-        if not isinstance(body, dict) or set(body) != {"workers"}:
-            raise ConfigError(f"a scale request is {{'workers': N}}, got {body!r}")
-        return cls(workers=body["workers"])
 
 
 MANAGER_METHODS: Final = frozenset(

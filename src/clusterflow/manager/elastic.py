@@ -1,6 +1,6 @@
 """Elastic clusters: grow and shrink the worker job of a running cluster (issue 32).
 
-``clusterflow scale ID --workers N`` calls ``manager.scale`` (``ScaleRequest``). Its
+``clusterflow scale ID --workers N`` calls ``manager.scale`` (``ScaleRequest``, ``ScaleReply``). Its
 handler judges the request on a frozen view of the cluster (``check_scale``, pure, so
 every refusal is unit-tested without processes) and hands it to the controller's loop,
 which alone changes the task table; the handler answers once the change took effect
@@ -58,13 +58,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from clusterflow.cluster import TaskId
-from clusterflow.cluster.contract import ManagerMethod, ScaleRequest
+from clusterflow.cluster.contract import ManagerMethod
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.manager import ps_membership
 from clusterflow.manager.registry import TERMINAL, ClusterDir, effective_status
 from clusterflow.manager.state import MembershipChange
 from clusterflow.rpc import Credentials, Request, RpcClient
 from clusterflow.rpc.errors import CodedError
+from clusterflow.server.manager_messages import ScaleReply, ScaleRequest
 
 if TYPE_CHECKING:
     from clusterflow.data.dispatcher import DispatcherService
@@ -232,12 +233,11 @@ class Elastic:
 
     def _on_scale(self, request: Request) -> dict[str, Any]:
         """``manager.scale``: checks, hands the change to the loop, answers once it took
-        effect: ``{"workers", "spec_version", "joined", "left", "restarted"}``
-        (``restarted``: every task was restarted at the new size, a job that declared
-        nothing)."""
+        effect (``ScaleReply``; ``restarted``: every task was restarted at the new size,
+        a job that declared nothing). A body of another shape is ``MalformedBody``."""
         try:
-            wanted = ScaleRequest.from_body(request.body).workers
-        except ConfigError as exc:
+            wanted = ScaleRequest.from_wire(request.body).workers
+        except ConfigError as exc:  # a shape error is MalformedBody, raised as it is
             raise ScaleRefused(str(exc)) from None
         with self._scale_lock:
             view = self._scale_view()
@@ -250,13 +250,13 @@ class Elastic:
                     self._scale_pending, self._scale_result = (wanted, restart), None
                 self._wake.set()
                 joined, left = self._await_scale()
-            return {
-                "workers": len(self.tasks.workers()),
-                "spec_version": self.rendezvous.version,
-                "joined": [str(t) for t in joined],
-                "left": [str(t) for t in left],
-                "restarted": restart and bool(joined or left),
-            }
+            return ScaleReply(
+                workers=len(self.tasks.workers()),
+                spec_version=self.rendezvous.version,
+                joined=tuple(str(t) for t in joined),
+                left=tuple(str(t) for t in left),
+                restarted=restart and bool(joined or left),
+            ).to_wire()
 
     def _await_scale(self) -> tuple[list[TaskId], list[TaskId]]:
         """Waits for the loop to apply the change and for every new task to register
@@ -436,16 +436,17 @@ class Elastic:
 # The CLI's side ------------------------------------------------------------------------
 
 
-def scale_cluster(cluster: ClusterDir, workers: int) -> dict[str, Any]:
+def scale_cluster(cluster: ClusterDir, workers: int) -> ScaleReply:
     """``clusterflow scale``: asks the cluster's manager for ``workers`` worker tasks.
 
-    Returns the manager's answer (``workers``, ``spec_version``, ``joined``, ``left``).
+    Returns the manager's answer, once the change took effect.
 
     Raises:
         ConfigError: bad input, the cluster untouched: ``workers`` below 1, a cluster
             that is not running or runs on Ray, or one the manager refused
             (``check_scale``).
-        RpcError: the manager did not answer in time.
+        RpcError: the manager did not answer in time; ``MalformedBody``: its answer
+            broke the contract.
     """
     request = ScaleRequest(workers=workers)
     if cluster.read_config().get("backend") == "ray":
@@ -462,7 +463,7 @@ def scale_cluster(cluster: ClusterDir, workers: int) -> dict[str, Any]:
     credentials = Credentials.from_file(cluster.secret_file)
     with RpcClient(state.manager.address, credentials, deadline=SCALE_DEADLINE_S) as client:
         try:
-            reply = client.call(ManagerMethod.SCALE, request.to_body()).body
+            reply = client.call(ManagerMethod.SCALE, request.to_wire()).body
         except ScaleRefused as exc:
             raise ConfigError(str(exc)) from None
-    return dict(reply) if isinstance(reply, dict) else {}
+    return ScaleReply.from_wire(reply)

@@ -10,8 +10,7 @@ the caller gets it typed by its wire code (``malformed``).
 
 The module lives on the client's side of the layers, beside ``manager_link.py``: the
 supervisor (``backends``) and the jobs (``train``, ``strategies``) import it, and it
-imports nothing of the manager. The method names stay in ``cluster/contract.py``;
-``manager.scale``'s body is ``contract.ScaleRequest`` (parsed in ``manager/elastic.py``).
+imports nothing of the manager. The method names stay in ``cluster/contract.py``.
 Values a handler may ignore (a non-positive grace period, an unknown task's heartbeat)
 are the handler's decision, as they were; these types check only that the body is what
 the contract says.
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from clusterflow.cluster.contract import ManagerMethod
+from clusterflow.errors import ConfigError
 from clusterflow.rpc.errors import MalformedBody
 from clusterflow.rpc.message import body_map
 
@@ -469,6 +469,75 @@ class StatusRequest:
         return cls()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScaleRequest:
+    """``clusterflow scale``: the worker tasks an elastic cluster should have.
+
+    A body of another shape is ``MalformedBody`` (the sender's bug); a whole number
+    below 1 is the user's input, refused as ``ConfigError`` in their words, at the CLI
+    before anything is sent and again by the manager (``ScaleRefused``)."""
+
+    METHOD: ClassVar[str] = ManagerMethod.SCALE
+    workers: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int):
+            raise ConfigError(f"--workers must be a whole number, got {self.workers!r}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"workers": self.workers}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> ScaleRequest:
+        b = _body(cls.METHOD, body)
+        if set(b) != {"workers"}:
+            raise MalformedBody(f"{cls.METHOD}: a body is {{'workers': N}}, got {body!r:.80}")
+        return cls(workers=_int(cls.METHOD, b, "workers"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScaleReply:
+    """What a ``manager.scale`` did, answered once it took effect: the worker count and
+    spec version after it, the tasks added and removed, and whether every task was
+    restarted at the new size (a job whose workers declared nothing)."""
+
+    workers: int
+    spec_version: int
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    restarted: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "spec_version": self.spec_version,
+            "joined": list(self.joined),
+            "left": list(self.left),
+            "restarted": self.restarted,
+        }
+
+    @classmethod
+    def from_wire(cls, body: Any) -> ScaleReply:
+        what = f"{ManagerMethod.SCALE} reply"
+        b = body_map(what, body)
+        return cls(
+            workers=_int(what, b, "workers"),
+            spec_version=_int(what, b, "spec_version"),
+            joined=_names(what, b, "joined"),
+            left=_names(what, b, "left"),
+            restarted=bool(_bool(what, b, "restarted")),
+        )
+
+
+def _names(what: str, b: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = b.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise MalformedBody(f"{what}: {key} must be a list of task names, got {value!r:.80}")
+    return tuple(value)
+
+
 REQUESTS: Mapping[str, Any] = {
     t.METHOD: t
     for t in (
@@ -483,6 +552,7 @@ REQUESTS: Mapping[str, Any] = {
         TrialReportRequest,
         StopRequest,
         StatusRequest,
+        ScaleRequest,
     )
 }
-"""Each manager method's request type (``manager.scale``'s is ``contract.ScaleRequest``)."""
+"""Each manager method's request type."""
