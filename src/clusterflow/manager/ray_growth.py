@@ -16,12 +16,10 @@ How soon: a node Ray reports is seen at the next poll (``POLL_S``) once a read r
 (``READ_DEADLINE_S`` at most), so the grow is asked within ``POLL_S + READ_DEADLINE_S``
 (6 s) of Ray reporting the node; the issue's bound is 10 s.
 
-State of the work: the decision and the watcher are here and unit-tested
-(``tests/unit/test_ray_growth.py``); nothing starts a watcher yet. What is left before
-``backends/kinds.py`` marks Ray ``resizable``: ``RayBackend.launch`` places a task a
-grow added (one placement group per change, released when its tasks leave), and
-``ManagerHost.start`` starts the watcher on the controller's address (docs/ray.md,
-"Elastic clusters on Ray").
+The manager actor starts one for an elastic cluster (``ManagerHost.start`` in
+``manager/ray_host.py``) and stops it before its backend closes; the decision and the
+watcher are unit-tested in ``tests/unit/test_ray_growth.py``, the whole path on
+emulated hosts in ``tests/integration/test_ray_growth.py``.
 """
 
 from __future__ import annotations
