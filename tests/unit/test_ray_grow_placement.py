@@ -108,3 +108,28 @@ def test_a_grow_that_cannot_be_placed_is_refused_and_the_cluster_untouched(
         cluster._on_scale(Request("manager.scale", {"workers": 4}, {}, b""))
     assert cluster._scale_pending is None and not cluster._wake.is_set()  # nothing to do
     assert ray.reserved == [] and cluster.backend._unplaced == {}
+
+
+def test_a_grown_worker_is_launched_in_its_room_never_handed_the_standby() -> None:
+    """On Ray the warm standby holds no room and sits on any node: a worker a grow adds
+    must start in the bundle its change reserved. It is not respawnable until it says
+    so at its first step, so ``_launch`` never hands it the standby."""
+    from clusterflow.manager.config import RunConfig
+    from clusterflow.manager.recovery import Recovery
+    from clusterflow.manager.tasks import TaskTable
+
+    record = TaskTable(RunConfig(command=("true",), workers=2)).add(W[2], tracked=True)
+    launched: list[TaskId] = []
+    handed: list[str] = []
+
+    def launch(spec: Any) -> Any:
+        launched.append(spec.task)
+        return SimpleNamespace(output=None)
+
+    host = SimpleNamespace(
+        standby=SimpleNamespace(hand=lambda task, assign: handed.append(task) or object()),
+        backend=SimpleNamespace(launch=launch),
+        _task_env=lambda task: {},
+    )
+    Recovery._launch(host, record, None)  # type: ignore[arg-type]
+    assert launched == [W[2]] and handed == []
