@@ -191,9 +191,10 @@ def test_a_bad_worker_range_is_refused_naming_it(workers: Any, message: str) -> 
     assert str(raised.value) == message
 
 
-def test_a_worker_range_is_local_only_and_counts_max_against_the_process_limit() -> None:
-    with pytest.raises(ConfigError, match="a range needs backend local"):
-        RunConfig(command=CMD, workers=1, workers_max=3, backend="ray")
+def test_a_worker_range_needs_a_resizable_backend_and_counts_max_against_the_limit() -> None:
+    with pytest.raises(ConfigError, match="a range needs backend local or ray"):
+        RunConfig(command=CMD, workers=1, workers_max=3, backend="hosts")
+    assert RunConfig(command=CMD, workers=1, workers_max=3, backend="ray").workers_max == 3
     from clusterflow.manager.limits import MAX_PROCESSES
 
     with pytest.raises(ConfigError, match=f"workers {MAX_PROCESSES + 1} .* at most"):

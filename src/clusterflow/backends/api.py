@@ -7,7 +7,7 @@ exit and deliver signals. ``local`` uses subprocesses; the Ray backend (later) a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
@@ -70,6 +70,20 @@ class Backend(Protocol):
 
     def adopt(self, process: TaskProcess, task: TaskId) -> None:
         """A standby (launched earlier) took ``task`` over: ``process`` now runs it."""
+        ...
+
+    def reserve(self, tasks: Sequence[TaskId]) -> None:
+        """A grow will launch ``tasks``: hold their room now, all or none (Ray places
+        them as one placement group; a backend that places nothing does nothing).
+        Called before the change touches the cluster.
+
+        Raises:
+            ConfigError: they cannot be placed (one line); nothing is held.
+        """
+        ...
+
+    def release(self, task: TaskId) -> None:
+        """``task`` left the cluster (after it stopped): what was held for it goes."""
         ...
 
     def job_env(self, task: TaskId) -> Mapping[str, str]:

@@ -103,7 +103,8 @@ RAY = BackendKind(
     manager_in_ray=True,
     placed_by_ray=True,
     tasks_here=False,
-    resizable=False,  # growing on Ray is not built yet (issue 32)
+    # A grow's tasks are placed per change; a node that joins is used (manager/ray_growth.py).
+    resizable=True,
 )
 HOSTS = BackendKind(
     name="hosts",

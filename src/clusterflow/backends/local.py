@@ -124,6 +124,12 @@ class LocalBackend:
     def adopt(self, process: TaskProcess, task: TaskId) -> None:
         """Nothing to do: the manager's own records say which task a process runs."""
 
+    def reserve(self, tasks: Sequence[TaskId]) -> None:
+        """Nothing to hold: a local task takes this machine's room when it starts."""
+
+    def release(self, task: TaskId) -> None:
+        """Nothing was held for it."""
+
 
 class LocalLauncher:
     """``--backend local``'s tasks: child processes of a manager on this machine, each

@@ -432,6 +432,14 @@ class RayBackend:
         """Processes (by id) whose OOM kill already made their job's memory grow."""
         self._grown_jobs: set[str] = set()
         """Jobs whose memory a kill for memory grew (never asked for less after)."""
+        self._grown_groups: dict[TaskId, Any] = {}
+        """A task a grow added: the placement group of its change (``reserve``)."""
+        self._unplaced: dict[TaskId, tuple[Any, int]] = {}
+        """Bundles a grow reserved whose task is not launched yet: (group, index)."""
+        self._left: set[TaskId] = set()
+        """Tasks of the start that left (a shrink): their bundles of the cluster's group
+        stay held (a group's bundles cannot be released one by one) for a later grow."""
+        self._changes = 0
         self._lock = threading.Lock()
         self._processes: dict[str, RayProcess] = {}
         """The current process of each task (standbys are not a task's until they take one)."""
@@ -440,6 +448,7 @@ class RayBackend:
     def launch(self, launch: TaskLaunch) -> RayProcess:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._take_reserved(launch.task)
         request = self._requests.get(launch.task)
         if request is None:
             raise ConfigError(f"task {launch.task} has no place in this cluster")
@@ -477,7 +486,7 @@ class RayBackend:
                 "memory": bundle.get("memory") or None,
                 "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self._group,
+                    placement_group=self._grown_groups.get(launch.task, self._group),
                     placement_group_bundle_index=self._bundles[launch.task],
                 ),
             }
@@ -531,7 +540,8 @@ class RayBackend:
             return  # the first launch, or a relaunch already under way
         killed = [p for p in processes if p.oom and id(p) not in self._grown]
         largest = _largest_node_memory()
-        grown = {t: self._sized(r, largest) for t, r in self._requests.items()}
+        # The start's tasks only: a grow's tasks keep the group of their change.
+        grown = {t: self._sized(self._requests[t], largest) for t in self._order}
         for process in killed:
             self._grown.add(id(process))
             self._grown_jobs.add(process.task.job)
@@ -544,7 +554,7 @@ class RayBackend:
                 "%s was killed for memory (%d bytes asked); job %s now asks %d",
                 process.task, had, process.task.job, more,
             )  # fmt: skip
-        if grown == self._requests:
+        if all(grown[t] == self._requests[t] for t in grown):
             return
         for task, request in grown.items():
             if request != self._requests[task]:
@@ -553,7 +563,74 @@ class RayBackend:
         self._group = reserve(
             [grown[t] for t in self._order], self._group_name, self._placement_timeout_s
         )
-        self._requests = grown
+        self._requests = {**self._requests, **grown}
+
+    def reserve(self, tasks: Sequence[TaskId]) -> None:
+        """Places the tasks a grow adds, before any is launched: one placement group for
+        the change (gang-scheduled: all of them or none), never one sized for MAX held
+        from the start. A task of the start that left in a shrink takes its bundle of the
+        cluster's group again instead. Blocks until Ray placed them, at most the
+        placement timeout.
+
+        Raises:
+            PlacementError: they cannot be placed (no node has the room, or it was not
+                free in time); nothing is held then, and the cluster is untouched.
+        """
+        from clusterflow.backends.ray_placement import reserve
+
+        if not tasks:
+            return
+        with self._lock:
+            template = next(r for t, r in self._requests.items() if t.job == tasks[0].job)
+            fresh = [t for t in tasks if t not in self._left]
+            self._left -= set(tasks)
+        if not fresh:
+            return
+        requests = [replace(self._sized(template), task=t) for t in fresh]
+        self._changes += 1
+        name = f"{self._group_name}-grow-{self._changes}"
+        group = reserve(requests, name, self._placement_timeout_s)  # raises: nothing held
+        with self._lock:
+            for index, request in enumerate(requests):
+                self._requests[request.task] = request
+                self._unplaced[request.task] = (group, index)
+        log.info("%s placed for %s", name, ", ".join(map(str, fresh)))
+
+    def _take_reserved(self, task: TaskId) -> None:
+        """A grow's task is launched: it runs in the bundle ``reserve`` placed for it."""
+        with self._lock:
+            found = self._unplaced.pop(task, None)
+            if found is None and task not in self._requests:
+                # Named otherwise when reserved (a worker lost in between): same job, same room.
+                other = next((t for t in self._unplaced if t.job == task.job), None)
+                if other is not None:
+                    found = self._unplaced.pop(other)
+                    self._requests[task] = replace(self._requests.pop(other), task=task)
+            if found is not None:
+                self._grown_groups[task], self._bundles[task] = found
+
+    def release(self, task: TaskId) -> None:
+        """``task`` left the cluster (a shrink, or lost above MIN), after it stopped: its
+        actor ends, and the placement group of the grow that added it is removed once
+        none of that change's tasks is left. A task of the start keeps its bundle of the
+        cluster's group for a later grow (``reserve``)."""
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            process = self._processes.pop(str(task), None)
+            group = self._grown_groups.pop(task, None) or self._unplaced.pop(task, (None, 0))[0]
+            if group is None:
+                self._left.add(task)
+            else:
+                self._requests.pop(task, None)
+                self._bundles.pop(task, None)
+            still = [*self._grown_groups.values(), *(g for g, _ in self._unplaced.values())]
+        if process is not None:
+            process.end()
+        if group is not None and all(g is not group for g in still):
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+            log.info("the placement group of %s's grow was released", task)
 
     def job_env(self, task: TaskId) -> dict[str, str]:
         return {}  # Ray sets each actor's CUDA_VISIBLE_DEVICES itself
@@ -586,7 +663,8 @@ class RayBackend:
         return out
 
     def close(self) -> None:
-        """Ends every actor still there and releases the cluster's placement group."""
+        """Ends every actor still there and releases the cluster's placement groups (the
+        start's and each grow's)."""
         from ray.util.placement_group import remove_placement_group
 
         with self._lock:
@@ -596,5 +674,11 @@ class RayBackend:
         deadline = time.monotonic() + 10.0
         for process in processes:
             process.wait(max(0.0, deadline - time.monotonic()))
-        with contextlib.suppress(Exception):
-            remove_placement_group(self._group)
+        with self._lock:
+            groups = [self._group, *self._grown_groups.values()]
+            groups += [g for g, _ in self._unplaced.values()]
+            self._grown_groups.clear()
+            self._unplaced.clear()
+        for group in {id(g): g for g in groups}.values():
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)

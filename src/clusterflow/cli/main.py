@@ -465,6 +465,7 @@ def scale(cluster_id: str, workers: int | None, ps: int | None) -> None:
     if workers is None:
         raise ConfigError("scale needs --workers N")
     cluster = registry.find(cluster_id)
+    _read(cluster)  # a Ray cluster's mirror learns its manager's address
     reply = scale_cluster(cluster, workers)
     moved = [
         f"{word} {', '.join(names)}"

@@ -424,8 +424,8 @@ def parse_workers(value: Any) -> tuple[Any, Any]:
 
 
 def check_worker_range(config: RunConfig) -> None:
-    """An elastic worker job: 1 <= MIN <= MAX, on the local backend (``workers`` itself
-    was checked as a non-negative integer before)."""
+    """An elastic worker job: 1 <= MIN <= MAX, on a backend that resizes (``kinds``;
+    ``workers`` itself was checked as a non-negative integer before)."""
     low, high = config.workers, config.workers_max
     if high is None:
         return
@@ -442,7 +442,7 @@ def check_worker_range(config: RunConfig) -> None:
             setting,
             f" {low}:{high}: a range needs ",
             Setting("backend"),
-            " local (growing on Ray is not built yet; issue 32)",
+            f" {' or '.join(n for n, k in kinds.KINDS.items() if k.public and k.resizable)}",
         )
 
 

@@ -68,6 +68,7 @@ from clusterflow.rpc.errors import CodedError
 from clusterflow.server.manager_messages import ScaleReply, ScaleRequest
 
 if TYPE_CHECKING:
+    from clusterflow.backends.api import Backend
     from clusterflow.data.dispatcher import DispatcherService
     from clusterflow.manager.config import RunConfig
     from clusterflow.manager.output import OutputRouter
@@ -143,6 +144,7 @@ class Elastic:
 
     cluster: ClusterDir
     config: RunConfig
+    backend: Backend
     tasks: TaskTable
     output: OutputRouter
     rendezvous: Rendezvous
@@ -246,6 +248,10 @@ class Elastic:
             left: list[TaskId] = []
             restart = view.resizable is None
             if wanted != len(self.tasks.workers()):
+                try:  # the newcomers' room, placed per change before anything changes (Ray)
+                    self.backend.reserve(_newcomers(self.tasks.workers(), wanted))
+                except ConfigError as exc:
+                    raise ScaleRefused(str(exc)) from None
                 with self._scale_cond:
                     self._scale_pending, self._scale_result = (wanted, restart), None
                 self._wake.set()
@@ -420,6 +426,7 @@ class Elastic:
         if returned:
             self.cluster.append_event("leases_returned", task=str(record.id), leases=returned)
         self.tasks.remove(record.id)
+        self.backend.release(record.id)  # what the backend held for it (Ray: its group)
         ps_membership.leaving(self, record.id)  # gone: no sync step waits for it
         self._departed[record.id] = record.restarts
         self._resized()
@@ -433,26 +440,38 @@ class Elastic:
         self.config = replace(self.config, workers=len(self.tasks.workers()))
 
 
+def _newcomers(workers: list[TaskId], wanted: int) -> list[TaskId]:
+    """The tasks a grow to ``wanted`` adds: the next indexes above the highest one (as
+    ``_apply_scale`` names them); none for a shrink."""
+    top = (workers[-1].index + 1) if workers else 0
+    return [TaskId("worker", i) for i in range(top, top + wanted - len(workers))]
+
+
 # The CLI's side ------------------------------------------------------------------------
 
 
 def scale_cluster(cluster: ClusterDir, workers: int) -> ScaleReply:
-    """``clusterflow scale``: asks the cluster's manager for ``workers`` worker tasks.
+    """``clusterflow scale``: asks the cluster's manager for ``workers`` worker tasks
+    (a Ray cluster's mirror refreshed first by the caller: its manager's address).
 
     Returns the manager's answer, once the change took effect.
 
     Raises:
         ConfigError: bad input, the cluster untouched: ``workers`` below 1, a cluster
-            that is not running or runs on Ray, or one the manager refused
+            that is not running or on a backend that does not resize (``kinds``), or
+            one the manager refused
             (``check_scale``).
         RpcError: the manager did not answer in time; ``MalformedBody``: its answer
             broke the contract.
     """
+    from clusterflow.backends import kinds
+
     request = ScaleRequest(workers=workers)
-    if cluster.read_config().get("backend") == "ray":
+    backend = cluster.read_config().get("backend") or kinds.LOCAL.name
+    kind = kinds.find(backend)
+    if kind is None or not kind.resizable:
         raise ConfigError(
-            f"cluster {cluster.id} runs on Ray: scale resizes local clusters only for now "
-            "(issue 32)"
+            f"cluster {cluster.id} runs on {backend!r}, whose clusters keep their size"
         )
     state = cluster.read_state()
     status = effective_status(state)

@@ -101,6 +101,8 @@ class ManagerHost:
         self.before = dict(before or {})
         self.controller: Any = None
         self.backend: Any = None
+        self.watcher: Any = None
+        """The growth watcher (``ray_growth``) of an elastic cluster; None otherwise."""
         self._ended = threading.Event()
         self._collected = threading.Event()
 
@@ -123,7 +125,40 @@ class ManagerHost:
         )
         self.controller = Controller(self.cluster, self.config, self.backend, echo=False)
         threading.Thread(target=self._run, name="controller", daemon=True).start()
+        self.watcher = self._growth(requests)
         return None
+
+    def _growth(self, requests: list[TaskRequest]) -> Any:
+        """Under ``--workers MIN:MAX``, a watcher that grows the cluster onto nodes that
+        join (``ray_growth``); None for a fixed size."""
+        from clusterflow.manager.ray_growth import GrowthWatcher, scale_asker
+
+        high = self.config.workers_max
+        worker = next((r for r in requests if r.task.job == "worker"), None)
+        if high is None or worker is None:
+            return None
+        grow = scale_asker(self.controller.place.manager, self._credentials())
+
+        def size() -> tuple[int, int] | None:
+            if self._ended.is_set():
+                return None
+            return len(self.controller.tasks.workers()), high
+
+        watcher = GrowthWatcher(request=worker, size=size, grow=grow)
+        watcher.start()
+        return watcher
+
+    def _credentials(self) -> Any:
+        """The cluster's credentials, as the controller reads them (``CLUSTERFLOW_AUTH``,
+        plain or curve, may be in the run's environment)."""
+        from clusterflow.rpc import Credentials
+
+        secret = str(self.cluster.secret_file)
+        credentials = Credentials.from_env(
+            {**os.environ, **self.config.env, ENV_SECRET_FILE: secret}
+        )
+        assert credentials is not None  # the secret file is given
+        return credentials
 
     def _run(self) -> None:
         try:
@@ -131,6 +166,8 @@ class ManagerHost:
         except BaseException:
             log.exception("the manager of cluster %s failed", self.cluster.id)
         finally:
+            if self.watcher is not None:
+                self.watcher.stop()  # before the backend: no grow asked while it closes
             self.backend.close()
             with contextlib.suppress(OSError):
                 self.cluster.secret_file.unlink()
@@ -164,19 +201,14 @@ class ManagerHost:
 
     def stop(self, grace_s: float) -> None:
         """Asks the controller to stop, as ``clusterflow stop`` asks a local manager."""
-        from clusterflow.rpc import Credentials, RpcClient
+        from clusterflow.rpc import RpcClient
         from clusterflow.server.manager_messages import StopRequest
 
         manager = self.cluster.read_state().manager
         address = manager.address if manager else None
         if self.controller is None or self._ended.is_set() or not address:
             return
-        # As the controller reads them: CLUSTERFLOW_AUTH (plain or curve) may be in env.
-        secret = str(self.cluster.secret_file)
-        environ = {**os.environ, **self.config.env, ENV_SECRET_FILE: secret}
-        credentials = Credentials.from_env(environ)
-        assert credentials is not None  # the secret file is given
-        with RpcClient(address, credentials, deadline=10.0) as client:
+        with RpcClient(address, self._credentials(), deadline=10.0) as client:
             client.call(StopRequest.METHOD, StopRequest(grace_s=grace_s).to_wire())
 
     def release(self) -> None:
