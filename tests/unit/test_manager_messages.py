@@ -86,6 +86,7 @@ pytestmark = pytest.mark.timeout(60)
         StopRequest(),
         StatusRequest(),
         ScaleRequest(workers=3),
+        ScaleRequest(workers=3, automatic=True),
         ScaleReply(workers=4, spec_version=3, joined=("worker:2", "worker:3"), restarted=True),
         ScaleReply(workers=2, spec_version=5, left=("worker:2", "worker:3")),
     ],
@@ -188,7 +189,8 @@ MALFORMED = [
     (ScaleRequest, [4], "manager.scale body must be a map"),
     (ScaleRequest, {"workers": "4"}, "manager.scale: workers must be a whole number"),
     (ScaleRequest, {"workers": True}, "manager.scale: workers must be a whole number"),
-    (ScaleRequest, {"workers": 2, "ps": 1}, "manager.scale: a body is {'workers': N}"),
+    (ScaleRequest, {"workers": 2, "ps": 1}, r"manager.scale: a body is \{'workers': N\["),
+    (ScaleRequest, {"workers": 2, "automatic": 1}, "manager.scale: automatic must be true"),
     (ScaleReply, {"workers": 2, "spec_version": 1}, "manager.scale reply: joined must be a list"),
     (
         ScaleReply,

@@ -90,12 +90,13 @@ class Cluster(Elastic):
         self.backend = backend
         self.cluster = SimpleNamespace(id="c0ffee")
         self.config = SimpleNamespace(workers=2, workers_max=4)
-        records = [SimpleNamespace(id=t, resizable=True) for t in W[:2]]
+        records = [SimpleNamespace(id=t, resizable=True, declared=True) for t in W[:2]]
         self.tasks = SimpleNamespace(
             values=lambda: records, workers=lambda: [r.id for r in records]
         )
         self._status = "running"
         self._wake = threading.Event()
+        self.rendezvous = SimpleNamespace(version=1)
         self._init_elastic()
 
 
@@ -133,3 +134,19 @@ def test_a_grown_worker_is_launched_in_its_room_never_handed_the_standby() -> No
     )
     Recovery._launch(host, record, None)  # type: ignore[arg-type]
     assert launched == [W[2]] and handed == []
+
+
+def test_a_users_scale_caps_what_the_watcher_grows_to_and_the_watchers_own_does_not() -> None:
+    """A shrink by hand must not be undone by the next free node: a user's ``scale``
+    sets the ceiling the growth watcher reads (``growth_size``); the watcher's own
+    requests (``automatic``) leave it. Sizes equal to the current one change nothing
+    else, so no loop is needed."""
+    cluster = Cluster(_backend())
+    assert cluster.growth_size() == (2, 4)  # MAX until a user asks
+    cluster._on_scale(Request("manager.scale", {"workers": 2, "automatic": True}, {}, b""))
+    assert cluster.growth_size() == (2, 4)
+    cluster._on_scale(Request("manager.scale", {"workers": 2}, {}, b""))
+    assert cluster.growth_size() == (2, 2)
+    with pytest.raises(ScaleRefused):  # refused: the ceiling stays the last granted one
+        cluster._on_scale(Request("manager.scale", {"workers": 5}, {}, b""))
+    assert cluster.growth_size() == (2, 2)

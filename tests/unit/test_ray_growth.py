@@ -189,7 +189,7 @@ def test_the_grow_is_asked_through_manager_scale_as_the_cli_asks_it() -> None:
         if workers > 4:
             raise ScaleRefused(f"--workers {workers} is outside the range 2:4 of cluster c")
         seen.append(workers)
-        return {"workers": workers, "spec_version": 2, "joined": ["worker:2"], "left": []}
+        return ScaleReply(workers=workers, spec_version=2, joined=("worker:2",)).to_wire()
 
     server = RpcServer(credentials, name="growth-test")
     server.register(ManagerMethod.SCALE, scale, blocking=True)

@@ -170,6 +170,10 @@ class Elastic:
     def _init_elastic(self) -> None:
         self._workers_min = self.config.workers
         """MIN of an elastic cluster (``config.workers`` follows the size it runs at)."""
+        self.scale_ceiling: int | None = None
+        """The size a user's ``clusterflow scale`` last asked for: the most the growth
+        watcher (Ray) grows to from then on, so a shrink by hand is not undone by the
+        next free node; None: MAX."""
         self._scale_lock = threading.Lock()  # one change at a time
         self._scale_cond = threading.Condition()
         self._scale_pending: tuple[int, bool] | None = None
@@ -191,6 +195,14 @@ class Elastic:
 
     def membership(self) -> tuple[MembershipChange, ...]:
         return tuple(self._membership)
+
+    def growth_size(self) -> tuple[int, int]:
+        """The worker tasks now and the most the growth watcher (Ray) may grow to: MAX,
+        or the size a user's ``clusterflow scale`` last asked for, so a shrink by hand
+        stays until the user asks again (``scale_ceiling``)."""
+        high = self.config.workers_max or len(self.tasks.workers())
+        ceiling = self.scale_ceiling
+        return len(self.tasks.workers()), min(high, ceiling) if ceiling else high
 
     def _scale_view(self) -> ScaleView:
         workers = [r for r in self.tasks.values() if r.id.job == "worker"]
@@ -238,12 +250,15 @@ class Elastic:
         effect (``ScaleReply``; ``restarted``: every task was restarted at the new size,
         a job that declared nothing). A body of another shape is ``MalformedBody``."""
         try:
-            wanted = ScaleRequest.from_wire(request.body).workers
+            asked = ScaleRequest.from_wire(request.body)
         except ConfigError as exc:  # a shape error is MalformedBody, raised as it is
             raise ScaleRefused(str(exc)) from None
+        wanted = asked.workers
         with self._scale_lock:
             view = self._scale_view()
             check_scale(view, wanted)
+            if not asked.automatic:
+                self.scale_ceiling = wanted
             joined: list[TaskId] = []
             left: list[TaskId] = []
             restart = view.resizable is None

@@ -157,7 +157,7 @@ def scale_asker(address: str, credentials: Credentials) -> Callable[[int], Scale
     """
 
     def grow(workers: int) -> ScaleReply:
-        request = ScaleRequest(workers=workers)
+        request = ScaleRequest(workers=workers, automatic=True)
         with RpcClient(address, credentials, deadline=SCALE_DEADLINE_S) as client:
             reply = client.call(request.METHOD, request.to_wire()).body
         return ScaleReply.from_wire(reply)
@@ -170,7 +170,8 @@ class GrowthWatcher:
 
     Args:
         request: what one worker asks of its node.
-        size: the worker tasks now and MAX; None once the cluster is not running (the
+        size: the worker tasks now and the most to grow to (MAX, or the size a user last
+            asked with `clusterflow scale`); None once the cluster is not running (the
             watcher then asks for nothing).
         grow: asks the manager for this many workers in all (``manager.scale``); it
             returns once the change took effect and raises when it failed.

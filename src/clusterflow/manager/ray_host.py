@@ -140,9 +140,7 @@ class ManagerHost:
         grow = scale_asker(self.controller.place.manager, self._credentials())
 
         def size() -> tuple[int, int] | None:
-            if self._ended.is_set():
-                return None
-            return len(self.controller.tasks.workers()), high
+            return None if self._ended.is_set() else self.controller.growth_size()
 
         watcher = GrowthWatcher(request=worker, size=size, grow=grow)
         watcher.start()

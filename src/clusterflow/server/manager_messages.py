@@ -479,6 +479,9 @@ class ScaleRequest:
 
     METHOD: ClassVar[str] = ManagerMethod.SCALE
     workers: int
+    automatic: bool = False
+    """Asked by the manager's own growth watcher (Ray), not by a user: a user's ``scale``
+    also sets the ceiling the watcher grows to, an automatic one does not."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int):
@@ -487,14 +490,17 @@ class ScaleRequest:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"workers": self.workers}
+        return {"workers": self.workers, **({"automatic": True} if self.automatic else {})}
 
     @classmethod
     def from_wire(cls, body: Any) -> ScaleRequest:
         b = _body(cls.METHOD, body)
-        if set(b) != {"workers"}:
-            raise MalformedBody(f"{cls.METHOD}: a body is {{'workers': N}}, got {body!r:.80}")
-        return cls(workers=_int(cls.METHOD, b, "workers"))
+        if not {"workers"} <= set(b) <= {"workers", "automatic"}:
+            raise MalformedBody(
+                f"{cls.METHOD}: a body is {{'workers': N[, 'automatic': B]}}, got {body!r:.80}"
+            )
+        automatic = _bool(cls.METHOD, b, "automatic", optional=True)
+        return cls(workers=_int(cls.METHOD, b, "workers"), automatic=bool(automatic))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
