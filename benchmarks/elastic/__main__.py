@@ -20,6 +20,13 @@ Three sides, one trial of each per round, in an order reversed each round:
 * ``fresh``: ``clusterflow start --workers 4`` of the same job. ``fresh_start_s``: from
   just before the command to the first step; ``fresh_steps_per_s`` as above.
 
+Also printed: each side's start (``start_s``, ``torchrun_start_s``: launch to the first
+step at 2), and ``steps_gained`` / ``torchrun_steps_gained``: how far the run moved on
+between the request and the first step at 4 (ours: the survivors' steps meanwhile;
+torchrun: its workers' steps until the agents stopped them, less the steps since its
+last checkpoint, which it takes again). With
+``--verbose``, every trial's figures and where each side's pause went (``PHASES``).
+
 ``pause_vs_torchrun`` = ``pause_s / torchrun_pause_s`` and ``pause_vs_fresh`` =
 ``pause_s / fresh_start_s`` per round, ``grown_vs_fresh`` = ``grown_steps_per_s /
 fresh_steps_per_s`` per round; the median over rounds with the smallest and largest.
@@ -122,6 +129,10 @@ class StepLog:
     times: dict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
     first: dict[int, float] = field(default_factory=dict)
     """The earliest step of any replica at each world size."""
+    first_step: dict[int, int] = field(default_factory=dict)
+    """The number of that step."""
+    steps: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
+    """Per replica, ``(time, step number)`` of every step."""
     _offset: int = 0
 
     def poll(self) -> StepLog:
@@ -134,10 +145,12 @@ class StepLog:
         end = data.rfind(b"\n") + 1  # whole lines only: a writer may be mid-line
         self._offset += end
         for line in data[:end].decode().splitlines():
-            who, _step, world, at = line.split()
+            who, step, world, at = line.split()
             t, w = float(at), int(world)
             self.times[who, w].append(t)
-            self.first[w] = min(self.first.get(w, t), t)
+            self.steps[who].append((t, int(step)))
+            if t < self.first.get(w, float("inf")):
+                self.first[w], self.first_step[w] = t, int(step)
         return self
 
     def count(self, who: str, world: int) -> int:
@@ -145,6 +158,14 @@ class StepLog:
 
     def first_at(self, world: int) -> float | None:
         return self.poll().first.get(world)
+
+    def gained(self, who: str, asked: float) -> int:
+        """Steps the run moved on between ``asked`` and its first step at 4: the first
+        step at 4's number, less one, less ``who``'s last step before ``asked``. Under
+        torchrun the steps since its last checkpoint are lost: the first step at 4
+        follows the checkpoint."""
+        before = max(step for t, step in self.poll().steps[who] if t <= asked)
+        return self.first_step[4] - 1 - before
 
     def rate(self, who: str, world: int) -> float:
         """``who``'s steps per second at ``world`` over ``RATE_STEPS`` steps after the
@@ -292,7 +313,14 @@ def grow(workdir: Path, trials: Trials, verbose: bool) -> float:
         cluster.stop()
     pause = at4 - asked
     spent = phases(out, asked, at4, set(added(said)))
-    trials.add(verbose, "ours", start_s=start_s, pause_s=pause, grown_steps_per_s=rate)
+    trials.add(
+        verbose,
+        "ours",
+        start_s=start_s,
+        pause_s=pause,
+        steps_gained=log.gained("worker:0", asked),
+        grown_steps_per_s=rate,
+    )
     trials.phases("ours", spent)
     return pause
 
@@ -406,7 +434,13 @@ def torchrun(workdir: Path, trials: Trials, verbose: bool) -> float:
             proc.wait()
             output.close()
     pause = at4 - asked
-    trials.add(verbose, "torchrun", torchrun_start_s=start_s, torchrun_pause_s=pause)
+    trials.add(
+        verbose,
+        "torchrun",
+        torchrun_start_s=start_s,
+        torchrun_pause_s=pause,
+        torchrun_steps_gained=log.gained("rank:0", asked),
+    )
     trials.phases("torchrun", phases(out, asked, at4, None))
     return pause
 
@@ -557,6 +591,8 @@ def main() -> None:
         "fresh_start_s": Spread.of(times["fresh"]),
         "start_s": Spread.of(trials.last("start_s", rounds)),
         "torchrun_start_s": Spread.of(trials.last("torchrun_start_s", rounds)),
+        "steps_gained": Spread.of(trials.last("steps_gained", rounds)),
+        "torchrun_steps_gained": Spread.of(trials.last("torchrun_steps_gained", rounds)),
         "grown_steps_per_s": Spread.of(grown_rate),
         "fresh_steps_per_s": Spread.of(fresh_rate),
     }
