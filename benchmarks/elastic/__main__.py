@@ -64,7 +64,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -255,6 +255,21 @@ class Cluster:
     def stop(self) -> None:
         self.cli("stop", self.id, "--grace", "5")
 
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[Cluster]:
+        """Stops the cluster on the way out; when the body failed, first prints the end
+        of its output and of its step log (what the trial was waiting for)."""
+        try:
+            yield self
+        except BaseException:
+            output = self.cli("logs", self.id).stdout.splitlines()
+            steps = self.out / "steps.log"
+            tail = steps.read_text().splitlines()[-5:] if steps.exists() else []
+            print("\n".join(["cluster output:", *output[-40:], "steps.log:", *tail]))
+            raise
+        finally:
+            self.stop()
+
 
 # The sides ---------------------------------------------------------------------------
 
@@ -292,8 +307,7 @@ def grow(workdir: Path, trials: Trials, verbose: bool) -> float:
     out = Path(tempfile.mkdtemp(prefix="grow-", dir=workdir))
     log = StepLog(out / "steps.log")
     began = time.time()
-    cluster = Cluster(workdir / "home", out, ["--workers", "2:4"], "allreduce")
-    try:
+    with Cluster(workdir / "home", out, ["--workers", "2:4"], "allreduce").stopped() as cluster:
         _wait(lambda: log.count("worker:0", 2) >= WARM_STEPS, "steps at 2 replicas")
         start_s = float(log.first_at(2) or 0.0) - began
         asked = time.time()
@@ -304,13 +318,17 @@ def grow(workdir: Path, trials: Trials, verbose: bool) -> float:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        at4 = float(_wait(lambda: log.first_at(4), "a step at 4 replicas"))
-        rate = log.rate("worker:0", 4)
-        said, _ = scaler.communicate(timeout=TIMEOUT_S)
+        try:
+            at4 = float(_wait(lambda: log.first_at(4), "step at 4 replicas"))
+            rate = log.rate("worker:0", 4)
+            said, _ = scaler.communicate(timeout=TIMEOUT_S)
+        finally:
+            if scaler.poll() is None:
+                scaler.kill()
+                said, _ = scaler.communicate()
+                print(f"clusterflow scale, still running, said: {said.strip()}")
         if scaler.returncode:
             raise SystemExit(f"benchmark failed: clusterflow scale: {said.strip()}")
-    finally:
-        cluster.stop()
     pause = at4 - asked
     spent = phases(out, asked, at4, set(added(said)))
     trials.add(
@@ -330,12 +348,9 @@ def fresh(workdir: Path, trials: Trials, verbose: bool) -> float:
     out = Path(tempfile.mkdtemp(prefix="fresh-", dir=workdir))
     log = StepLog(out / "steps.log")
     began = time.time()
-    cluster = Cluster(workdir / "home", out, ["--workers", "4"], "allreduce")
-    try:
-        at4 = float(_wait(lambda: log.first_at(4), "a step at 4 replicas"))
+    with Cluster(workdir / "home", out, ["--workers", "4"], "allreduce").stopped():
+        at4 = float(_wait(lambda: log.first_at(4), "step at 4 replicas"))
         rate = log.rate("worker:0", 4)
-    finally:
-        cluster.stop()
     start = at4 - began
     trials.add(verbose, "fresh", fresh_start_s=start, fresh_steps_per_s=rate)
     trials.phases("fresh", phases(out, began, at4, None))
@@ -427,7 +442,7 @@ def torchrun(workdir: Path, trials: Trials, verbose: bool) -> float:
         asked = time.time()
         agent()
         agent()
-        at4 = float(_wait(alive(lambda: log.first_at(4)), "a torchrun step at world size 4"))
+        at4 = float(_wait(alive(lambda: log.first_at(4)), "torchrun step at world size 4"))
     finally:
         _kill_marked(tag)
         for proc, output in agents:
@@ -485,13 +500,12 @@ def records_run(workdir: Path, verbose: bool) -> tuple[int, int, float]:
 
     allow.write_text("30")
     began = time.time()
-    cluster = Cluster(
+    with Cluster(
         workdir / "home",
         out,
         ["--chief", "--ps", "1", "--workers", "2:4", "--max-restarts", "0"],
         "records",
-    )
-    try:
+    ).stopped() as cluster:
         _wait(lambda: lines() >= 30, "30 steps at 2 workers")
         for victim in ("newcomer", "worker:1"):
             said = cluster.scale(4)
@@ -510,8 +524,6 @@ def records_run(workdir: Path, verbose: bool) -> tuple[int, int, float]:
         state = cluster.state()
         if state.get("status") != "succeeded":
             raise SystemExit(f"benchmark failed: the records run {state.get('summary')}")
-    finally:
-        cluster.stop()
     final = json.loads((out / "final.json").read_text())
     epochs = final["epochs"]
     missing = sum(max(0, epochs - round(c)) for c in final["counts"])
