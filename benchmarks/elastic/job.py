@@ -4,7 +4,7 @@
 ``allreduce``: ``MultiWorkerMirroredStrategy`` through ``clusterflow.fit``, fed by the
 data service (a resize is live only with it): the MLP and global batch of
 ``shared.py`` (``GLOBAL_BATCH`` rows over however many replicas there are, the default
-batch policy), records without end. Each step appends ``TASK STEP WORLD WALL_TIME`` to
+batch policy), epochs without end. Each step appends ``TASK STEP WORLD WALL_TIME`` to
 ``OUT/steps.log``, WORLD being the replicas that took the step, and each task marks in
 ``OUT/marks.log`` when its process was created, when it had imported torch and
 clusterflow, and when its strategy was built (a newcomer's: admitted to the group).
@@ -34,6 +34,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared import GLOBAL_BATCH, batch, log_step, mark, model
 
+RECORDS_ALLREDUCE, ENDLESS = 1_000_000, 1_000_000
+"""The all-reduce job's records (an epoch is 15 625 steps: no trial reaches its end) and
+epochs (the benchmark stops the job long before)."""
 RECORDS, EPOCHS = 2000, 2
 """The records run's data: small enough that two epochs end soon after its last change."""
 
@@ -86,7 +89,7 @@ def allreduce(out: Path) -> None:
         net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     data = distributed_dataset(
-        {"id": torch.arange(100_000)},
+        {"id": torch.arange(RECORDS_ALLREDUCE)},
         batch_size=GLOBAL_BATCH // strategy.num_replicas_in_sync,
         split_size=256,
         epochs=None,
@@ -97,7 +100,11 @@ def allreduce(out: Path) -> None:
         def after_step(self, session: Any, info: Any) -> None:
             log_step(out, task, info.step, strategy.num_replicas_in_sync)
 
-    clusterflow.fit(net, F.cross_entropy, opt, data, strategy=strategy, hooks=[Log()])
+    # Epochs without end: a grow that meets the end of the data fails its newcomers
+    # (they join with no batch to take part in their peers' last steps with).
+    clusterflow.fit(
+        net, F.cross_entropy, opt, data, strategy=strategy, epochs=ENDLESS, hooks=[Log()]
+    )
 
 
 def records(out: Path) -> None:
