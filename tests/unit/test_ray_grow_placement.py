@@ -106,9 +106,10 @@ def test_a_grow_that_cannot_be_placed_is_refused_and_the_cluster_untouched(
     ray = Ray(monkeypatch, room=False)
     cluster = Cluster(_backend())
     with pytest.raises(ScaleRefused, match="job worker needs CPU=1: not free within 5s"):
-        cluster._on_scale(Request("manager.scale", {"workers": 4}, {}, b""))
+        cluster._on_scale(Request("manager.scale", {"workers": 3}, {}, b""))
     assert cluster._scale_pending is None and not cluster._wake.is_set()  # nothing to do
     assert ray.reserved == [] and cluster.backend._unplaced == {}
+    assert cluster.growth_size() == (2, 4)  # a refused grow sets no ceiling for the watcher
 
 
 def test_a_grown_worker_is_launched_in_its_room_never_handed_the_standby() -> None:

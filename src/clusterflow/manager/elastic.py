@@ -257,16 +257,18 @@ class Elastic:
         with self._scale_lock:
             view = self._scale_view()
             check_scale(view, wanted)
-            if not asked.automatic:
-                self.scale_ceiling = wanted
             joined: list[TaskId] = []
             left: list[TaskId] = []
             restart = view.resizable is None
-            if wanted != len(self.tasks.workers()):
+            changes = wanted != len(self.tasks.workers())
+            if changes:
                 try:  # the newcomers' room, placed per change before anything changes (Ray)
                     self.backend.reserve(_newcomers(self.tasks.workers(), wanted))
                 except ConfigError as exc:
                     raise ScaleRefused(str(exc)) from None
+            if not asked.automatic:  # granted: the user's size caps the watcher from now on
+                self.scale_ceiling = wanted
+            if changes:
                 with self._scale_cond:
                     self._scale_pending, self._scale_result = (wanted, restart), None
                 self._wake.set()
