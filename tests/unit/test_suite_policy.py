@@ -224,3 +224,14 @@ def test_the_checks_find_the_common_forms_and_leave_safety_nets_alone() -> None:
         == []
     )
     assert sleeps_outside_a_poll("while not flag.exists():\n    time.sleep(0.05)\n") == []
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """The test folders are no packages, so pytest imports each module by its file name
+    alone: a second ``test_x.py`` in another folder is a collection error that stops the
+    whole run (it did once: a unit and an integration ``test_ray_growth.py``)."""
+    by_name: dict[str, list[str]] = {}
+    for path in TESTS.rglob("*.py"):
+        if "__pycache__" not in path.parts and path.name not in {"conftest.py", "__init__.py"}:
+            by_name.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert not {name: paths for name, paths in by_name.items() if len(paths) > 1}

@@ -18,7 +18,7 @@ How soon: a node Ray reports is seen at the next poll (``POLL_S``) once a read r
 
 The manager actor starts one for an elastic cluster (``ManagerHost.start`` in
 ``manager/ray_host.py``) and stops it before its backend closes; the decision and the
-watcher are unit-tested in ``tests/unit/test_ray_growth.py``, the whole path on
+watcher are unit-tested in ``tests/unit/test_ray_growth_watcher.py``, the whole path on
 emulated hosts in ``tests/integration/test_ray_growth.py``.
 """
 
