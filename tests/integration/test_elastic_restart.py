@@ -105,10 +105,11 @@ def test_an_unmodified_ddp_script_restarts_at_each_new_size_from_its_own_checkpo
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
         assert "--workers 4 is outside the range 1:3" in done.stderr, done.stderr
 
+        restarted = "; every task restarted at the new size"  # the CLI says how it resized
         phases = [
-            (3, "3 workers at spec version 2 (added worker:1, worker:2)"),
-            (2, "2 workers at spec version 3 (removed worker:2)"),
-            (3, "3 workers at spec version 4 (added worker:2)"),
+            (3, f"3 workers at spec version 2 (added worker:1, worker:2){restarted}"),
+            (2, f"2 workers at spec version 3 (removed worker:2){restarted}"),
+            (3, f"3 workers at spec version 4 (added worker:2){restarted}"),
         ]
         seen = 1
         for restarts, (workers, said) in enumerate(phases, 1):

@@ -16,6 +16,7 @@ alone: the chief's address hosts the store). The last test goes through
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -42,6 +43,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
+HANG_DUMP_S = 90.0
+"""A replica still running this long dumps its stacks (``Replicas.wait`` gives 100 s)."""
 WORLD = 2
 
 # ----------------------------------------------------------------------------------------
@@ -329,6 +332,9 @@ SCENARIOS = {
 
 def replica_main(scenario: str, out: Path) -> None:
     torch.set_num_threads(1)
+    # A replica still running near the test's limit prints where each thread is, so a
+    # hang reads as a place, not as "still ran" (the tests wait 100 s at most).
+    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=False)
     result = SCENARIOS[scenario](out)
     # Worker i is rank i, unless the launcher numbered several replicas per task.
     rank = os.environ.get("RANK") or json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -392,12 +398,18 @@ class Replicas:
             )
 
     def wait(self, rank: int, timeout: float) -> str:
-        """Replica ``rank``'s output, once it exited; fails (not hangs) after ``timeout``."""
+        """Replica ``rank``'s output, once it exited; fails (not hangs) after ``timeout``,
+        with the end of what it printed (its threads' stacks, past ``HANG_DUMP_S``)."""
         try:
             output, _ = self.procs[rank].communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.procs[rank].kill()
+            printed, _ = self.procs[rank].communicate(timeout=30)
             self.close()
-            raise AssertionError(f"replica {rank} still ran after {timeout:g} s") from None
+            raise AssertionError(
+                f"replica {rank} still ran after {timeout:g} s; its output ends:\n"
+                f"{(printed or '')[-6000:]}"
+            ) from None
         return output
 
     def result(self, rank: int, output: str) -> dict[str, Any]:
