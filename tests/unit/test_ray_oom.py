@@ -14,7 +14,7 @@ import pytest
 import ray.exceptions as ray_exceptions
 from ray.core.generated import common_pb2
 
-from clusterflow.backends.ray_backend import _ray_oom
+from clusterflow.backends.ray_actor import _ray_oom
 
 pytestmark = pytest.mark.timeout(30)
 

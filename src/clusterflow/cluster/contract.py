@@ -59,7 +59,7 @@ ENV_NODE: Final = "CLUSTERFLOW_NODE"
 GLOO_IFNAME: Final = "GLOO_SOCKET_IFNAME"
 """torch's gloo binds and advertises the address of the host name unless told an
 interface; where the host name resolves to loopback, peers on other nodes cannot reach
-it. The Ray backend names the interface of the node's address (``backends/ray_backend.py``)."""
+it. The Ray backend names the interface of the node's address (``backends/ray_actor.py``)."""
 
 # Other projects' variables: spelled here once too -----------------------------------------
 

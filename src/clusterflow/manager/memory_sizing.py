@@ -2,7 +2,7 @@
 
 Users asked to name a task's memory ask for as much as they dare, which strands the
 nodes' GPUs; a task that asks too little is killed. So each task's peak memory (its whole
-process tree) is measured while it runs (``backends/ray_backend.py``), and kept here, per command
+process tree) is measured while it runs (``backends/ray_actor.py``), and kept here, per command
 and job, in ``$CLUSTERFLOW_HOME/memory.json`` of the machine that runs the CLI. A later
 run of the same command (a new ``start``, or ``--resume``) asks for the measured peak
 times ``HEADROOM``; a job never measured asks for ``ESTIMATE``. Within a run, every later
