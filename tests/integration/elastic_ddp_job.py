@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,20 +34,10 @@ import torch.distributed.nn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic_job import hold_at
+
 ROWS, GLOBAL_BATCH = 48, 12
-
-
-def hold(out: Path, step: int) -> None:
-    """Waits while ``OUT/allow`` exists and allows fewer than ``step + 1`` steps."""
-    allow = out / "allow"
-    while True:
-        try:
-            limit = int(allow.read_text() or "0")
-        except (FileNotFoundError, ValueError):
-            return
-        if step < limit:
-            return
-        time.sleep(0.02)
 
 
 def write_atomically(path: Path, save: object) -> None:
@@ -92,7 +81,7 @@ def main() -> None:
         log.write(json.dumps({**seen, "rank": rank, "world": world, "resumes": step}) + "\n")
 
     while step < steps:
-        hold(out, step)
+        hold_at(out, step)
         rows = [(step * GLOBAL_BATCH + i) % ROWS for i in range(GLOBAL_BATCH)][rank::world]
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x[rows]), y[rows])

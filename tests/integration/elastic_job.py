@@ -30,8 +30,30 @@ def steps(out: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
+def hold_at(out: Path, step: int) -> None:
+    """Waits while ``OUT/allow`` exists and ``step`` (the step this task just took) is at
+    or past the number it holds.
+
+    Where every replica takes the same numbered steps (sync ps, torchrun ranks), this
+    pauses each of them after the same step: none starts the next, so none has a push
+    or a collective in flight while the test resizes the cluster.
+    """
+    allow = out / "allow"
+    while True:
+        try:
+            limit = int(allow.read_text() or "0")
+        except (FileNotFoundError, ValueError):
+            return
+        if step < limit:
+            return
+        time.sleep(0.02)
+
+
 def hold(out: Path) -> None:
-    """Waits while ``OUT/allow`` exists and the run made as many steps as it allows."""
+    """Waits while ``OUT/allow`` exists and the run made as many steps as it allows.
+
+    Counted in lines, this is not exact: a task that checks just before its peers write
+    the last allowed lines goes on to one more step."""
     allow = out / "allow"
     while True:
         try:

@@ -55,7 +55,7 @@ def reference(steps: Iterable[Sequence[tuple[Sequence[int], bool]]]) -> list[flo
 
 def main() -> None:
     from chaos_job import progress
-    from elastic_job import hold
+    from elastic_job import hold_at
 
     import clusterflow
     from clusterflow.data import distributed_dataset
@@ -90,7 +90,8 @@ def main() -> None:
             step = "-" if strategy.last_step is None else str(strategy.last_step)
             applied = int(strategy.last_push_applied)
             progress(out, f"step {step} applied {applied} ids {','.join(map(str, trained))}")
-            hold(out)
+            if strategy.last_step is not None:
+                hold_at(out, strategy.last_step)
 
     clusterflow.fit(model, loss_fn, opt, data, strategy=strategy, epochs=EPOCHS, hooks=[Paced()])
     data.close()

@@ -12,9 +12,9 @@ in one process. What this pins:
   for no more: ``ps.leave``, sent once each is gone). Without the manager's
   ``ps.members`` (or with ``agrees_with`` refusing another replica count) the ps
   refuses the newcomers at ``ps.create`` and they never step; without ``resizable``
-  from the sync workers ``scale`` is refused (``tests/unit/test_ps_membership.py``
-  pins the leave, which here only matters when the step being collected lacks a
-  leaver's commit);
+  from the sync workers ``scale`` is refused. Every replica holds after the same step
+  while the test resizes (``elastic_job.hold_at``), so the step after the pause holds
+  no leaver's commit: without the leave it waits for the leavers for good;
 - every record applied exactly once per epoch (each id in the applied parts ``EPOCHS``
   times; a leaver's applied but unacked split comes back as an empty part);
 - the surviving tasks' supervisor and job pids unchanged across every resize, and no
@@ -30,10 +30,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_elastic import _allow, _ended, _job_pids, _pids, _scale, _steps
+from test_elastic import _allow, _ended, _job_pids, _pids, _scale
 
 if TYPE_CHECKING:
     from conftest import Clusterflow
@@ -46,6 +47,20 @@ SURVIVORS = ("chief:0", "ps:0", "worker:0", "worker:1")
 
 Part = tuple[str, list[int], bool]
 """A push a step took: (task, ids, whether its gradients were applied)."""
+
+
+def _took(out: Path, tasks: tuple[str, ...], step: int) -> bool:
+    """Whether every one of ``tasks`` logged a push that step ``step`` took."""
+    if not (out / "steps.log").exists():
+        return False
+    return all(any(t == task and s == step for t, s, _, _ in _log(out)) for task in tasks)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _log(out: Path) -> list[tuple[str, int | None, bool, list[int]]]:
@@ -67,7 +82,7 @@ def test_sync_ps_through_fit_resizes_2_4_2_as_one_process_would_train(
 
     table = pa.table({"id": pa.array(range(RECORDS), pa.int64())})
     pq.write_table(table, tmp_path / "records.parquet")
-    _allow(tmp_path, 3 * 5)
+    _allow(tmp_path, 4)  # steps 0-4 at 3 replicas, then every replica holds
     cluster_id = cf.start_detached(
         "--chief",
         "--ps",
@@ -79,28 +94,30 @@ def test_sync_ps_through_fit_resizes_2_4_2_as_one_process_would_train(
         str(HERE / "elastic_sync_ps_job.py"),
         str(tmp_path),
     )
-    cf.wait_until(lambda: _steps(tmp_path) >= 3 * 5, 120, f"5 steps\n{cf.output(cluster_id)}")
+    three = ("chief:0", "worker:0", "worker:1")
+    cf.wait_until(lambda: _took(tmp_path, three, 4), 120, f"step 4\n{cf.output(cluster_id)}")
     before = _job_pids(cf, cluster_id, SURVIVORS)
 
     said = _scale(cf, cluster_id, 4)
     assert said.endswith("(added worker:2, worker:3)"), said
-    _allow(tmp_path, _steps(tmp_path) + 5 * 4)
-    cf.wait_until(
-        lambda: _steps(tmp_path, "worker:2") >= 1 and _steps(tmp_path, "worker:3") >= 1,
-        120,
-        f"steps of worker:2 and worker:3\n{cf.output(cluster_id)}",
-    )
-    # the run pauses at the allowed line (every task holds after its push)
-    cf.wait_until(
-        lambda: _steps(tmp_path) >= int((tmp_path / "allow").read_text()),
-        120,
-        f"the steps allowed at 5 replicas\n{cf.output(cluster_id)}",
-    )
+    _allow(tmp_path, 9)
+    five = (*three, "worker:2", "worker:3")
+    cf.wait_until(lambda: _took(tmp_path, five, 9), 120, f"step 9\n{cf.output(cluster_id)}")
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
 
+    # Every replica holds after step 9, none with a push in flight: the leavers' last
+    # pushes are all in the log. (A leaver stopped with its commit in the step being
+    # collected is counted in that step, and its log line never written: the ps's
+    # quorum rule for it is ``tests/unit/test_ps_membership.py``'s.)
+    leavers = _job_pids(cf, cluster_id, ("worker:2", "worker:3"))
     said = _scale(cf, cluster_id, 2)
     assert said.endswith("(removed worker:3, worker:2)"), said
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
+    cf.wait_until(
+        lambda: not any(_alive(pid) for pids in leavers.values() for pid in pids),
+        60,
+        "the leavers' exit",
+    )
 
     _allow(tmp_path, None)
     cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
@@ -126,19 +143,16 @@ def test_sync_ps_through_fit_resizes_2_4_2_as_one_process_would_train(
         frozenset({"chief:0", "worker:0", "worker:1"}),
         frozenset({"chief:0", "worker:0", "worker:1", "worker:2", "worker:3"}),
     )
-    # 3 replicas, then 5 from one step on, then 3 again. The two leave one after the
-    # other, each at its own step boundary: the step being collected when one was
-    # stopped may hold its push, committed before, and the other's; a replica past the
-    # pause takes at most one more step, so at most two steps fall between. The end
-    # takes fewer as the replicas' data runs out (each leaves the steps then).
-    first5 = members.index(five)
-    last5 = len(members) - 1 - members[::-1].index(five)
-    assert all(m == three for m in members[:first5]), members[:first5]
-    assert all(m == five for m in members[first5 : last5 + 1]), members
+    # 3 replicas, then 5 from one step on, then 3 again from the step after the pause;
+    # the end takes fewer as the replicas' data runs out (each leaves the steps then).
+    first5 = members.index(frozenset(five))
+    last5 = len(members) - 1 - members[::-1].index(frozenset(five))
+    assert last5 == 9, members
+    assert all(m == frozenset(three) for m in members[:first5]), members[:first5]
+    assert all(m == frozenset(five) for m in members[first5 : last5 + 1]), members
     tail = members[last5 + 1 :]
-    settled = next(i for i in range(len(tail)) if all(m <= three for m in tail[i:]))
-    assert settled <= 2 and all(three < m <= five for m in tail[:settled]), tail[:4]
-    assert tail[settled:].count(three) >= 3, tail
+    assert all(m <= frozenset(three) for m in tail), tail
+    assert tail[:3] == [frozenset(three)] * 3, tail
     joined = {
         task: min(s for s in order if task in members[s]) for task in ("worker:2", "worker:3")
     }
