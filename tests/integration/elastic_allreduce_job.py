@@ -1,5 +1,5 @@
 """The job of the live all-reduce resize test: ``python elastic_allreduce_job.py OUT RECORDS
-EPOCHS`` under ``clusterflow start --chief --workers MIN:MAX``.
+EPOCHS [SPLIT_SIZE]`` under ``clusterflow start --chief --workers MIN:MAX``.
 
 ``clusterflow.fit`` with ``MultiWorkerMirroredStrategy`` and the data service (each
 replica's batch is ``BATCH`` records at the start; the global batch stays
@@ -10,12 +10,13 @@ their rows, ends away from the reference. Each step appends ``TASK step N ids I,
 to ``OUT/steps.log`` (the ids this replica trained on), from which the test rebuilds
 every global batch and replays them in one process (:func:`reference`). The test paces
 the run with ``OUT/allow`` (``elastic_job.hold``). The chief writes the final parameters
-to ``OUT/final.json``.
+to ``OUT/final.json``; every replica touches ``OUT/up-TASK`` when its job starts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -84,6 +85,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     out, _records, epochs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    split_size = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    (out / f"up-{os.environ['CLUSTERFLOW_TASK']}").touch()  # before it joins the group
     strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=60))
     with strategy.scope():
         model = Regression()
@@ -91,7 +94,7 @@ def main() -> None:
     data = distributed_dataset(
         str(out / "records.parquet"),
         batch_size=BATCH,
-        split_size=6,
+        split_size=split_size,
         seed=11,
         epochs=epochs,
         wait_for_all_acks=True,

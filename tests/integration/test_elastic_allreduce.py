@@ -93,6 +93,13 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
 
     said = _scale(cf, cluster_id, 4)
     assert said.endswith("(added worker:2, worker:3)"), said
+    # the survivors hold until the newcomers' jobs run: a cold start under load can
+    # outlast the steps left, and then they would only sit in at the end
+    cf.wait_until(
+        lambda: all((tmp_path / f"up-worker:{i}").exists() for i in (2, 3)),
+        120,
+        "the starts of worker:2 and worker:3",
+    )
     _pace(
         cf,
         tmp_path,
@@ -158,3 +165,67 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
         final,
         expected,
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_newcomer_that_finds_every_split_lent_out_takes_part_with_a_peers_batch(
+    cf: Clusterflow, tmp_path: Path
+) -> None:
+    """A newcomer that joins once every split is lent out has no batch to take part in
+    its peers' steps with (its data client waits for splits still out): a peer sends it
+    one at the boundary, it sits in at a loss scale of 0, and the run ends as one
+    process fed the survivors' batches would. Without the peer's batch its first step
+    failed (``fit(): this replica ... has no batch``), and with it the whole run.
+
+    8 splits and two clients asking for 4 each at their start: all are lent before the
+    first step, and the run has one epoch, so none is left for the newcomer."""
+    sys.path.insert(0, str(HERE))
+    from elastic_allreduce_job import reference
+
+    records, split = 384, 48
+    table = pa.table({"id": pa.array(range(records), pa.int64())})
+    pq.write_table(table, tmp_path / "records.parquet")
+    _allow(tmp_path, 2)
+    cluster_id = cf.start_detached(
+        "--chief",
+        "--workers",
+        "1:2",
+        "--",
+        PY,
+        str(HERE / "elastic_allreduce_job.py"),
+        str(tmp_path),
+        str(records),
+        "1",
+        str(split),
+    )
+    cf.wait_until(lambda: _steps(tmp_path) >= 2, 120, f"a step\n{cf.output(cluster_id)}")
+    said = _scale(cf, cluster_id, 2)
+    assert said.endswith("(added worker:1)"), said
+    cf.wait_until((tmp_path / "up-worker:1").exists, 120, "worker:1's start")
+    _pace(
+        cf,
+        tmp_path,
+        lambda: _steps(tmp_path, "worker:1") >= 1,
+        f"a step of worker:1\n{cf.output(cluster_id)}",
+    )
+    _allow(tmp_path, None)
+    cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
+    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
+    state = cf.state(cluster_id)
+    assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    assert state["restarts"] == 0
+
+    log = _log(tmp_path)
+    newcomer = [ids for task, _, ids in log if task == "worker:1"]
+    assert newcomer and not any(newcomer), newcomer  # it took part, never with a batch
+    seen = Counter(i for _, _, ids in log for i in ids)
+    wrong = {i: seen.get(i, 0) for i in range(records) if seen.get(i, 0) != 1}
+    assert not wrong, f"records not applied exactly once: {wrong}"
+    batches: dict[int, list[int]] = defaultdict(list)
+    for _, step, ids in log:
+        batches[step].extend(ids)
+    steps = sorted(batches)
+    assert steps == list(range(1, len(steps) + 1)), steps
+    final = json.loads((tmp_path / "final.json").read_text())["params"]
+    expected = reference(batches[s] for s in steps)
+    assert max(abs(a - b) for a, b in zip(final, expected, strict=True)) < 1e-5, (final, expected)

@@ -271,7 +271,7 @@ class Resizing:
             return None
         while True:
             world = self._group.world_size
-            vote = torch.zeros(_LEAVING + world, dtype=torch.float64)
+            vote = torch.zeros(_LEAVING + 2 * world, dtype=torch.float64)
             vote[_GO] = 1.0 if go else 0.0
             vote[_WAITING] = 1.0 if go is None else 0.0
             vote[_ROWS] = float(rows or 0)
@@ -283,14 +283,39 @@ class Resizing:
             if self._leaving and not leaves:
                 _drain(session.data)
             vote[_LEAVING + self._group.rank] = 1.0 if leaves else 0.0
+            has_sample = getattr(session, "sit_in_sample", None) is not None
+            vote[_LEAVING + world + self._group.rank] = 1.0 if has_sample else 0.0
             self._group.all_reduce_(vote, "sum")
             leaving = [r for r in range(world) if vote[_LEAVING + r] > 0]
             if vote[_GROW] == 0 and not leaving:
                 total = float(vote[_ROWS])
                 scale = rows * world / total if rows and total > 0 else 1.0
                 step = bool(vote[_GO] > 0)
+                if step:
+                    holders = [r for r in range(world) if vote[_LEAVING + world + r] > 0]
+                    if len(holders) < world:  # a step one replica could not take part in
+                        self._share_sample(session, holders[0])
                 return step, bool(not step and vote[_WAITING] == 0), scale
             self._resize(session, leaving)
+
+    def _share_sample(self, session: Any, source: int) -> None:
+        """Sends rank ``source``'s sit-in batch to the replicas that have none.
+
+        A replica with no batch of its own takes part in its peers' steps with a batch
+        at a loss scale of 0 (its backward pass joins the gradient all-reduce). One that
+        never read a batch (a newcomer that joined once every split was lent out, whose
+        data client waits for splits still out) has none to do it with; without this its
+        step would fail and, with it, its peers'. Every replica decides from the same
+        vote, so they all take part in this broadcast. (``source``: a replica with a
+        batch now has one, and a step means one has.)
+        """
+        mine = getattr(session, "sit_in_sample", None)
+        box = [_to_cpu(mine) if self._group.rank == source else None]
+        with self._group.guard("sending a batch to sit in with to a replica without one"):
+            dist.broadcast_object_list(box, src=source)
+        if mine is None:
+            session.sit_in_sample = _to_device(box[0], self._device)
+            _log.info("received a batch from rank %d to take part in steps with", source)
 
     def _newcomers(self) -> tuple[str, ...]:
         latest = self._watcher.latest() if self._watcher is not None else None
@@ -441,6 +466,16 @@ def _batch_size(data: Any) -> int:
     config = getattr(data, "config", None)
     size = getattr(config, "batch_size", 0)
     return int(size) if isinstance(size, int) else 0
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 def _to_cpu(value: Any) -> Any:

@@ -242,13 +242,18 @@ class _Loop:
 
         def sit_in() -> None:
             """A step of the others' that this replica, without a batch of its own,
-            takes part in: its last batch at a loss scale of 0 (nothing of it counts)."""
-            if not last:
+            takes part in: its last batch at a loss scale of 0 (nothing of it counts),
+            or, if it never read one, a peer's (``session.sit_in_sample``)."""
+            if last:
+                feed = dataclasses.replace(last[0], loss_scale=0.0)
+            elif session.sit_in_sample is not None:
+                inputs, targets = session.sit_in_sample
+                feed = Feed(inputs, targets, rows=0, loss_scale=0.0, epoch=max(epoch, 0))
+            else:  # the boundary sends one before any step this replica has no batch for
                 raise TrainError(
-                    "fit(): this replica joined after the data ran out and has no batch "
-                    "to take part in its peers' last steps with"
+                    "fit(): this replica has no batch to take part in its peers' step with"
                 )
-            self._step(session, None, dataclasses.replace(last[0], loss_scale=0.0))
+            self._step(session, None, feed)
 
         def while_waiting() -> None:
             """Its data client waits for splits still out: its peers may be training
@@ -265,6 +270,8 @@ class _Loop:
             if item is not None:
                 number = item[1].epoch if steps_per_epoch is None else counted // steps_per_epoch
             go = number < epochs and item is not None
+            if item is not None:
+                session.sit_in_sample = (item[1].inputs, item[1].targets)
             verdict = session.boundary(go, item[1].rows if go and item is not None else None)
             if verdict is not None:
                 # A group that resizes live agreed (and maybe re-formed) here. It steps

@@ -114,6 +114,12 @@ class TrainingSession:
         self.max_steps: int | None = min(limits) if limits else None
         self.evaluations: list[Evaluation] = []
         """On an evaluator task: what the ``Evaluate`` hooks evaluated."""
+        self.sit_in_sample: Any = None
+        """A batch's ``(inputs, targets)`` this replica can take part in its peers'
+        steps with when it has no batch of its own (at a loss scale of 0, so nothing of
+        it counts): ``fit`` sets it from each batch it reads; a group that resizes live
+        sends one from a peer to a replica that never had one (a newcomer that joined
+        once every split was lent out), at the boundary (``Strategy.boundary``)."""
         self._leave = leave_at_end
         self._report = report_figures
         self._resizable = resizable
@@ -263,8 +269,16 @@ class TrainingSession:
         """``take_part`` runs (on the loop's thread) while this replica's data client
         waits for splits still out, every 50 ms: a resizing all-reduce replica takes
         part in its peers' steps there (``fit`` sets it), since they may hold the very
-        splits it waits for."""
+        splits it waits for.
+
+        The client calls back only once the session took over its acks, which a step
+        that completes splits does; a replica that waits before its first step (a
+        newcomer that joined once every split was lent out) would block in the client
+        while its peers wait for its vote, so the session takes them over here.
+        """
         self._data_wait = take_part
+        if not self._keyed and self.data is not None and hasattr(self.data, "ack_keys"):
+            self._take_over_acks()
 
     def _settle_all(self) -> None:
         """Waits until every step run so far is decided, then acks or gives back."""
