@@ -258,9 +258,19 @@ class Framed:
                 f"cannot write a framed {list(self.shape)} tensor into "
                 f"{list(target.shape)} (contiguous: {target.is_contiguous()})"
             )
-        flat = target.view(-1)
+        torch = _torch()
+        flat = target.detach().view(-1)
+        if flat.device.type != "cpu" or flat.dtype != self.dtype:
+            for start, piece in zip(self.starts, self.pieces, strict=True):
+                flat[start : start + piece.numel()].copy_(piece)  # a cast, or to a device
+            return
+        # A plain memcpy per frame on this thread, through NumPy, as ``join``'s (torch's
+        # copy_ of a 512 KiB frame would enter an OpenMP parallel region).
+        dest = flat.view(torch.uint8).numpy()
+        itemsize = flat.element_size()
         for start, piece in zip(self.starts, self.pieces, strict=True):
-            flat[start : start + piece.numel()].copy_(piece)
+            raw = piece.view(torch.uint8).numpy()
+            dest[start * itemsize : start * itemsize + raw.size] = raw
 
 
 def decode_tensors(
