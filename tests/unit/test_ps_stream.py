@@ -296,3 +296,37 @@ def test_a_variable_moved_off_a_reply_in_flight_takes_its_chunks_along() -> None
     assert store.stats["copied_on_write"] == 1
     assert _same(store.vars["w"], var)  # the step wrote the copy, through every chunk
     assert _same(lent["w"], torch.linspace(-1, 1, N))  # and never the lent memory
+
+
+def _cut(grad: torch.Tensor, size: int) -> list[bytearray]:
+    """``grad``'s bytes in frames of ``size`` bytes, each a buffer of its own."""
+    raw = grad.view(torch.uint8).numpy().tobytes()
+    return [bytearray(raw[i : i + size]) for i in range(0, len(raw), size)]
+
+
+@pytest.mark.parametrize("size", [300 * 1024, 3 * 1024 * 1024 + 2])
+def test_frames_cut_at_other_sizes_apply_as_the_whole_gradient(size: int) -> None:
+    # 300 KiB: chunks straddle frames (each joined alone); an odd size: frames of
+    # partial elements, which the codec joins whole before the store sees them.
+    grad = _grads(1)[0]
+    header = {"t": [["g/w", "float32", [N], N * 4]]}
+    framed = codec.decode_tensors(header, _cut(grad, size), framed=True)["g/w"]
+    assert isinstance(framed, codec.Framed) == (size % 4 == 0)
+    store = _store(OPTIMIZERS["sgd"])
+    store.push(worker="w", version=0, grads={"w": framed})
+    var, reference = _reference(OPTIMIZERS["sgd"])
+    var.grad = grad
+    reference.step()
+    assert _same(store.vars["w"], var)
+
+
+def test_a_framed_tensor_views_the_received_frames_without_a_copy() -> None:
+    grad = _grads(1)[0]
+    frames = _cut(grad, codec.FRAME_BYTES)
+    header = {"t": [["g/w", "float32", [N], N * 4]]}
+    framed = codec.decode_tensors(header, frames, framed=True)["g/w"]
+    addresses = [torch.frombuffer(f, dtype=torch.uint8).data_ptr() for f in frames]
+    assert [p.data_ptr() for p in framed.pieces] == addresses
+    assert _same(framed.join(), grad)
+    joined = codec.decode_tensors(header, frames)["g/w"]  # unasked, joined as before
+    assert isinstance(joined, torch.Tensor) and _same(joined, grad)
