@@ -23,7 +23,7 @@ import torch
 
 from clusterflow.rpc import Credentials, RpcClient
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 N = 2 * 1024 * 1024 + 999
 """8 MiB of float32: the gradient travels in 17 frames, the ps steps 17 chunks."""
