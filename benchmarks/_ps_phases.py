@@ -73,10 +73,13 @@ def main() -> None:
     torch.set_num_threads(1)
     # The ps's phases, where they run (rpc/server.py, ps/store.py); the client's decode
     # is codec.decode_tensors on the calling thread.
-    codec.decode_tensors = _timing("decode: frames -> one tensor", codec.decode_tensors, True)
+    codec.decode_tensors = _timing("decode (zero-copy views)", codec.decode_tensors, True)
+    codec.Framed.copy_into = _timing("frames -> parameter", codec.Framed.copy_into, True)  # type: ignore[method-assign]
     server_module.codec = codec
     store_module.VariableStore._check = _timing("check (finite)", store_module.VariableStore._check)
-    store_module.VariableStore._step = _timing("apply (SGD)", store_module.VariableStore._step)
+    store_module.VariableStore._step = _timing(
+        "apply (SGD, per chunk)", store_module.VariableStore._step
+    )
     store_module.pooled_copy = _timing("snapshot / copy on write", store_module.pooled_copy)
     encode = codec.encode
     codec.encode = _timing("encode (zero-copy views)", encode, True)
@@ -122,15 +125,24 @@ def main() -> None:
         "ps.optimizer", {"spec": {"name": "SGD", "groups": [{"lr": 0.01}]}, "group_of": {"w": 0}}
     )
     grad = torch.full((n,), 1e-3)
+    param = torch.zeros(n)
     version = 0
 
     def push() -> float:
         nonlocal version
         start = time.perf_counter()
         reply = client.call(
-            "ps.push", {"worker": "w", "version": version, "want_values": True}, {"g/w": grad}
+            "ps.push",
+            {"worker": "w", "version": version, "want_values": True},
+            {"g/w": grad},
+            framed=True,
         )
         version = reply.body["version"]
+        values = reply.tensors["w"]  # as load_into writes a pulled value
+        if isinstance(values, codec.Framed):
+            values.copy_into(param)
+        else:
+            param.copy_(values)
         return time.perf_counter() - start
 
     def raw() -> float:

@@ -2,8 +2,12 @@
 
 * bandwidth: a worker pushes the gradient of a 64 MiB variable and gets the updated
   values back (the async step's single round trip: push, apply SGD on the ps, reply
-  with the new values), against a raw TCP socket moving the same bytes both ways. Both
-  servers stay up; each round times one round trip of each.
+  with the new values, written into the worker's parameter as ``load_into`` writes
+  them), against a raw TCP socket moving the same bytes both ways. Both servers stay
+  up; each round times one round trip of each. (Before 2026-11-27 the values ended in a
+  buffer the client joined from the frames, and the write into the parameter, a second
+  copy then, was not timed; now the frames go straight into the parameter: one copy
+  either way.)
 * training: samples/s on the MLP 784-512-512-10 (and 784-4096-4096-10 without
   --quick), batch 128 per worker, synthetic data: async ps (2 workers + 1 ps) and sync
   ps (2 workers + 1 ps) against hand-written ``DistributedDataParallel`` with 2 workers.
@@ -115,7 +119,9 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
     """Per round, raw TCP's seconds / ours for one 64 MiB round trip each way."""
     import torch
 
+    from clusterflow.ps.api import Shard, VariableSpec
     from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.strategies.parameter_server.shards import TrackedVar, load_into
 
     credentials = Credentials.generate()
     raw_proc, _, raw_port = _start(_raw_tcp_echo)
@@ -143,17 +149,26 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
             {"spec": {"name": "SGD", "groups": [{"lr": 0.01}]}, "group_of": {"w": 0}},
         )
         grad = torch.full((n,), 1e-3)
+        param = torch.zeros(n)
+        tracked = TrackedVar(
+            tensor=param,
+            spec=VariableSpec(name="w", shape=(n,), dtype="float32"),
+            shards=(Shard(variable="w", name="w", ps=0, start=0, stop=n, shape=(n,)),),
+        )
         version = [0]
 
         def ours_once() -> float:
+            # As a worker's step does (``RemotePS.push``, ``shards.load_into``): the
+            # reply's values come as the frames received, written into the parameter.
             start = time.perf_counter()
             reply = client.call(
                 "ps.push",
                 {"worker": "w", "version": version[0], "want_values": True},
                 {"g/w": grad},
+                framed=True,
             )
             version[0] = reply.body["version"]
-            assert reply.tensors["w"].numel() == n
+            load_into([tracked], reply.tensors)
             return time.perf_counter() - start
 
         # A round trip takes about 0.1 s: the best of a few per turn leaves out the

@@ -107,21 +107,34 @@ class RemotePS:
     def call(
         self, index: int, method: str, body: Any = None, tensors: Tensors | None = None
     ) -> tuple[Any, Tensors]:
+        return self._call(index, method, body, tensors, framed=False)
+
+    def _call(
+        self, index: int, method: str, body: Any, tensors: Tensors | None, *, framed: bool
+    ) -> tuple[Any, Tensors]:
         clients = self._control if method in CONTROL_METHODS else self._clients
         if method != "load_state":  # its body is the ps's state, key for key
             body = stamp(body, self._fence)
         try:
-            reply = clients[index].call(f"ps.{method}", body, tensors)
+            reply = clients[index].call(f"ps.{method}", body, tensors, framed=framed)
         except RemoteError as exc:
             raise_if_fenced(exc)  # TaskFenced: this worker was replaced; it stops here
             raise
         return reply.body, dict(reply.tensors)
 
+    # Pulled values (a pull's, an async push's reply) come as the frames ZeroMQ
+    # received (``codec.Framed``): ``shards.load_into`` writes each frame straight into
+    # its parameter, the one copy between the socket and the model.
+
     def pull(self, index: int, request: PullRequest) -> PullReply:
-        return PullReply.from_wire(*self.call(index, request.METHOD, *request.to_wire()))
+        return PullReply.from_wire(
+            *self._call(index, request.METHOD, *request.to_wire(), framed=True)
+        )
 
     def push(self, index: int, request: PushRequest) -> PushReply:
-        return PushReply.from_wire(*self.call(index, request.METHOD, *request.to_wire()))
+        return PushReply.from_wire(
+            *self._call(index, request.METHOD, *request.to_wire(), framed=True)
+        )
 
     def map(self, fn: Callable[[int], T], indices: Sequence[int]) -> list[T]:
         if self._pool is None or len(indices) < 2:

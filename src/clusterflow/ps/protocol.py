@@ -337,6 +337,8 @@ RESUME, STATE, STATS = (ControlRequest(m) for m in CONTROL)
 class PullReply:
     version: int
     values: Tensors
+    """From ``RemotePS``, a value over ``codec.WHOLE_BYTES`` is a ``codec.Framed``, the
+    frames it arrived in, which ``shards.load_into`` writes into the parameter."""
 
     def to_wire(self) -> Wire:
         return {"version": self.version}, self.values
@@ -356,7 +358,8 @@ class PushReply:
     """Why a push was not applied."""
     staleness: int = 0
     values: Tensors = field(default_factory=dict)
-    """The values after the push, when the request wanted them."""
+    """The values after the push, when the request wanted them (``codec.Framed`` as in a
+    ``PullReply``)."""
     duplicates: tuple[Key, ...] = ()
     """Keys of the push this ps applied before: its gradients were not applied again."""
 

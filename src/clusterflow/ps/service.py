@@ -59,7 +59,9 @@ class PSService:
             handler = self.fences.guard(self._serve(name))
             if name in ("quiesce", "resume"):
                 handler = self._tracking_holder(name, handler)
-            server.register(f"ps.{name}", handler, blocking=True)
+            # A push's gradients come as the frames ZeroMQ received: the store applies
+            # them chunk by chunk from there (ps/store.py), never joined into one buffer.
+            server.register(f"ps.{name}", handler, blocking=True, framed=name == "push")
         self.fences.register_on(server, "ps")  # ps.fence: the manager's relaunches
         self.fences.on_raise(self._release_a_replaced_holder)
 

@@ -18,19 +18,21 @@ handed back whole.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from clusterflow.ps import chunks
 from clusterflow.ps import optimizer as optim_bridge
 from clusterflow.ps.api import PSConfig, PSError, PushRejected
 from clusterflow.ps.applied import AppliedKeys
 from clusterflow.ps.engine import Applied, ApplyEngine, Part, PushResult
 from clusterflow.ps.loans import Loan, LoanBook, pooled_copy
 from clusterflow.ps.optimizer import OptimizerSpec
-from clusterflow.rpc.codec import DTYPES
+from clusterflow.rpc.codec import DTYPES, Framed
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     makes the sum non-finite; only then is each element checked, so a sum that merely
     overflows does not refuse finite gradients.
     """
-    if bool(torch.isfinite(tensor.sum())):
+    if math.isfinite(float(tensor.sum())):  # a Python float: two ops, not three, per frame
         return True
     return bool(torch.isfinite(tensor).all())
 
@@ -56,7 +58,7 @@ class VariableStore(Applied):
 
     def __init__(self, ps_index: int = 0) -> None:
         self.ps_index = ps_index
-        self._engine: ApplyEngine[torch.Tensor] = ApplyEngine(f"ps:{ps_index}", self._apply)
+        self._engine: ApplyEngine[chunks.Grad] = ApplyEngine(f"ps:{ps_index}", self._apply)
         self._cond = self._engine.cond
         self.config: PSConfig | None = None
         self.vars: dict[str, torch.Tensor] = {}
@@ -65,6 +67,9 @@ class VariableStore(Applied):
         self.optimizer_spec: OptimizerSpec | None = None
         self.group_of: dict[str, int] = {}
         self._opt_group: dict[int, int] = {}
+        self._chunks: dict[str, list[torch.Tensor]] = {}
+        """The optimizer's parameters of each trainable variable: itself, or its chunks
+        (``ps/chunks.py``: a large one is stepped frame by frame)."""
         self._loans = LoanBook()
         """Variables that replies in flight still read (``ps/loans.py``)."""
 
@@ -126,12 +131,14 @@ class VariableStore(Applied):
                     )
                 return
             groups: dict[int, list[torch.Tensor]] = {}
+            self._chunks = {}
             for name, tensor in self.vars.items():
                 if not self.trainable[name]:
                     continue
                 if name not in group_of:
                     raise PSError(f"variable {name!r} is in no param group of the optimizer")
-                groups.setdefault(int(group_of[name]), []).append(tensor)
+                self._chunks[name] = chunks.params(tensor)
+                groups.setdefault(int(group_of[name]), []).extend(self._chunks[name])
             if not groups:
                 self.optimizer_spec = spec
                 return
@@ -207,6 +214,14 @@ class VariableStore(Applied):
         the result lists those keys in ``duplicates``. ``lend``: as for ``pull``, for
         the values an async push sends back.
 
+        A gradient may be a ``codec.Framed``, the frames it arrived in: each is checked,
+        then stepped where it lies (``ps/chunks.py``). The push is all or nothing: every
+        frame of every gradient is checked (names, shapes, dtypes, finite values) before
+        the first in-place write, because a NaN in the last frame must refuse a push
+        whose first frames would otherwise be applied already; and the push's keys count
+        (and the version moves) only after its last chunk was applied, under the lock a
+        checkpoint's ``state`` takes too, so no checkpoint holds part of a push.
+
         Raises:
             PushRejected: an unknown variable, a wrong shape or dtype, or a non-finite
                 gradient; nothing of the push is applied.
@@ -242,7 +257,7 @@ class VariableStore(Applied):
             raise PSError(f"ps:{self.ps_index} has no optimizer yet")
         return self.config
 
-    def _check(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _check(self, grads: Mapping[str, chunks.Grad]) -> dict[str, chunks.Grad]:
         out = {}
         reject = self.config is None or self.config.reject_nonfinite
         for name, raw in grads.items():
@@ -262,13 +277,13 @@ class VariableStore(Applied):
                     raise PushRejected(
                         f"gradient of {name!r} is {grad.dtype}; the variable is {var.dtype}"
                     )
-                grad = grad.to(var.dtype)
-            if reject and grad.is_floating_point() and not _all_finite(grad):
+                grad = chunks.cast(grad, var.dtype)
+            if reject and grad.is_floating_point() and not chunks.all_finite(grad, _all_finite):
                 raise PushRejected(f"gradient of {name!r} holds NaN or Inf; push refused")
             out[name] = grad
         return out
 
-    def _check_buffers(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _check_buffers(self, buffers: Mapping[str, chunks.Grad]) -> dict[str, torch.Tensor]:
         for name, value in buffers.items():
             var = self.vars.get(name)
             if var is None or self.trainable.get(name, True):
@@ -279,7 +294,8 @@ class VariableStore(Applied):
                 raise PushRejected(
                     f"buffer {name!r} has shape {tuple(value.shape)}, not {tuple(var.shape)}"
                 )
-        return dict(buffers)
+        # a buffer is assigned whole: one that came in frames is joined here
+        return {n: v.join() if isinstance(v, Framed) else v for n, v in buffers.items()}
 
     def lent(self, name: str) -> bool:
         """Whether a reply in flight may still read variable ``name``'s memory."""
@@ -290,11 +306,17 @@ class VariableStore(Applied):
         """Before an in-place write of ``name`` (the lock is held): see ``ps/loans.py``."""
         if self._loans.make_writable(name, self.vars[name]):
             self.stats["copied_on_write"] += 1
+            if name in self._chunks:  # its chunks move with it (ps/chunks.py)
+                chunks.repoint(self.vars[name], self._chunks[name])
 
     def _step(
-        self, grads: Mapping[str, torch.Tensor], hyper: list[dict[str, Any]] | None, lr_scale: float
+        self,
+        grads: Mapping[str, Sequence[torch.Tensor | None]],
+        hyper: list[dict[str, Any]] | None,
+        lr_scale: float,
     ) -> None:
-        """One optimizer step over the given gradients (the lock is held)."""
+        """One optimizer step over the given gradients, each cut as its variable's chunks
+        are (``chunks.split``; None: a chunk this step leaves alone) (the lock is held)."""
         opt = self.optimizer
         if opt is None or not grads:
             return
@@ -307,34 +329,41 @@ class VariableStore(Applied):
             saved = [g["lr"] for g in opt.param_groups]
             for g in opt.param_groups:
                 g["lr"] = g["lr"] * lr_scale
-        for name, grad in grads.items():
+        for name, cut in grads.items():
             self._writable(name)
-            self.vars[name].grad = grad
+            for param, grad in zip(self._chunks[name], cut, strict=True):
+                param.grad = grad
         try:
             opt.step()
         finally:
             for name in grads:
-                self.vars[name].grad = None
+                for param in self._chunks[name]:
+                    param.grad = None
             if saved is not None:
                 for g, lr in zip(opt.param_groups, saved, strict=True):
                     g["lr"] = lr
 
-    def _apply(self, parts: list[Part[torch.Tensor]], lr_scale: float) -> None:
+    def _apply(self, parts: list[Part[chunks.Grad]], lr_scale: float) -> None:
         """The engine's step: one over the average of ``parts`` (the lock is held).
 
-        An empty part (a duplicate) counts in the average as it did in the step.
+        An empty part (a duplicate) counts in the average as it did in the step. The
+        average is taken chunk by chunk, from the frames the gradients came in.
         """
         if len(parts) == 1:
-            self._step(parts[0].grads, parts[0].hyper, lr_scale)
+            cut = {n: chunks.split(g, self.vars[n]) for n, g in parts[0].grads.items()}
+            self._step(cut, parts[0].hyper, lr_scale)
             return
         names = set().union(*(p.grads for p in parts))
-        averaged = {}
+        averaged: dict[str, Sequence[torch.Tensor | None]] = {}
         for name in names:
-            grads = [p.grads[name] for p in parts if name in p.grads]
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total.add_(g)
-            averaged[name] = total.div_(len(parts))
+            cuts = [chunks.split(p.grads[name], self.vars[name]) for p in parts if name in p.grads]
+            totals = []
+            for pieces in zip(*cuts, strict=True):
+                total = pieces[0].clone()
+                for g in pieces[1:]:
+                    total.add_(g)
+                totals.append(total.div_(len(parts)))
+            averaged[name] = totals
         self._step(averaged, parts[0].hyper if parts else None, lr_scale)
 
     def leave(self, worker: str) -> dict[str, Any] | None:
@@ -383,13 +412,16 @@ class VariableStore(Applied):
                 "slots": {},
             }
             if self.optimizer is not None:
-                index = {id(p): n for n, p in self.vars.items()}
-                for param, slots in self.optimizer.state.items():
-                    name = index[id(param)]
+                state = self.optimizer.state
+                for name, params in self._chunks.items():
+                    if params[0] not in state:
+                        continue  # never stepped: no slots yet
+                    # the whole variable's slots, however the ps chunked it (chunks.py)
+                    joined = chunks.join_slots(self.vars[name], [state[p] for p in params])
                     scalars = {}
-                    for key, value in slots.items():
+                    for key, value in joined.items():
                         if isinstance(value, torch.Tensor):
-                            tensors[f"slot/{name}/{key}"] = value.clone()
+                            tensors[f"slot/{name}/{key}"] = value
                         else:
                             scalars[key] = value
                     meta["slots"][name] = scalars
@@ -417,8 +449,10 @@ class VariableStore(Applied):
                         prefix = f"slot/{name}/"
                         for key, value in tensors.items():
                             if key.startswith(prefix):
-                                slots[key[len(prefix) :]] = value.clone()
-                        self.optimizer.state[self.vars[name]] = slots
+                                slots[key[len(prefix) :]] = value
+                        cut = chunks.split_slots(self.vars[name], slots)  # copies
+                        for param, chunk_slots in zip(self._chunks[name], cut, strict=True):
+                            self.optimizer.state[param] = chunk_slots
             self._cond.notify_all()
 
     def snapshot_stats(self) -> dict[str, Any]:

@@ -174,8 +174,12 @@ class RpcClient:
         tensors: Mapping[str, torch.Tensor] | None = None,
         *,
         deadline: float | None = None,
+        framed: bool = False,
     ) -> Response:
         """Sends a request and waits for its reply.
+
+        ``framed``: the reply's tensors in several frames come as ``codec.Framed``
+        zero-copy views, not joined (for a caller that writes them where they belong).
 
         Blocks until the reply arrives or ``deadline`` seconds pass. The tensors are sent
         without a copy, straight from their memory: do not modify them in place from
@@ -196,7 +200,7 @@ class RpcClient:
             frames = codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors)
             try:
                 self._send_before(sock, frames, method, end, timeout)
-                return self._await_reply(sock, request_id, method, end, timeout)
+                return self._await_reply(sock, request_id, method, end, timeout, framed)
             except RemoteError:
                 raise  # a well-formed answer: the connection is as good as before
             except BaseException:
@@ -304,7 +308,13 @@ class RpcClient:
             ) from None
 
     def _await_reply(
-        self, sock: zmq.Socket[bytes], request_id: int, method: str, end: float, timeout: float
+        self,
+        sock: zmq.Socket[bytes],
+        request_id: int,
+        method: str,
+        end: float,
+        timeout: float,
+        framed: bool = False,
     ) -> Response:
         probe_id = -1
         while True:
@@ -332,7 +342,9 @@ class RpcClient:
                 raise ProtocolError(f"{method} to {self.endpoint}: a {header['k']!r} as reply")
             if header["k"] == codec.KIND_ERROR:
                 raise _remote_error(header, "internal", f"{method} on {self.endpoint}", method)
-            return Response(header.get("b"), codec.decode_tensors(header, frames[1:]))
+            return Response(
+                header.get("b"), codec.decode_tensors(header, frames[1:], framed=framed)
+            )
 
     def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
         """Sends the probe (the connection is back while ``method`` waits); its id."""

@@ -6,7 +6,10 @@ tensor fits in one frame, arrive as a ``torch.frombuffer`` view over the receive
 (copied only when that frame is misaligned for the dtype: ZeroMQ packs small frames
 back to back in one receive buffer, at any address).
 A tensor of up to ``WHOLE_BYTES`` travels as one frame and arrives without a copy;
-a larger one is cut into frames of ``FRAME_BYTES`` and joined on arrival. Both sizes
+a larger one is cut into frames of ``FRAME_BYTES`` and joined on arrival, unless the
+receiver asks for it ``framed``: then it arrives as a ``Framed``, one zero-copy view per
+frame, and the receiver consumes it frame by frame (the ps applies a push per frame,
+the worker writes a pulled frame straight into its parameter). Both sizes
 were measured (2026-11-26). A ZeroMQ echo of 64 MiB over loopback takes about 36 ms in
 512 KiB frames, 29 ms in 1 MiB ones, 55 ms in 4 MiB ones and 80 ms in one frame, and the
 ps's 64 MiB push+pull against raw TCP (``benchmarks.ps --bandwidth-only``) reads
@@ -33,7 +36,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
-import numpy as np
 
 from clusterflow.rpc.errors import ProtocolError
 from clusterflow.rpc.pool import RECEIVE_POOL
@@ -195,8 +197,89 @@ def decode_header(frame: Any) -> dict[str, Any]:
     return header
 
 
-def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str, torch.Tensor]:
+class Framed:
+    """A tensor that arrived in several frames, kept as one flat view per frame.
+
+    Joining the frames into one buffer was a full copy of the message on each end of a
+    ps round trip (3.5 ms of a 64 MiB push+pull's ~43 ms on the ps, as much on the
+    worker, ``benchmarks._ps_phases``), in series with everything else. A receiver that
+    can work on the pieces (the ps's per-chunk optimizer step, a worker writing into its
+    parameters) reads them where ZeroMQ received them; one that cannot calls ``join``.
+
+    ``pieces`` cover the tensor in order (row-major), each a 1-D tensor of ``dtype`` of
+    whole elements; ``starts[i]`` is the element at which piece ``i`` begins.
+    """
+
+    __slots__ = ("dtype", "pieces", "shape", "starts")
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[Any]) -> None:
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.pieces: tuple[torch.Tensor, ...] = tuple(pieces)
+        starts, at = [], 0
+        for piece in self.pieces:
+            starts.append(at)
+            at += int(piece.numel())
+        if at != math.prod(self.shape):
+            raise ProtocolError(f"pieces hold {at} elements; shape {self.shape} needs more")
+        self.starts: tuple[int, ...] = tuple(starts)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return bool(self.dtype.is_floating_point)
+
+    def join(self) -> torch.Tensor:
+        """The whole tensor, in one buffer (a copy, from the receive pool)."""
+        torch = _torch()
+        itemsize = self.pieces[0].element_size() if self.pieces else 1
+        flat = RECEIVE_POOL.take(self.numel() * itemsize)
+        # A plain memcpy on this thread, through NumPy: torch's copy_ splits the work
+        # over its OpenMP threads, and on a busy 2-core host the parallel region waits
+        # for them: measured here, 124 ms for 64 MiB against 7 ms.
+        dest = flat.numpy()
+        offset = 0
+        for piece in self.pieces:
+            raw = piece.view(torch.uint8).numpy()
+            dest[offset : offset + raw.size] = raw
+            offset += raw.size
+        del dest
+        return flat.view(self.dtype).reshape(self.shape)
+
+    def copy_into(self, target: torch.Tensor) -> None:
+        """Writes the pieces into ``target`` (contiguous, of this shape), one copy each.
+
+        Raises:
+            ValueError: ``target`` is not contiguous or not of this many elements.
+        """
+        if not target.is_contiguous() or target.numel() != self.numel():
+            raise ValueError(
+                f"cannot write a framed {list(self.shape)} tensor into "
+                f"{list(target.shape)} (contiguous: {target.is_contiguous()})"
+            )
+        torch = _torch()
+        flat = target.detach().view(-1)
+        if flat.device.type != "cpu" or flat.dtype != self.dtype:
+            for start, piece in zip(self.starts, self.pieces, strict=True):
+                flat[start : start + piece.numel()].copy_(piece)  # a cast, or to a device
+            return
+        # A plain memcpy per frame on this thread, through NumPy, as ``join``'s (torch's
+        # copy_ of a 512 KiB frame would enter an OpenMP parallel region).
+        dest = flat.view(torch.uint8).numpy()
+        itemsize = flat.element_size()
+        for start, piece in zip(self.starts, self.pieces, strict=True):
+            raw = piece.view(torch.uint8).numpy()
+            dest[start * itemsize : start * itemsize + raw.size] = raw
+
+
+def decode_tensors(
+    header: Mapping[str, Any], frames: Sequence[Any], *, framed: bool = False
+) -> dict[str, Any]:
     """Rebuilds the tensors that follow the header, zero-copy where a tensor is one frame.
+
+    ``framed``: a tensor in several frames arrives as a ``Framed`` of zero-copy views
+    (where every frame holds whole, aligned elements; else it is joined, as without).
 
     Raises:
         ProtocolError: descriptors that do not match the frames that came.
@@ -245,17 +328,18 @@ def decode_tensors(header: Mapping[str, Any], frames: Sequence[Any]) -> dict[str
                     flat = flat.clone()  # small (<= 8 KiB): misaligned loads are UB in C++
                 out[name] = flat.view(dtype).reshape(shape)
             else:
-                flat = RECEIVE_POOL.take(nbytes)
-                # A plain memcpy on this thread, through NumPy: torch's copy_ splits the
-                # work over its OpenMP threads, and on a busy 2-core host the parallel
-                # region waits for them: measured here, 124 ms for 64 MiB against 7 ms.
-                dest = flat.numpy()
-                offset = 0
-                for part, size in zip(parts, sizes, strict=True):
-                    dest[offset : offset + size] = np.frombuffer(_buffer(part), dtype=np.uint8)
-                    offset += size
-                del dest
-                out[name] = flat.view(dtype).reshape(shape)
+                views = [torch.frombuffer(_buffer(p), dtype=torch.uint8) for p in parts]
+                whole = all(s % itemsize == 0 for s in sizes) and all(
+                    v.data_ptr() % itemsize == 0 for v in views
+                )
+                pieces = [v.view(dtype) for v in views] if whole else views
+                joined = (
+                    Framed(shape, dtype, pieces) if whole else Framed([nbytes], torch.uint8, pieces)
+                )
+                if framed and whole:
+                    out[name] = joined
+                else:
+                    out[name] = joined.join().view(dtype).reshape(shape)
     except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
         # RuntimeError: torch refusing a shape (too many dims, sizes it cannot index).
         raise ProtocolError(f"malformed tensor descriptors {descriptors!r:.200}: {exc}") from exc

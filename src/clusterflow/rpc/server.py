@@ -55,6 +55,7 @@ _instances = itertools.count()
 class _Entry:
     handler: Handler
     blocking: bool
+    framed: bool = False
 
 
 class _HandlerThreads:
@@ -235,12 +236,22 @@ class RpcServer:
         return f"tcp://{self.address}"
 
     def register(
-        self, method: str, handler: Callable[[Request], Any], *, blocking: bool = False
+        self,
+        method: str,
+        handler: Callable[[Request], Any],
+        *,
+        blocking: bool = False,
+        framed: bool = False,
     ) -> None:
-        """Serves ``method`` with ``handler``; ``blocking`` handlers run on the pool."""
+        """Serves ``method`` with ``handler``; ``blocking`` handlers run on the pool.
+
+        ``framed``: the request's tensors in several frames reach the handler as
+        ``codec.Framed`` zero-copy views, not joined (a handler that consumes them frame
+        by frame, such as the ps's push).
+        """
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        self._handlers[method] = _Entry(handler, blocking)
+        self._handlers[method] = _Entry(handler, blocking, framed)
 
     def reserve_workers(self, count: int) -> None:
         """Room for ``count`` blocking handlers at once (threads start only as needed).
@@ -396,7 +407,7 @@ class RpcServer:
             )
             return
         try:
-            tensors = codec.decode_tensors(header, frames[2:])
+            tensors = codec.decode_tensors(header, frames[2:], framed=entry.framed)
         except ProtocolError as exc:
             self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
             return

@@ -110,10 +110,18 @@ class Server:
         return self._rpc.auth_mode
 
     def register(
-        self, method: str, handler: Callable[[Request], Any], *, blocking: bool = False
+        self,
+        method: str,
+        handler: Callable[[Request], Any],
+        *,
+        blocking: bool = False,
+        framed: bool = False,
     ) -> None:
-        """Serves one more method; services use a ``service.method`` naming scheme."""
-        self._rpc.register(method, handler, blocking=blocking)
+        """Serves one more method; services use a ``service.method`` naming scheme.
+
+        ``framed``: see ``RpcServer.register`` (tensors in several frames come unjoined).
+        """
+        self._rpc.register(method, handler, blocking=blocking, framed=framed)
 
     def register_service(
         self, name: str, handlers: Mapping[str, Callable[[Request], Any]], *, blocking: bool = False

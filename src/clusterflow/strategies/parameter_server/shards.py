@@ -30,6 +30,7 @@ from clusterflow.ps.protocol import (
     WaitVersionRequest,
 )
 from clusterflow.ps.wire import Tensors
+from clusterflow.rpc.codec import Framed
 from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.variables import Recorded
 
@@ -180,19 +181,28 @@ def _pull_at(pull: Callable[[int, int], Any], version: int, index: int) -> Any:
 
 def load_into(
     tracked: Iterable[TrackedVar],
-    values: dict[str, torch.Tensor],
+    values: dict[str, Any],
     staging: HostStaging | None = None,
 ) -> None:
     """Copies pulled shard values into the local tensors (through ``staging``'s pinned
-    buffers for tensors on a device, waiting once for all of them)."""
+    buffers for tensors on a device, waiting once for all of them).
+
+    A value may be a ``codec.Framed`` (``RemotePS`` asks for them): each of its frames
+    is written straight from the received memory into its slice of the parameter, and
+    each shard into its rows of the parameter, so a pulled byte is copied once between
+    the socket and the model (joining the frames first, then the shards, were two more).
+    """
     with torch.no_grad():
         for var in tracked:
-            parts = [values[s.name] for s in var.shards]
-            value = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-            if staging is None:
-                var.tensor.copy_(value)
-            else:
-                staging.to_device(var.spec.name, var.tensor, value)
+            for shard in var.shards:
+                value = values[shard.name]
+                target = shard_of(var.tensor, shard)
+                if staging is not None:
+                    staging.to_device(shard.name, target, value)
+                elif isinstance(value, Framed) and target.is_contiguous():
+                    value.copy_into(target)
+                else:
+                    target.copy_(value.join() if isinstance(value, Framed) else value)
         if staging is not None:
             staging.wait()
 

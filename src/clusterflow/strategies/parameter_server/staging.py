@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from clusterflow.rpc.codec import Framed
+
 __all__ = ["HostStaging", "on_device"]
 
 
@@ -72,14 +74,21 @@ class HostStaging:
         self._pending.add(tensor.device)
         return buffer
 
-    def to_device(self, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    def to_device(self, name: str, target: torch.Tensor, value: torch.Tensor | Framed) -> None:
         """Copies the host ``value`` into ``target`` (through ``name``'s pinned buffer when
         ``target`` is staged; call ``wait`` before ``target`` is read)."""
         if not self._stage(target):
-            target.copy_(value)
+            if isinstance(value, Framed) and target.is_contiguous():
+                value.copy_into(target)  # frame by frame, from the received memory
+            else:
+                target.copy_(value.join() if isinstance(value, Framed) else value)
             return
         buffer = self._buffer("pull", name, value)
-        buffer.copy_(value)  # host to pinned host; a DMA is in flight meanwhile
+        # host to pinned host, frame by frame; a DMA is in flight meanwhile
+        if isinstance(value, Framed):
+            value.copy_into(buffer)
+        else:
+            buffer.copy_(value)
         target.copy_(buffer, non_blocking=True)
         self._pending.add(target.device)
 
@@ -90,7 +99,7 @@ class HostStaging:
                 torch.cuda.current_stream(device).synchronize()
         self._pending.clear()
 
-    def _buffer(self, kind: str, name: str, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, kind: str, name: str, like: torch.Tensor | Framed) -> torch.Tensor:
         key = (kind, name)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
