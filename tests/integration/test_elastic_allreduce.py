@@ -19,18 +19,16 @@ process. What this pins:
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
-from collections import Counter, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import elastic_checks as checks
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_elastic import _allow, _ended, _job_pids, _pids, _scale, _steps
+from test_elastic import _ended, _job_pids, _pids, _scale
 
 if TYPE_CHECKING:
     from conftest import Clusterflow
@@ -43,40 +41,13 @@ RECORDS, EPOCHS = 600, 2
 SURVIVORS = ("chief:0", "worker:0", "worker:1")
 
 
-def _log(out: Path) -> list[tuple[str, int, list[int]]]:
-    """``(task, step, ids)`` per logged step."""
-    rows = []
-    for line in (out / "steps.log").read_text().splitlines():
-        task, _, step, _, ids = line.split(" ")
-        rows.append((task, int(step), [int(i) for i in ids.split(",") if i != "-"]))
-    return rows
-
-
-def _pace(cf: Clusterflow, out: Path, done: Callable[[], bool], what: str) -> None:
-    """Lets the run go on a line of ``steps.log`` at a time until ``done()``: a step is
-    a few milliseconds, and a resize must find the run still going (rank 0 sees a
-    newcomer at its next look at the manager's spec; a leaver leaves at the next step
-    boundary, within the stop's grace period), yet never after the data ran out."""
-
-    def advanced() -> bool:
-        if done():
-            return True
-        _allow(out, _steps(out) + 1)
-        return False
-
-    cf.wait_until(advanced, 180, what)
-
-
 @pytest.mark.timeout(420)
 def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
     cf: Clusterflow, tmp_path: Path
 ) -> None:
-    sys.path.insert(0, str(HERE))
-    from elastic_allreduce_job import reference
-
     table = pa.table({"id": pa.array(range(RECORDS), pa.int64())})
     pq.write_table(table, tmp_path / "records.parquet")
-    _allow(tmp_path, 3 * 8)
+    checks.allow(tmp_path, 3 * 8)
     cluster_id = cf.start_detached(
         "--chief",
         "--workers",
@@ -88,15 +59,14 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
         str(RECORDS),
         str(EPOCHS),
     )
-    cf.wait_until(lambda: _steps(tmp_path) >= 3 * 8, 120, f"8 steps\n{cf.output(cluster_id)}")
+    cf.wait_until(lambda: checks.steps(tmp_path) >= 3 * 8, 120, f"8 steps\n{cf.output(cluster_id)}")
     before = _job_pids(cf, cluster_id, SURVIVORS)
 
     said = _scale(cf, cluster_id, 4)
     assert said.endswith("(added worker:2, worker:3)"), said
-    _pace(
-        cf,
+    checks.pace(
         tmp_path,
-        lambda: _steps(tmp_path, "worker:2") >= 1 and _steps(tmp_path, "worker:3") >= 1,
+        lambda: checks.steps(tmp_path, "worker:2") >= 1 and checks.steps(tmp_path, "worker:3") >= 1,
         f"steps of worker:2 and worker:3\n{cf.output(cluster_id)}",
     )
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
@@ -106,11 +76,11 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
         target=lambda: said_box.append(_scale(cf, cluster_id, 2)), daemon=True
     )
     shrink.start()
-    _pace(cf, tmp_path, lambda: not shrink.is_alive(), f"the shrink\n{cf.output(cluster_id)}")
+    checks.pace(tmp_path, lambda: not shrink.is_alive(), f"the shrink\n{cf.output(cluster_id)}")
     assert said_box and said_box[0].endswith("(removed worker:3, worker:2)"), said_box
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
 
-    _allow(tmp_path, None)
+    checks.allow(tmp_path, None)
     cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
     cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
     state = cf.state(cluster_id)
@@ -118,43 +88,4 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
     assert state["restarts"] == 0
     assert [t["task"] for t in state["tasks"]] == list(SURVIVORS)
 
-    log = _log(tmp_path)
-    seen = Counter(i for _, _, ids in log for i in ids)
-    wrong = {i: seen.get(i, 0) for i in range(RECORDS) if seen.get(i, 0) != EPOCHS}
-    assert not wrong, f"records not applied exactly {EPOCHS}x: {wrong}"
-
-    batches: dict[int, list[int]] = defaultdict(list)
-    shares: dict[int, dict[str, int]] = defaultdict(dict)
-    for task, step, ids in log:
-        batches[step].extend(ids)
-        shares[step][task] = len(ids)
-    steps = sorted(batches)
-    assert steps == list(range(1, len(steps) + 1)), steps  # one sequence of steps
-    worlds = [len(shares[s]) for s in steps]
-    assert worlds[0] == 3 and 5 in worlds and 4 in worlds and worlds[-1] == 3, worlds
-    # The global batch stays 12 rows: each replica's batch is its share (4 at 3
-    # replicas, 3 or 2 at 5, 3 at 4), but at the step a group re-forms (the survivors
-    # read their batch before it), a leaver's last step (it takes all the records of
-    # the splits it began), an epoch's end and the run's end.
-    resized = {s for s in steps[1:] if shares[s].keys() != shares[s - 1].keys()}
-    last_of = {task: step for task, step, _ in log if task not in SURVIVORS}
-    over = {
-        s: shares[s]
-        for s in steps
-        if s not in resized
-        and any(
-            rows > -(-12 // len(shares[s])) and last_of.get(task) != s
-            for task, rows in shares[s].items()
-        )
-    }
-    assert not over, f"batches above the replica's share of 12 rows: {over}"
-    # (at the end the replicas wait for each other's last splits: smaller batches)
-    full = [s for s in steps if len(batches[s]) == 12]
-    assert len(full) >= 2 * len(steps) // 3, {s: len(batches[s]) for s in steps}
-
-    final = json.loads((tmp_path / "final.json").read_text())["params"]
-    expected = reference(batches[s] for s in steps)
-    assert max(abs(a - b) for a, b in zip(final, expected, strict=True)) < 1e-5, (
-        final,
-        expected,
-    )
+    checks.check_allreduce(tmp_path, RECORDS, EPOCHS, SURVIVORS)
