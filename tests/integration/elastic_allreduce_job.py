@@ -9,13 +9,15 @@ receive the optimizer's state, or a step whose replicas' losses were not weighte
 their rows, ends away from the reference. Each step appends ``TASK step N ids I,J,..``
 to ``OUT/steps.log`` (the ids this replica trained on), from which the test rebuilds
 every global batch and replays them in one process (:func:`reference`). The test paces
-the run with ``OUT/allow`` (``elastic_job.hold``). The chief writes the final parameters
+the run with ``OUT/allow`` (``elastic_job.hold``); each replica touches
+``OUT/started-TASK`` once its imports are done. The chief writes the final parameters
 to ``OUT/final.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -84,6 +86,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     out, _records, epochs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    # Its imports are done: a newcomer joins at its peers' next boundary from here. The
+    # Ray test holds the peers until then, or they could lease every split left while
+    # it starts, and a newcomer that finds none cannot take part in their steps.
+    (out / f"started-{os.environ.get('CLUSTERFLOW_TASK')}").touch()
     strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=60))
     with strategy.scope():
         model = Regression()

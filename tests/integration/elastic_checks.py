@@ -193,6 +193,16 @@ def check_sync_ps(out: Path) -> None:
 # The all-reduce job (elastic_allreduce_job.py) ----------------------------------------
 
 
+def started(out: Path, tasks: Iterable[str]) -> bool:
+    """Whether every one of ``tasks`` got past its imports (``OUT/started-TASK``).
+
+    Wait for it before pacing the survivors on after a grow: paced while a newcomer
+    starts (seconds under load), they could lease every split left, and a newcomer
+    whose first batch finds none cannot take part in their steps (``fit``'s
+    ``sit_in`` has no batch to sit in with)."""
+    return all((out / f"started-{task}").exists() for task in tasks)
+
+
 def allreduce_log(out: Path) -> list[tuple[str, int, list[int]]]:
     """``(task, step, ids)`` per logged step."""
     rows = []

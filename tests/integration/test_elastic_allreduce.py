@@ -64,6 +64,8 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
 
     said = _scale(cf, cluster_id, 4)
     assert said.endswith("(added worker:2, worker:3)"), said
+    newcomers = ("worker:2", "worker:3")
+    cf.wait_until(lambda: checks.started(tmp_path, newcomers), 120, "the newcomers' jobs")
     checks.pace(
         tmp_path,
         lambda: checks.steps(tmp_path, "worker:2") >= 1 and checks.steps(tmp_path, "worker:3") >= 1,
