@@ -9,8 +9,9 @@ receive the optimizer's state, or a step whose replicas' losses were not weighte
 their rows, ends away from the reference. Each step appends ``TASK step N ids I,J,..``
 to ``OUT/steps.log`` (the ids this replica trained on), from which the test rebuilds
 every global batch and replays them in one process (:func:`reference`). The test paces
-the run with ``OUT/allow`` (``elastic_job.hold``). The chief writes the final parameters
-to ``OUT/final.json``; every replica touches ``OUT/up-TASK`` when its job starts.
+the run with ``OUT/allow`` (``elastic_job.hold``); each replica touches
+``OUT/started-TASK`` once its imports are done. The chief writes the final parameters
+to ``OUT/final.json``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def main() -> None:
     torch.set_num_threads(1)
     out, _records, epochs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     split_size = int(sys.argv[4]) if len(sys.argv) > 4 else 6
-    (out / f"up-{os.environ['CLUSTERFLOW_TASK']}").touch()  # before it joins the group
+    # Its imports are done: a newcomer joins at its peers' next boundary from here. The
+    # tests hold the peers until then, or a cold start under load could outlast the
+    # steps left, and the newcomer would only sit in at the end.
+    (out / f"started-{os.environ.get('CLUSTERFLOW_TASK')}").touch()
     strategy = MultiWorkerMirroredStrategy(CommunicationOptions(timeout_seconds=60))
     with strategy.scope():
         model = Regression()

@@ -69,6 +69,19 @@ class Cli:
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))
 
+    def stop_all(self) -> None:
+        """Stops every cluster of this home still running; then nothing of them may
+        remain in the Ray cluster (no actor, every placement group removed)."""
+        clusters = self.home / "clusters"
+        for cluster in clusters.iterdir() if clusters.is_dir() else []:
+            mirror = cluster / "state.json"
+            if mirror.exists() and json.loads(mirror.read_text())["status"] in TERMINAL:
+                continue
+            self("stop", cluster.name, "--grace", "2", timeout=120)
+        held = self.nodes.probe()
+        assert not held["actors"], f"actors left behind: {held['actors']}"
+        assert all(s == "REMOVED" for s in held["groups"].values()), held["groups"]
+
 
 @pytest.fixture
 def cf(ray_nodes: RayNodes, tmp_path: Path) -> Iterator[Cli]:
@@ -76,15 +89,7 @@ def cf(ray_nodes: RayNodes, tmp_path: Path) -> Iterator[Cli]:
     of it may remain in the Ray cluster (no actor, every placement group removed)."""
     cli = Cli(ray_nodes, tmp_path / "home")
     yield cli
-    clusters = cli.home / "clusters"
-    for cluster in clusters.iterdir() if clusters.is_dir() else []:
-        mirror = cluster / "state.json"
-        if mirror.exists() and json.loads(mirror.read_text())["status"] in TERMINAL:
-            continue
-        cli("stop", cluster.name, "--grace", "2", timeout=120)
-    held = ray_nodes.probe()
-    assert not held["actors"], f"actors left behind: {held['actors']}"
-    assert all(s == "REMOVED" for s in held["groups"].values()), held["groups"]
+    cli.stop_all()
 
 
 def _workers(state: dict[str, Any]) -> dict[str, str | None]:
