@@ -393,7 +393,8 @@ def test_a_request_that_does_not_fit_now_fails_within_its_bound_or_at_sigterm(
     assert held.returncode == 0, held.stderr
     holder = held.stdout.strip()
     try:
-        wait_until(lambda: "[worker:0] ready" in _logs(cf, holder), 120, "the GPU's holder")
+        with _following(ray_cluster, cf, holder) as output:
+            output.wait_for("[worker:0] ready", timeout=120)  # it holds the GPU
         config = tmp_path / "cluster.yaml"
         config.write_text(
             "backend: ray\n"
@@ -635,7 +636,8 @@ def test_detach_then_attach_from_another_machine_then_stop_leaves_nothing(
     out = cf("start", "-c", str(config), "--detach", "--", sys.executable, "-c", job)
     assert out.returncode == 0, out.stderr
     second = out.stdout.strip()
-    wait_until(lambda: "[worker:0] ready 0" in _logs(cf, second), 120, "the curve task")
+    with _following(ray_cluster, cf, second) as output:
+        output.wait_for("[worker:0] ready 0", timeout=120)  # the curve task runs
     ps = cf("ps")
     assert second in ps.stdout and "running" in ps.stdout, ps.stdout
     stopped = cf("stop", second, "--grace", "2")
