@@ -83,7 +83,14 @@ def seeds(fixed: int) -> Any:
     """The seeds a chaos test runs: its fixed one (CI covers the same kills every run;
     ``kill_schedule`` kills every target of the shape at least once, whatever the
     seed), plus a fresh random one when ``CHAOS_RANDOM=1``. ``CHAOS_SEED`` replays one
-    seed in place of the fixed one. Each run prints its seed."""
+    seed in place of the fixed one. Each run prints its seed.
+
+    A fixed seed whose shape has more workers than kills to spare spends its extra kills
+    on workers (a respawn by the warm standby), not on a ps or the chief a second time:
+    a whole restart costs a cold start of every task (about 5 s on 2 cores) and adds no
+    scenario the shape lacks (each ps and the chief is still killed once, so every such
+    shape still restarts from a checkpoint at least twice in a run). The seeds before
+    that choice (104, 105, 106, 110) replay with ``CHAOS_SEED``."""
     chosen = [int(os.environ.get("CHAOS_SEED", fixed))]
     if os.environ.get("CHAOS_RANDOM") == "1":
         chosen.append(random.randrange(1 << 16))
@@ -303,7 +310,7 @@ def run_fit_with_chaos(
 
 
 @pytest.mark.timeout(420)
-@seeds(104)
+@seeds(114)
 def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
     cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
@@ -320,7 +327,7 @@ def test_fit_async_ps_under_kills_applies_every_record_once_per_epoch(
 
 
 @pytest.mark.timeout(420)
-@seeds(105)
+@seeds(125)
 def test_fit_embedding_table_on_two_ps_under_kills_applies_every_record_once_per_epoch(
     cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
@@ -340,7 +347,7 @@ def test_fit_embedding_table_on_two_ps_under_kills_applies_every_record_once_per
 
 
 @pytest.mark.timeout(420)
-@seeds(106)
+@seeds(156)
 def test_fit_sync_ps_with_a_backup_worker_under_kills_applies_every_record_once_per_epoch(
     cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
@@ -426,7 +433,7 @@ def test_fit_sync_ps_without_a_chief_under_kills_applies_every_record_once(
 
 
 @pytest.mark.timeout(420)
-@seeds(110)
+@seeds(140)
 def test_fit_embedding_table_without_a_chief_one_worker_under_kills_applies_every_record_once(
     cf: Clusterflow, tmp_path: Path, seed: int
 ) -> None:
