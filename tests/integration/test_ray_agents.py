@@ -10,6 +10,7 @@ backend's, and ``ray-agents stop`` leaves no agent behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -56,6 +57,7 @@ def cf(nodes: RayNodes, tmp_path: Path) -> Iterator[Any]:
     def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
         return nodes.run([*CLI, *args], env=env, timeout=timeout, cwd=REPO, capture_output=True)
 
+    run.home = tmp_path / "home"  # type: ignore[attr-defined]
     yield run
     run("ray-agents", "stop", "--force", "--address", ADDRESS)
 
@@ -93,6 +95,11 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     # Each task's supervisor is a child of its node's agent: no Ray worker was started
     # for it. Two workers, spread over the two nodes: both agents host one.
     assert _hosts(first.stdout) == set(agents.values()), first.stdout
+    # The manager ran in the head's agent too (no Ray worker started for it either).
+    (cluster,) = (cf.home / "clusters").iterdir()
+    described = cf("describe", cluster.name, "--json")
+    manager = json.loads(described.stdout)["manager"]
+    assert manager["pid"] == agents[manager["node_id"]], (manager, agents)
     second = _on_ray(cf)
     assert _hosts(second.stdout) == set(agents.values()), second.stdout
     assert _agents(cf) == agents  # the same processes, reused

@@ -82,6 +82,9 @@ class NodeAgent:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self._hosts: dict[str, SupervisorHost] = {}
+        self._objects: dict[str, Any] = {}
+        """Objects it hosts for others, by key: the head's agent hosts managers
+        (``manager/ray_host.py``: ``ManagerHost``, which this layer may not import)."""
         self._lock = threading.Lock()
 
     def ping(self) -> dict[str, Any]:
@@ -90,7 +93,9 @@ class NodeAgent:
 
         with self._lock:
             hosted = sorted(self._hosts)
+            objects = sorted(self._objects)
         return {
+            "objects": objects,
             "node_id": self.node_id,
             "fingerprint": fingerprint(),
             "pid": os.getpid(),
@@ -142,6 +147,38 @@ class NodeAgent:
             host = self._hosts.pop(key, None)
         if host is not None:
             host.close()
+
+    def make(self, key: str, module: str, name: str, *args: Any) -> None:
+        """Makes ``module.name(*args)`` here under ``key`` (a class of clusterflow's, such
+        as a cluster's manager): what a detached actor of its own would be, without a new
+        Ray worker. An object with a ``release_hook`` attribute gets a function that drops
+        it from here (its own end, as a lone actor ends its process)."""
+        if not module.startswith("clusterflow."):
+            raise ValueError(f"{module!r} is not clusterflow's: an agent hosts only its own")
+        import importlib
+
+        obj = getattr(importlib.import_module(module), name)(*args)
+        if hasattr(obj, "release_hook"):
+            obj.release_hook = functools.partial(self.drop, key)
+        with self._lock:
+            if key in self._objects:
+                raise ValueError(f"{key!r} is hosted here already")
+            self._objects[key] = obj
+
+    def call(self, key: str, method: str, *args: Any) -> Any:
+        """``method(*args)`` of the object hosted under ``key``.
+
+        Raises:
+            KeyError: nothing is hosted under ``key`` (it ended, or never was).
+        """
+        with self._lock:
+            obj = self._objects[key]
+        return getattr(obj, method)(*args)
+
+    def drop(self, key: str) -> None:
+        """Forgets the object hosted under ``key``, if any."""
+        with self._lock:
+            self._objects.pop(key, None)
 
     def shutdown(self) -> None:
         """Ends every hosted task (``ray-agents stop``), before the agent is killed."""
@@ -281,17 +318,44 @@ def ensure(node_id: str) -> Any:
                 _kill(agent)
                 continue
             if got["fingerprint"] != fingerprint():
-                if got["hosted"]:
+                busy = [*got["hosted"], *got["objects"]]
+                if busy:
                     raise AgentUnavailable(
-                        f"the agent on node {node_id} runs other code and hosts tasks "
-                        f"({', '.join(got['hosted'])}); stop them or `clusterflow ray-agents "
-                        "stop --force`"
+                        f"the agent on node {node_id} runs other code and hosts "
+                        f"{', '.join(busy)}; stop them or `clusterflow ray-agents stop --force`"
                     )
                 log.info("the agent on node %s runs other code: replaced", node_id)
                 _kill(agent)
                 continue
             return agent
     raise AgentUnavailable(f"no agent answered on node {node_id} within {START_DEADLINE_S:g}s")
+
+
+def head_agent() -> Any:
+    """The head node's live agent (started or replaced if need be); None where agents
+    are not enabled. Managers go there (``manager/ray_host.py``).
+
+    Raises:
+        AgentUnavailable: none answered on the head within the deadlines.
+    """
+    import ray
+
+    if not enabled():
+        return None
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return ensure(node["NodeID"])
+    return None
+
+
+def find_head_agent() -> Any:
+    """The head node's agent if one runs (nothing is started); None otherwise."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return _find(node["NodeID"])
+    return None
 
 
 def _ping_deadline(deadline: float) -> float:
@@ -378,10 +442,11 @@ def stop_all(*, force: bool) -> list[str]:
 
     found = {}
     for info in running():
-        if info.get("hosted") and not force:
+        busy = [*info.get("hosted", ()), *info.get("objects", ())]
+        if busy and not force:
             raise AgentsBusy(
-                f"the agent on node {info['node_id']} hosts running tasks "
-                f"({', '.join(info['hosted'])}); stop their clusters first, or --force"
+                f"the agent on node {info['node_id']} hosts {', '.join(busy)}; stop their "
+                "clusters first, or --force"
             )
         found[info["node_id"]] = info
     internal_kv._internal_kv_del(KV_KEY, namespace=NAMESPACE)
