@@ -70,7 +70,9 @@ def _agents(cf: Any) -> dict[str, int]:
 
 
 def _on_ray(cf: Any) -> subprocess.CompletedProcess[str]:
-    out = cf("start", "--backend", "ray", "--address", ADDRESS, "--workers", "2", "--", *JOB)
+    # Each worker asks for all of a node's CPUs: placed only if the agents hold none.
+    ray = ["--backend", "ray", "--address", ADDRESS, "--resources", "worker:CPU=2"]
+    out = cf("start", *ray, "--workers", "2", "--", *JOB)
     assert out.returncode == 0, out.stderr + out.stdout
     return out
 

@@ -291,7 +291,10 @@ def _alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
-_ensure_lock = threading.Lock()
+_locks: dict[str, threading.Lock] = {}
+"""One per node: two launches on a node must not race to make its agent, and a node
+whose agent is being replaced must not hold up launches on the others."""
+_locks_lock = threading.Lock()
 
 
 def ensure(node_id: str) -> Any:
@@ -303,7 +306,9 @@ def ensure(node_id: str) -> Any:
     """
     import ray
 
-    with _ensure_lock:  # two launches on one node must not race to make its agent
+    with _locks_lock:
+        lock = _locks.setdefault(node_id, threading.Lock())
+    with lock:
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline:
             agent = _find(node_id)
