@@ -112,8 +112,9 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     assert _results(first.stdout) == _results(local.stdout)  # digit for digit
     assert _results(second.stdout) == _results(local.stdout)
 
-    # An agent dies (its process killed, as a crash would): the next launch replaces it.
-    node, pid = sorted(agents.items())[1]
+    # The other node's agent dies (its process killed, as a crash would): the next
+    # launch's task on that node finds it dead and replaces it.
+    node, pid = next((n, p) for n, p in agents.items() if n != manager["node_id"])
     os.kill(pid, signal.SIGKILL)
     third = _on_ray(cf)
     now = _agents(cf)
