@@ -47,6 +47,7 @@ from clusterflow.cluster.contract import (
     ENV_SECRET_FILE,
     GLOO_IFNAME,
 )
+from clusterflow.errors import ClusterflowError
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,19 @@ class SupervisorHost:
     """
 
     def __init__(
-        self, task: str, env: Mapping[str, str], secret: str, memory_limit: float | None = None
+        self,
+        task: str,
+        env: Mapping[str, str],
+        secret: str,
+        memory_limit: float | None = None,
+        assigned: Mapping[str, float] | None = None,
     ) -> None:
         import ray
 
         self.task = task
+        self._assigned = dict(assigned) if assigned is not None else None
+        """The bundle's resources, when a node's agent (``ray_agent``) hosts this task:
+        the placement group holds them, not this process, so Ray cannot say."""
         # mkdtemp makes the folder 0700: only this user's processes can list it.
         self._dir = tempfile.mkdtemp(prefix="clusterflow-task-")
         secret_file = os.path.join(self._dir, "secret")
@@ -149,8 +158,10 @@ class SupervisorHost:
             "pid": self._popen.pid,
             "node_id": self.node_id,
             "node_ip": self.node_ip,
-            "resources": dict(context.get_assigned_resources()),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "resources": (
+                dict(context.get_assigned_resources()) if self._assigned is None else self._assigned
+            ),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if self._assigned is None else [],
         }
 
     def read(self, wait_s: float) -> dict[str, Any]:
@@ -180,6 +191,16 @@ class SupervisorHost:
         over is held to that task's request)."""
         self._memory.limit = limit
 
+    def close(self) -> None:
+        """Kills what is left of the tree and removes the secret's folder: the task ended
+        or its manager let it go (an agent's host; an actor's own end does this by dying,
+        and its node's tree is killed with it only when the node dies)."""
+        if self._popen.poll() is None:
+            self.signal(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(EXIT_DRAIN_S)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
 
 @functools.cache
 def actor_class() -> Any:
@@ -187,6 +208,35 @@ def actor_class() -> Any:
     import ray
 
     return ray.remote(max_concurrency=4, max_restarts=0)(SupervisorHost)
+
+
+class OwnActor:
+    """A task in an actor of its own, which holds its bundle's resources (GPUs, a run's
+    runtime environment, a standby; otherwise a node's agent hosts it, ``ray_agent``)."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def start(self) -> None:
+        """Nothing: the actor started its supervisor when Ray placed it."""
+
+    def info(self) -> Any:
+        return self._actor.info.remote()
+
+    def read(self, wait_s: float) -> Any:
+        return self._actor.read.remote(wait_s)
+
+    def signal(self, signum: int) -> Any:
+        return self._actor.signal.remote(signum)
+
+    def hold_to(self, limit: float | None) -> Any:
+        return self._actor.hold_to.remote(limit)
+
+    def end(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self._actor, no_restart=True)
 
 
 class RayProcess:
@@ -197,9 +247,10 @@ class RayProcess:
     died, or it was killed) counts as a task killed with SIGKILL.
     """
 
-    def __init__(self, task: TaskId, actor: Any, request: TaskRequest) -> None:
+    def __init__(self, task: TaskId, host: Any, request: TaskRequest) -> None:
         self._task = task
-        self._actor = actor
+        self._host = host
+        """``OwnActor`` or ``ray_agent.AgentSlot``: where the supervisor runs."""
         self._request = request
         read_end, self._write_fd = os.pipe()
         self._output = os.fdopen(read_end, "rb")
@@ -212,6 +263,9 @@ class RayProcess:
         killer, or by the kernel's (a cgroup limit)."""
         self._growable = False
         self._placed = threading.Event()
+        self._pending: list[int] = []
+        """Signals sent before the supervisor started, sent to it once it did."""
+        self._pending_lock = threading.Lock()
         self._done = threading.Event()
         threading.Thread(target=self._pump, name=f"ray-{task}", daemon=True).start()
 
@@ -234,7 +288,7 @@ class RayProcess:
         that took a task over; the call is not awaited, it only sets a number)."""
         self._request = request
         with contextlib.suppress(Exception):
-            self._actor.hold_to.remote(request.bundle().get("memory"))
+            self._host.hold_to(request.bundle().get("memory"))
 
     @property
     def memory_asked(self) -> float:
@@ -271,16 +325,22 @@ class RayProcess:
             return
         import ray
 
+        if not self._placed.is_set():
+            # Not started yet (an agent's slot waits for its bundle): kept, sent once it is.
+            with self._pending_lock:
+                if not self._placed.is_set():
+                    self._pending.append(signum)
+                    return
         # Awaited, so a SIGKILL has landed before the caller waits for the exit.
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self._actor.signal.remote(signum), timeout=CALL_DEADLINE_S)
+            ref = self._host.signal(signum)
+            if ref is not None:
+                ray.get(ref, timeout=CALL_DEADLINE_S)
 
     def end(self) -> None:
-        """Ends the actor (and with it the supervisor's hold on its resources)."""
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.kill(self._actor, no_restart=True)
+        """Ends the task's actor (and with it the supervisor's hold on its resources),
+        or lets its agent end what is left of it."""
+        self._host.end()
 
     def _pump(self) -> None:
         import ray
@@ -289,11 +349,16 @@ class RayProcess:
         try:
             # No deadline on placement itself: after a node died, Ray places the bundle
             # again when a node is free, and the manager's registration timeout bounds it.
-            self._info = ray.get(self._actor.info.remote())
-            self._placed.set()
+            self._host.start()
+            self._info = ray.get(self._host.info())
+            with self._pending_lock:
+                self._placed.set()
+                pending, self._pending = self._pending, []
+            for signum in pending:
+                self.signal(signum)
             while True:
                 try:
-                    got = ray.get(self._actor.read.remote(READ_WAIT_S), timeout=CALL_DEADLINE_S)
+                    got = ray.get(self._host.read(READ_WAIT_S), timeout=CALL_DEADLINE_S)
                 except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
                     continue  # a node briefly unreachable; Ray says when it is dead
                 self.memory_peak = max(self.memory_peak, int(got["memory_peak"]))
@@ -303,6 +368,8 @@ class RayProcess:
                 if got["code"] is not None:
                     code = got["code"]
                     break
+        except ClusterflowError as exc:  # no agent answered on the bundle's node
+            log.warning("%s: %s; counted as killed", self._task, exc)
         except ray.exceptions.RayError as exc:
             if _ray_oom(exc):
                 self.oom = True

@@ -24,7 +24,13 @@ from typing import Any
 
 from clusterflow.backends.api import TaskLaunch
 from clusterflow.backends.memory_watch import within_run
-from clusterflow.backends.ray_actor import NODE_LOCAL, RayProcess, actor_class, largest_node_memory
+from clusterflow.backends.ray_actor import (
+    NODE_LOCAL,
+    OwnActor,
+    RayProcess,
+    actor_class,
+    largest_node_memory,
+)
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ENV_SECRET_FILE, ENV_STANDBY
@@ -87,6 +93,8 @@ class RayBackend:
         """Tasks of the start that left (a shrink): their bundles of the cluster's group
         stay held (a group's bundles cannot be released one by one) for a later grow."""
         self._changes = 0
+        self._launches = 0
+        """Launches through agents so far: each one's key on its agent is unique."""
         self._lock = threading.Lock()
         self._processes: dict[str, RayProcess] = {}
         """The current process of each task (standbys are not a task's until they take one)."""
@@ -142,15 +150,51 @@ class RayBackend:
             # for now (``adopt`` sets it again when it takes one).
             request = self._sized(request)
         limit = request.bundle().get("memory")
-        actor = (
-            actor_class().options(name=None, **options).remote(str(launch.task), env, secret, limit)
-        )
-        process = RayProcess(launch.task, actor, request)
+        host: Any
+        if not standby and self._by_agent(request):
+            from clusterflow.backends.ray_agent import AgentSlot
+
+            # The group reserved the bundle; the node's agent starts the supervisor there.
+            with self._lock:
+                self._launches += 1
+                key = f"{self._group_name}/{launch.task}/{self._launches}"
+            host = AgentSlot(
+                key,
+                options["scheduling_strategy"].placement_group,
+                options["scheduling_strategy"].placement_group_bundle_index,
+                (str(launch.task), env, secret, limit, request.bundle()),
+            )
+        else:
+            host = OwnActor(
+                actor_class()
+                .options(name=None, **options)
+                .remote(str(launch.task), env, secret, limit)
+            )
+        process = RayProcess(launch.task, host, request)
         with self._lock:
             self._all.append(process)
             if not standby:
                 self._processes[str(launch.task)] = process
         return process
+
+    def _by_agent(self, request: TaskRequest) -> bool:
+        """Whether a node's agent hosts the task (``ray_agent``): agents are enabled on
+        this Ray cluster, the task asks for no GPU (Ray assigns GPUs only to processes
+        it starts) and the run has no runtime environment (``--job-dir``: Ray unpacks
+        it only for the run's own workers)."""
+        if request.bundle().get("GPU") or self._runtime_env():
+            return False
+        from clusterflow.backends import ray_agent
+
+        return ray_agent.enabled()
+
+    @staticmethod
+    def _runtime_env() -> bool:
+        import ray
+
+        with contextlib.suppress(Exception):
+            return bool(dict(ray.get_runtime_context().runtime_env or {}))
+        return True
 
     def job_peak(self, job: str) -> float:
         """The largest peak memory any task of ``job`` reached so far in this run."""

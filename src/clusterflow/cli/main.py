@@ -21,6 +21,7 @@ from clusterflow.backends import kinds
 from clusterflow.cli import follow, interrupts, show
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.context import CONTEXT
+from clusterflow.cli.ray_agents import ray_agents
 from clusterflow.cli.secret import secret
 from clusterflow.cli.start_settings import read_yaml, start_flags, start_layers
 from clusterflow.cli.tune import make_tune
@@ -527,6 +528,7 @@ cli.add_command(make_tune(start))  # `clusterflow tune` (cli/tune.py): start's o
 cli.add_command(cache_group)  # `clusterflow cache` (cli/cache.py)
 cli.add_command(ui)  # `clusterflow ui` (cli/ui.py): the dashboard
 cli.add_command(secret)  # `clusterflow secret` (cli/secret.py)
+cli.add_command(ray_agents)  # `clusterflow ray-agents` (cli/ray_agents.py)
 
 
 def main(argv: list[str] | None = None) -> None:

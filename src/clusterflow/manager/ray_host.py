@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clusterflow.backends import kinds, ray_driver
+from clusterflow.backends import kinds, ray_agent, ray_driver
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
 from clusterflow.cluster.contract import ENV_SECRET_FILE
 from clusterflow.errors import ConfigError
@@ -105,6 +105,9 @@ class ManagerHost:
         """The growth watcher (``ray_growth``) of an elastic cluster; None otherwise."""
         self._ended = threading.Event()
         self._collected = threading.Event()
+        self.release_hook: Any = None
+        """Set by a node's agent that hosts this manager (``ray_agent.NodeAgent.make``):
+        drops it there once it may end; None in an actor of its own, which exits."""
 
     def start(self) -> str | None:
         """Places the whole cluster, then runs it on a thread; the one-line error if it
@@ -174,7 +177,10 @@ class ManagerHost:
             # Nobody came for the final state (it stays in this node's folder): a
             # detached actor is not reclaimed by Ray, so it ends itself.
             log.info("nobody collected cluster %s's final state; ending", self.cluster.id)
-            os._exit(0)
+            if self.release_hook is not None:
+                self.release_hook()  # hosted by the node's agent, which lives on
+            else:
+                os._exit(0)
 
     def pull(self, offsets: dict[str, int]) -> dict[str, Any]:
         """The state (with each task's node and resources) and every mirrored file's
@@ -251,16 +257,21 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     secret = cluster.secret_file.read_text()
     sized, automatic = size(config)
     before = earlier_peaks(config, automatic)
-    actor = (
-        _host_class()
-        .options(
-            name=actor_name(cluster.id),
-            namespace=NAMESPACE,
-            lifetime="detached",
-            scheduling_strategy=_on_head_node(),
+    args = (cluster.id, sized.to_dict(), secret, sorted(automatic), before)
+    # The head's agent hosts the manager when agents run (no Ray worker to start), but
+    # not a run with a job folder: Ray unpacks that only for the run's own workers.
+    actor: Any = None if config.job_dir else _in_head_agent(actor_name(cluster.id), args)
+    if actor is None:
+        actor = (
+            _host_class()
+            .options(
+                name=actor_name(cluster.id),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                scheduling_strategy=_on_head_node(),
+            )
+            .remote(*args)
         )
-        .remote(cluster.id, sized.to_dict(), secret, sorted(automatic), before)
-    )
     handle = ManagerHandle(cluster, actor)
     try:
         error = ray.get(actor.start.remote(), timeout=config.placement_timeout_s + 120.0)
@@ -273,6 +284,22 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     return handle
 
 
+def _in_head_agent(key: str, args: tuple[Any, ...]) -> Hosted | None:
+    """The manager made in the head node's agent; None where agents are not enabled,
+    or where the head's agent failed within its deadlines (an actor of its own then)."""
+    import ray
+
+    try:
+        agent = ray_agent.head_agent()
+        if agent is None:
+            return None
+        ray.get(agent.make.remote(key, __name__, ManagerHost.__name__, *args), timeout=60.0)
+    except (ray_agent.AgentUnavailable, ray.exceptions.RayError) as exc:
+        log.warning("the head's agent cannot host the manager (%s); it gets an actor", exc)
+        return None
+    return Hosted(agent, key)
+
+
 def _on_head_node() -> Any:
     """The manager goes to the head node: the Ray cluster ends with that node anyway,
     while any other node may be a spot machine that goes away."""
@@ -283,6 +310,45 @@ def _on_head_node() -> Any:
         if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
             return NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
     return "DEFAULT"
+
+
+class Hosted:
+    """A manager hosted by the head node's agent (``ray_agent``), called as its own
+    actor would be: ``hosted.pull.remote(offsets)`` is the agent's ``call``."""
+
+    def __init__(self, agent: Any, key: str) -> None:
+        self.agent = agent
+        self.key = key
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        agent, key = self.agent, self.key
+
+        class Method:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return agent.call.remote(key, method, *args)
+
+        return Method
+
+    @classmethod
+    def find(cls, key: str) -> Hosted | None:
+        """The manager ``key`` if the head's agent hosts it; None otherwise."""
+        import ray
+
+        agent = ray_agent.find_head_agent()
+        if agent is None:
+            return None
+        try:
+            got = ray.get(agent.ping.remote(), timeout=ray_agent.PING_DEADLINE_S)
+        except ray.exceptions.RayError:
+            return None
+        return cls(agent, key) if key in got["objects"] else None
+
+    def end(self) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.drop.remote(self.key)
 
 
 class ManagerHandle:
@@ -303,10 +369,10 @@ class ManagerHandle:
         import ray
 
         try:
-            actor = ray.get_actor(actor_name(cluster.id), namespace=NAMESPACE)
+            actor: Any = ray.get_actor(actor_name(cluster.id), namespace=NAMESPACE)
         except ValueError:
-            return None
-        return cls(cluster, actor)
+            actor = Hosted.find(actor_name(cluster.id))
+        return None if actor is None else cls(cluster, actor)
 
     def refresh(self) -> ClusterState | None:
         """Pulls the manager's state and new output into the local folder; the state,
@@ -356,7 +422,10 @@ class ManagerHandle:
 
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.actor.release.remote(), timeout=CALL_DEADLINE_S)
-        ray.kill(self.actor, no_restart=True)
+        if isinstance(self.actor, Hosted):
+            self.actor.end()  # the agent lives on for the next run
+        else:
+            ray.kill(self.actor, no_restart=True)
 
 
 def _size(path: Path) -> int:

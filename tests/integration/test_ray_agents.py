@@ -1,0 +1,128 @@
+"""Per-node clusterflow agents on a real Ray cluster (``backends/ray_agent.py``).
+
+Two Ray nodes, one per emulated host (``clusterflow.testing.ray_nodes``, as in
+``test_ray.py``), shared by the module; its finalizer kills every process on the hosts
+and removes them, even when a test failed. With agents started, a launch's tasks run
+under the node's agent (no Ray worker started for them), a second launch reuses the
+same agents, a killed agent is replaced by the next launch, results equal the local
+backend's, and ``ray-agents stop`` leaves no agent behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterflow.testing import available
+from conftest import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+if not available():
+    pytest.skip("needs root and iproute2 for the emulated hosts", allow_module_level=True)
+
+from clusterflow.testing.ray_nodes import RayNodes  # noqa: E402 (after the skip)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = [sys.executable, str(Path(__file__).with_name("ray_agent_job.py")), "--epochs", "1"]
+ADDRESS = "10.77.0.1:6379"
+CLI = [sys.executable, "-m", "clusterflow.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[RayNodes]:
+    with RayNodes(2, prefix="rayag") as ray_nodes:
+        assert ray_nodes.address == ADDRESS
+        ray_nodes.start_head("--num-cpus=2")
+        ray_nodes.start_node(1, "--num-cpus=2")
+        wait_until(lambda: len(ray_nodes.probe()["nodes"]) == 2, 60, "two Ray nodes")
+        yield ray_nodes
+
+
+@pytest.fixture
+def cf(nodes: RayNodes, tmp_path: Path) -> Iterator[Any]:
+    """``clusterflow ARGS`` on the head's host; afterwards the agents are stopped (with
+    ``--force``: a failed test may leave them hosting), whatever the test did."""
+    env = nodes.env(CLUSTERFLOW_HOME=str(tmp_path / "home"))
+
+    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        return nodes.run([*CLI, *args], env=env, timeout=timeout, cwd=REPO, capture_output=True)
+
+    run.home = tmp_path / "home"  # type: ignore[attr-defined]
+    yield run
+    run("ray-agents", "stop", "--force", "--address", ADDRESS)
+
+
+def _agents(cf: Any) -> dict[str, int]:
+    """Node id -> pid of every live agent (``ray-agents status``)."""
+    out = cf("ray-agents", "status", "--address", ADDRESS)
+    assert out.returncode == 0, out.stderr
+    return {m[0]: int(m[1]) for m in re.findall(r"agent on node (\w+) \(pid (\d+)\)", out.stdout)}
+
+
+def _on_ray(cf: Any) -> subprocess.CompletedProcess[str]:
+    # Each worker asks for all of a node's CPUs: placed only if the agents hold none.
+    ray = ["--backend", "ray", "--address", ADDRESS, "--resources", "worker:CPU=2"]
+    out = cf("start", *ray, "--workers", "2", "--", *JOB)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out
+
+
+def _hosts(out: str) -> set[int]:
+    return {int(pid) for pid in re.findall(r"hosted_by=(\d+)", out)}
+
+
+def _results(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "test_accuracy" in line]
+
+
+def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
+    nodes: RayNodes, cf: Any
+) -> None:
+    started = cf("ray-agents", "start", "--address", ADDRESS)
+    assert started.returncode == 0, started.stderr
+    agents = _agents(cf)
+    assert len(agents) == 2, started.stdout  # one per node
+
+    first = _on_ray(cf)
+    # Each task's supervisor is a child of its node's agent: no Ray worker was started
+    # for it. Two workers, spread over the two nodes: both agents host one.
+    assert _hosts(first.stdout) == set(agents.values()), first.stdout
+    # The manager ran in the head's agent too (no Ray worker started for it either).
+    (cluster,) = (cf.home / "clusters").iterdir()
+    described = cf("describe", cluster.name, "--json")
+    manager = json.loads(described.stdout)["manager"]
+    assert manager["pid"] == agents[manager["node_id"]], (manager, agents)
+    second = _on_ray(cf)
+    assert _hosts(second.stdout) == set(agents.values()), second.stdout
+    assert _agents(cf) == agents  # the same processes, reused
+
+    local = cf("start", "--workers", "2", "--", *JOB)
+    assert local.returncode == 0, local.stderr
+    assert len(_results(local.stdout)) == 2, local.stdout  # its epoch and the final line
+    assert _results(first.stdout) == _results(local.stdout)  # digit for digit
+    assert _results(second.stdout) == _results(local.stdout)
+
+    # The other node's agent dies (its process killed, as a crash would): the next
+    # launch's task on that node finds it dead and replaces it.
+    node, pid = next((n, p) for n, p in agents.items() if n != manager["node_id"])
+    os.kill(pid, signal.SIGKILL)
+    third = _on_ray(cf)
+    now = _agents(cf)
+    assert set(now) == set(agents) and now[node] != pid, (agents, now)
+    assert _hosts(third.stdout) == set(now.values()), third.stdout
+    assert _results(third.stdout) == _results(local.stdout)
+
+    stopped = cf("ray-agents", "stop", "--address", ADDRESS)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not [a for a in nodes.probe()["actors"] if a.startswith("clusterflow")]
+    assert "agents disabled" in cf("ray-agents", "status", "--address", ADDRESS).stdout
