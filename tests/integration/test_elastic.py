@@ -106,7 +106,8 @@ def test_async_ps_through_fit_grows_2_4_2_applying_every_record_once_per_epoch(
 ) -> None:
     """2 -> 4 -> 2 workers during one ``fit`` run with the data service.
 
-    Pins: new workers join at a new spec version and train; the leaving ones' leases go
+    Pins: new workers join at a new spec version and train, both taken by the warm
+    standbys kept for the next grow; the leaving ones' leases go
     back (without ``_leave``'s ``release_worker`` the epoch never completes); every
     record applied exactly once per epoch; the surviving tasks' supervisor and job
     pids unchanged across every resize; the membership history in ``describe``.
@@ -121,6 +122,10 @@ def test_async_ps_through_fit_grows_2_4_2_applying_every_record_once_per_epoch(
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
     assert said.endswith("4 workers at spec version 3 (added worker:2, worker:3)"), said
     assert len(_spec_version(cf, cluster_id, 3)) == 4
+    # the newcomers came from the warm standbys kept for a grow (manager/standby.py)
+    events = [json.loads(line) for line in (cf.path(cluster_id) / "events.jsonl").open()]
+    warm = {e["task"] for e in events if e["event"] == "standby_took_over"}
+    assert warm == {"worker:2", "worker:3"}, events
     # the newcomers train: each logs steps of its own
     checks.allow(tmp_path, checks.steps(tmp_path) + 40)
     cf.wait_until(

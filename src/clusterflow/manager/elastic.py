@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from clusterflow.backends import kinds
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ManagerMethod
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -77,6 +78,10 @@ if TYPE_CHECKING:
     from clusterflow.manager.tasks import TaskRecord, TaskTable
 
 log = logging.getLogger(__name__)
+
+GROWTH_STANDBYS_MAX = 4
+"""The most warm standbys kept for the next grow (each idles at a few hundred MB: a
+zygote with torch imported); a grow beyond them starts its other newcomers cold."""
 
 SCALE_DEADLINE_S = 300.0
 """How long ``clusterflow scale`` waits for the manager's answer: the new tasks'
@@ -157,7 +162,7 @@ class Elastic:
 
     if TYPE_CHECKING:
 
-        def _launch(self, task: TaskRecord, restore: str | None) -> None: ...
+        def _launch(self, task: TaskRecord, restore: str | None, *, warm: bool = False) -> None: ...
 
         def _choose_checkpoint(self, *, restore_data: bool) -> str | None: ...
 
@@ -214,6 +219,27 @@ class Elastic:
             workers_range=self.workers_range(),
             resizable=(all(declared) if declared else None),
         )
+
+    def _grows_warm(self) -> bool:
+        """Whether a grow's newcomers may come from warm standbys: only where the tasks
+        are this machine's processes. Ray places a grow's tasks itself, all or none per
+        change (``Backend.reserve``); a standby started ahead of it would hold a node's
+        resources the grow did not place, and run where the grow did not put it."""
+        kind = kinds.find(self.config.backend)
+        return kind is not None and kind.tasks_here and not kind.placed_by_ray
+
+    def _growth_standbys(self) -> int:
+        """Warm standbys to keep for the next grow: one per worker it may still add (to
+        MAX, or the size a user's ``scale`` last asked for), at most
+        ``GROWTH_STANDBYS_MAX``. Only once the workers declared that they resize live
+        (a job that restarts to resize starts every task anyway, and a run that never
+        grows pays nothing before its first step) and while the cluster runs."""
+        if self.config.workers_max is None or self._status != "running":
+            return 0
+        if not self._grows_warm() or self._scale_view().resizable is not True:
+            return 0
+        now, most = self.growth_size()
+        return max(0, min(most - now, GROWTH_STANDBYS_MAX))
 
     def _step(self) -> int | None:
         """The furthest training step any task reported."""
@@ -344,7 +370,7 @@ class Elastic:
                 )
                 self.rendezvous.admit(task)
                 self._resized()
-                self._launch(record, restore)
+                self._launch(record, restore, warm=self._grows_warm())
                 joined.append(task)
             self.output.line(f"clusterflow: adding {', '.join(map(str, joined))}")
         else:

@@ -64,10 +64,15 @@ class Recovery:
 
         def _write_state(self, state: ClusterState | None = None) -> None: ...
 
-    def _launch(self, task: TaskRecord, restore: str | None) -> None:
-        """Starts ``task``'s supervisor (again), following its output into its log."""
+        def _growth_standbys(self) -> int: ...
+
+    def _launch(self, task: TaskRecord, restore: str | None, *, warm: bool = False) -> None:
+        """Starts ``task``'s supervisor (again), following its output into its log.
+
+        A warm standby takes it when one is kept and the task may be respawned alone, or
+        ``warm`` says it may (a grow's newcomer, ``Elastic._apply_scale``)."""
         task.restore = restore
-        if task.respawnable:
+        if task.respawnable or warm:
 
             def assign(process: TaskProcess) -> None:
                 task.process = process
@@ -81,25 +86,29 @@ class Recovery:
             )
 
     def _keep_standby(self) -> None:
-        """Keeps one warm standby supervisor while a respawn may still be needed.
+        """Keeps warm standby supervisors: one while a respawn may still be needed, and
+        those an elastic cluster's next grow may take (``Elastic._growth_standbys``).
 
-        Only once a job declared a task respawnable (so runs that restart everything
-        pay nothing) and only while restarts remain. It is started while training runs:
-        its torch import then costs the running tasks CPU once, instead of costing the
-        replacement its start-up at every respawn.
+        A respawn's only once a job declared a task respawnable (so runs that restart
+        everything pay nothing) and only while restarts remain. They are started while
+        training runs: their torch import then costs the running tasks CPU once, instead
+        of costing a replacement or a newcomer its start-up.
         """
         first = next((t for t in self.tasks.values() if t.respawnable), None)
-        needed = (
+        respawn = (
             first is not None
             and self.rendezvous.spec is not None
             and self._restarts < self.config.max_restarts
         )
-        if not needed or first is None:
+        count = int(respawn) + self._growth_standbys()
+        model = first.id if first is not None else next(iter(self.tasks.workers()), None)
+        if not count or model is None:
             self.standby.keep(None)
             return
-        task = first.id
+        task = model
         self.standby.keep(
-            lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"})
+            lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"}),
+            count,
         )
 
     def _kill(self, tasks: list[TaskRecord]) -> None:

@@ -1,10 +1,13 @@
-"""The standby pool: one warm supervisor waiting to replace a task that may die alone.
+"""The standby pool: warm supervisors waiting to replace a task that may die alone, or
+to become the newcomers of an elastic cluster's next grow.
 
 A standby (``backends/supervisor.py``, ``CLUSTERFLOW_STANDBY=1``) starts a zygote with
 torch imported and one tiny step taken, then waits here in ``manager.standby`` (bounded
-rounds). When a respawnable task dies, the controller hands the task to it: the standby
-registers as that task and its zygote runs the job in-process, about 0.2 s instead of
-about 5 s for a cold start (docs/architecture.md section 3).
+rounds). When a respawnable task dies, or ``clusterflow scale`` adds a worker, the
+controller hands the task to a standby: it registers as that task and its zygote runs
+the job in-process, about 0.2 s instead of about 5 s for a cold start
+(docs/architecture.md section 3). The controller says how many to keep
+(``Recovery._keep_standby``); the pool starts the missing ones and ends the surplus.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class _Standby:
 
 
 class StandbyPool:
-    """Keeps at most one standby supervisor, and hands it a task (thread-safe).
+    """Keeps a number of standby supervisors, and hands them tasks (thread-safe).
 
     Args:
         backend: where the standby runs.
@@ -67,35 +70,54 @@ class StandbyPool:
         self._stopping = stopping
         self._on_change = on_change
         self._cond = threading.Condition()
-        self._standby: _Standby | None = None
+        self._standbys: list[_Standby] = []
+        """Oldest first: the oldest is the warmest, so it is handed out first."""
         self._handed: dict[int, str] = {}
         """Standbys (by pid) given a task before they asked for one."""
         self._closed = False
 
-    def keep(self, launch: Callable[[], TaskLaunch] | None) -> None:
-        """Keeps one standby alive while ``launch`` is given (a respawn may come).
+    def keep(self, launch: Callable[[], TaskLaunch] | None, count: int = 1) -> None:
+        """Keeps ``count`` standbys alive while ``launch`` is given (a respawn or a grow
+        may come); ends the idle ones above ``count``.
 
-        ``launch`` builds the standby's launch (its environment names the manager);
-        None says no standby is needed now (nothing respawnable, or no restarts left).
+        ``launch`` builds a standby's launch (its environment names the manager);
+        None says no standby is needed now (nothing respawnable, no restarts left, no
+        room to grow).
         """
+        wanted = count if launch is not None else 0
         with self._cond:
-            standby = self._standby
-            if standby is not None:
-                if standby.process.poll() is None:
-                    return
-                self._standby = None  # it died (killed by a user?): make another
-            if launch is None or self._closed:
-                return
-        process = self._backend.launch(launch())
+            # One that died (killed by a user?) is replaced.
+            self._standbys = [s for s in self._standbys if s.process.poll() is None]
+            surplus = self._standbys[wanted:]
+            self._standbys = self._standbys[:wanted]
+            missing = 0 if self._closed else wanted - len(self._standbys)
+            if surplus:
+                self._cond.notify_all()  # a held call of one ended here answers ``exit``
+        for standby in surplus:
+            standby.process.signal(signal.SIGKILL)  # idle: it holds nothing to lose
+            standby.process.wait(5.0)
+        if surplus:
+            self._on_change()
+        for _ in range(missing):
+            assert launch is not None
+            self._start(launch())
+
+    def _start(self, launch: TaskLaunch) -> None:
+        process = self._backend.launch(launch)
         label = None
         if process.output is not None:
             label = self._output.follow(
                 "standby", process.output, self._cluster.task_log("standby")
             )
         with self._cond:
-            self._standby = _Standby(process, label)
+            self._standbys.append(_Standby(process, label))
         log.info("standby supervisor started (pid %d)", process.pid)
         self._on_change()
+
+    def count(self) -> int:
+        """The standbys kept now (warming or waiting)."""
+        with self._cond:
+            return len(self._standbys)
 
     def hand(self, task: str, assign: Callable[[TaskProcess], None]) -> TaskProcess | None:
         """Gives ``task`` to the standby, if one runs; returns its process, or None.
@@ -106,14 +128,15 @@ class StandbyPool:
         standby to be refused).
         """
         with self._cond:
-            standby = self._standby
-            if standby is None or standby.process.poll() is not None:
+            live = [s for s in self._standbys if s.process.poll() is None]
+            if not live:
                 return None
+            # The oldest: even one still warming up beats a cold start (a head start).
+            standby = live[0]
             assign(standby.process)
-            # Even a standby still warming up beats a cold start: it has a head start.
             standby.task = task
             standby.waiting = False
-            self._standby = None
+            self._standbys.remove(standby)
             self._handed[standby.process.pid] = task
             self._cond.notify_all()
         self._backend.adopt(standby.process, TaskId.parse(task))
@@ -137,12 +160,14 @@ class StandbyPool:
                 handed = self._handed.pop(pid, None)
                 if handed is not None:
                     return StandbyReply(task=handed)  # given a task while it was still warming up
-                standby = self._standby
-                if standby is None or standby.process.pid != pid:
-                    return StandbyReply(exit=True)  # not (or no longer) the standby kept here
+                standby = self._find(pid)
+                if standby is None:
+                    return StandbyReply(exit=True)  # not (or no longer) a standby kept here
                 if not standby.waiting:
                     standby.waiting = changed = True
                 while standby.task is None and not (self._closed or self._stopping()):
+                    if standby not in self._standbys:
+                        return StandbyReply(exit=True)  # a surplus one, ended by ``keep``
                     if not self._cond.wait(max(0.0, deadline - time.monotonic())):
                         break
                 if standby.task is not None:
@@ -155,19 +180,24 @@ class StandbyPool:
             if changed:
                 self._on_change()
 
+    def _find(self, pid: int) -> _Standby | None:
+        return next((s for s in self._standbys if s.process.pid == pid), None)
+
     def state(self) -> StandbyState | None:
+        """The oldest standby's (the one a respawn takes first); None when none is kept."""
         with self._cond:
-            standby = self._standby
-            if standby is None:
+            if not self._standbys:
                 return None
+            standby = self._standbys[0]
             return StandbyState(pid=standby.process.pid, ready=standby.waiting)
 
     def close(self) -> None:
-        """Releases waiting standbys and kills an idle one (it holds nothing to lose)."""
+        """Releases waiting standbys and kills the idle ones (they hold nothing to lose)."""
         with self._cond:
             self._closed = True
-            standby, self._standby = self._standby, None
+            standbys, self._standbys = self._standbys, []
             self._cond.notify_all()
-        if standby is not None:
+        for standby in standbys:
             standby.process.signal(signal.SIGKILL)
+        for standby in standbys:
             standby.process.wait(5.0)
