@@ -188,8 +188,15 @@ def phases(out: Path, asked: float, at4: float, tasks: set[str] | None) -> dict[
     latest: dict[str, float] = {}
     for line in (out / "marks.log").read_text().splitlines():
         who, what, at = line.split()
-        if float(at) >= asked - 0.1 and (tasks is None or who in tasks):
-            latest[what] = max(latest.get(what, 0.0), float(at))
+        if tasks is not None and who not in tasks:
+            continue
+        when = float(at)
+        if what == "created" and tasks is not None:
+            # A newcomer a warm standby took was created before the request: no spawn.
+            when = max(when, asked)
+        elif when < asked - 0.1:
+            continue
+        latest[what] = max(latest.get(what, 0.0), when)
     marks = [asked, latest["created"], latest["imported"], latest["joined"], at4]
     return {f"{name}_s": b - a for name, a, b in zip(PHASES, marks, marks[1:], strict=False)}
 
