@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +39,7 @@ def hold_at(out: Path, step: int) -> None:
     pauses each of them after the same step: none starts the next, so none has a push
     or a collective in flight while the test resizes the cluster.
     """
-    allow = out / "allow"
-    while True:
-        try:
-            limit = int(allow.read_text() or "0")
-        except (FileNotFoundError, ValueError):
-            return
-        if step < limit:
-            return
-        time.sleep(0.02)
+    _hold_until_below(out, lambda: step)
 
 
 def hold(out: Path) -> None:
@@ -54,15 +47,21 @@ def hold(out: Path) -> None:
 
     Counted in lines, this is not exact: a task that checks just before its peers write
     the last allowed lines goes on to one more step."""
+    _hold_until_below(out, lambda: steps(out))
+
+
+def _hold_until_below(out: Path, now: Callable[[], int]) -> None:
+    """Polls ``OUT/allow`` (written by the test, in another process: nothing to wait on
+    but the file) until it is gone or ``now()`` is below the number it holds."""
     allow = out / "allow"
     while True:
         try:
             limit = int(allow.read_text() or "0")
         except (FileNotFoundError, ValueError):
             return
-        if steps(out) < limit:
+        if now() < limit:
             return
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def main() -> None:

@@ -89,14 +89,21 @@ def _spec_version(cf: Clusterflow, cluster_id: str, version: int) -> Any:
     return _workers_in_spec(cf, cluster_id)[0]
 
 
-def _finish(cf: Clusterflow, cluster_id: str, out: Path) -> None:
-    """Lets the run end; every record was applied once per epoch (the chief's
-    final.json)."""
+def _succeeds(cf: Clusterflow, cluster_id: str, out: Path) -> dict[str, Any]:
+    """Lets the run end (``OUT/allow`` gone); its state, once it succeeded and its
+    manager exited."""
     checks.allow(out, None)
     cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
     cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
     state = cf.state(cluster_id)
     assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    return state
+
+
+def _finish(cf: Clusterflow, cluster_id: str, out: Path) -> None:
+    """Lets the run end; every record was applied once per epoch (the chief's
+    final.json)."""
+    _succeeds(cf, cluster_id, out)
     checks.check_async_ps(out, RECORDS, EPOCHS)
 
 

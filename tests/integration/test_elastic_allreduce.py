@@ -31,7 +31,7 @@ import elastic_checks as checks
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_elastic import _ended, _job_pids, _pids, _scale
+from test_elastic import _job_pids, _pids, _scale, _succeeds
 
 if TYPE_CHECKING:
     from conftest import Clusterflow
@@ -85,11 +85,7 @@ def test_allreduce_through_fit_resizes_live_2_4_2_as_one_process_would_train(
     assert said_box and said_box[0].endswith("(removed worker:3, worker:2)"), said_box
     assert _pids(cf, cluster_id, SURVIVORS) == before, "a resize restarted a surviving task"
 
-    checks.allow(tmp_path, None)
-    cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
-    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
-    state = cf.state(cluster_id)
-    assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    state = _succeeds(cf, cluster_id, tmp_path)
     assert state["restarts"] == 0
     assert [t["task"] for t in state["tasks"]] == list(SURVIVORS)
 
@@ -137,11 +133,7 @@ def test_a_newcomer_that_finds_every_split_lent_out_takes_part_with_a_peers_batc
         lambda: checks.steps(tmp_path, "worker:1") >= 1,
         f"a step of worker:1\n{cf.output(cluster_id)}",
     )
-    checks.allow(tmp_path, None)
-    cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
-    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
-    state = cf.state(cluster_id)
-    assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    state = _succeeds(cf, cluster_id, tmp_path)
     assert state["restarts"] == 0
 
     log = checks.allreduce_log(tmp_path)

@@ -32,7 +32,7 @@ import elastic_checks as checks
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_elastic import _ended, _job_pids, _pids, _scale
+from test_elastic import _job_pids, _pids, _scale, _succeeds
 
 if TYPE_CHECKING:
     from conftest import Clusterflow
@@ -98,11 +98,7 @@ def test_sync_ps_through_fit_resizes_2_4_2_as_one_process_would_train(
         "the leavers' exit",
     )
 
-    checks.allow(tmp_path, None)
-    cf.wait_until(lambda: _ended(cf, cluster_id), 180, f"the end of {cluster_id}")
-    cf.wait_until(lambda: not cf.live(cluster_id), 30, "the manager's exit")
-    state = cf.state(cluster_id)
-    assert state["status"] == "succeeded", f"{state.get('summary')}\n{cf.output(cluster_id)}"
+    state = _succeeds(cf, cluster_id, tmp_path)
     assert state["restarts"] == 0
     assert [t["task"] for t in state["tasks"]] == list(SURVIVORS)
 

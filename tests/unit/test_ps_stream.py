@@ -144,15 +144,7 @@ def _tracked(param: torch.Tensor) -> TrackedVar:
 
 def test_a_checkpoint_of_a_chunked_optimizer_resumes_as_the_whole_one() -> None:
     spec = OPTIMIZERS["adam"]
-    store = VariableStore(0)
-    store.create(
-        PSConfig(mode="async", num_replicas=1),
-        [{"name": "w", "shape": [N], "dtype": "float32"}],
-        {"w": torch.linspace(-1, 1, N)},
-    )
-    from clusterflow.ps.optimizer import OptimizerSpec
-
-    store.set_optimizer(OptimizerSpec.from_dict(spec), {"w": 0})
+    store = _store(spec)
     var, reference = _reference(spec)
     grads = _grads(4)
     for version, grad in enumerate(grads[:2]):
