@@ -24,6 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from conftest import Clusterflow
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -123,13 +125,15 @@ def run_with_chaos(
     *,
     seed: int,
     every: int,
+    before_kill: Callable[[], bool] | None = None,
 ) -> tuple[str, list[str]]:
     """Starts the cluster, kills as ``kill_schedule`` says, waits for the end.
 
     Kill ``k`` waits until the run logged its step threshold (``every`` to ``2 * every``
     more than the previous one, so the run gets past a checkpoint between kills and
-    always finishes), then until the chosen task's job runs (it may be respawning), and
-    kills it. Every wait is on a condition; none draws from the RNG again.
+    always finishes) and ``before_kill()`` holds, then until the chosen task's job runs
+    (it may be respawning), and kills it. Every wait is on a condition; none draws from
+    the RNG again.
     """
     schedule = kill_schedule(seed, targets, every)
     cluster_id = cf.start_detached(
@@ -137,7 +141,7 @@ def run_with_chaos(
     )
     kills: list[str] = []
     try:
-        _kill_on_schedule(cf, cluster_id, out, schedule, kills, seed)
+        _kill_on_schedule(cf, cluster_id, out, schedule, kills, seed, before_kill)
     except AssertionError as exc:  # a wait ran out: what the cluster said is the clue
         raise AssertionError(f"{exc}; kills {kills}\n{cf.output(cluster_id)}") from None
     state = cf.state(cluster_id)
@@ -155,11 +159,13 @@ def _kill_on_schedule(
     schedule: list[tuple[int, str]],
     kills: list[str],
     seed: int,
+    before_kill: Callable[[], bool] | None = None,
 ) -> None:
     """Kills as ``schedule`` says (see ``run_with_chaos``), then waits for the end."""
+    ready = before_kill or (lambda: True)
     for at, task in schedule:
         cf.wait_until(
-            lambda at=at: _steps(out) >= at or _ended(cf, cluster_id),
+            lambda at=at: (_steps(out) >= at and ready()) or _ended(cf, cluster_id),
             120,
             f"{at} steps before kill {len(kills) + 1} (seed {seed})",
         )
@@ -291,8 +297,17 @@ def run_fit_with_chaos(
     print(f"CHAOS_SEED={seed}")
     path = _records(tmp_path, FIT_RECORDS)
     job = [scenario, str(tmp_path), str(path), str(FIT_RECORDS), str(FIT_EPOCHS), str(batch_size)]
+    before_kill = None
     if own_directory:
-        job.append(str(tmp_path / "own-checkpoints"))
+        own = tmp_path / "own-checkpoints"
+        job.append(str(own))
+
+        # The step thresholds count every worker's lines, and the leader, which cuts
+        # the checkpoints, may lag the others (async, a loaded machine): seen once, two
+        # ps kills before its first checkpoint, so the restarts restored none.
+        def before_kill() -> bool:
+            return any((d / "MANIFEST.json").exists() for d in own.glob("ckpt-*"))
+
     cluster_id, kills = run_with_chaos(
         cf,
         tmp_path,
@@ -301,6 +316,7 @@ def run_fit_with_chaos(
         job,
         seed=seed,
         every=2 * chaos_job.FIT_CHECKPOINT_EVERY + 2,
+        before_kill=before_kill,
     )
     counts = json.loads((tmp_path / "final.json").read_text())["counts"]
     wrong = {i: c for i, c in enumerate(counts) if c != FIT_EPOCHS}
