@@ -393,8 +393,7 @@ def test_a_request_that_does_not_fit_now_fails_within_its_bound_or_at_sigterm(
     assert held.returncode == 0, held.stderr
     holder = held.stdout.strip()
     try:
-        with _following(ray_cluster, cf, holder) as output:
-            output.wait_for("[worker:0] ready", timeout=120)  # it holds the GPU
+        wait_until(lambda: "[worker:0] ready" in _logs(cf, holder), 120, "the GPU's holder")
         config = tmp_path / "cluster.yaml"
         config.write_text(
             "backend: ray\n"
@@ -636,8 +635,7 @@ def test_detach_then_attach_from_another_machine_then_stop_leaves_nothing(
     out = cf("start", "-c", str(config), "--detach", "--", sys.executable, "-c", job)
     assert out.returncode == 0, out.stderr
     second = out.stdout.strip()
-    with _following(ray_cluster, cf, second) as output:
-        output.wait_for("[worker:0] ready 0", timeout=120)  # the curve task runs
+    wait_until(lambda: "[worker:0] ready 0" in _logs(cf, second), 120, "the curve task")
     ps = cf("ps")
     assert second in ps.stdout and "running" in ps.stdout, ps.stdout
     stopped = cf("stop", second, "--grace", "2")
@@ -658,25 +656,6 @@ def _logs(cf: Any, cluster_id: str) -> str:
     out = cf("logs", cluster_id)
     assert out.returncode == 0, out.stderr
     return str(out.stdout)
-
-
-@contextlib.contextmanager
-def _following(ray_cluster: RayCluster, cf: Any, cluster_id: str) -> Iterator[LineReader]:
-    """``clusterflow logs -f``: the cluster's output lines as they come, to wait on one.
-
-    One CLI process joins Ray once and pulls the output as it grows; polling ``_logs``
-    instead starts a CLI, and a Ray driver, per poll (seconds of CPU each, taken from the
-    cluster under test on 2 cores). Killed on the way out; it ends by itself with the run.
-    """
-    argv = [*CLI, "logs", cluster_id, "-f"]
-    proc = ray_cluster.popen(argv, env=cf.env, cwd=REPO, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
-    try:
-        yield LineReader(proc.stdout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
 
 
 def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
@@ -700,19 +679,17 @@ def test_a_node_that_dies_mid_run_is_survived_by_a_restart_elsewhere(
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         cluster_id = out.stdout.strip()
-        with _following(ray_cluster, cf, cluster_id) as output:
-            output.wait_for("[worker:0] attempt 0", timeout=120)
-            first = _state(cf, cluster_id)
-            (task,) = first["tasks"]
-            assert task["memory_requested"] == 2**30  # the estimate: nothing measured yet
-            nodes = ray_cluster.probe()["nodes"]
-            dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
-            assert first["manager"]["node_id"] == nodes["a"]  # the manager is on the head node
-            ray_cluster.kill_node(dead)
+        wait_until(lambda: "[worker:0] attempt 0" in _logs(cf, cluster_id), 120, "attempt 0")
+        first = _state(cf, cluster_id)
+        (task,) = first["tasks"]
+        assert task["memory_requested"] == 2**30  # the estimate: nothing measured yet
+        nodes = ray_cluster.probe()["nodes"]
+        dead = next(tag for tag in tags if nodes[tag] == task["node_id"])
+        assert first["manager"]["node_id"] == nodes["a"]  # the manager is on the head node
+        ray_cluster.kill_node(dead)
 
-            output.wait_for("[worker:0] attempt 1", timeout=120)  # a restart
-            flag.touch()
-            output.join(120)  # `logs -f` ends with the run
+        wait_until(lambda: "[worker:0] attempt 1" in _logs(cf, cluster_id), 120, "a restart")
+        flag.touch()
         state = wait_until(lambda: _ended(cf, cluster_id), 120, "the run's end")
         assert state["status"] == "succeeded", state
         assert state["restarts"] == 1
@@ -771,33 +748,27 @@ def test_a_node_that_dies_under_a_respawnable_task_is_survived_by_the_standby_el
         nodes = ray_cluster.probe()["nodes"]
         dead = next(tag for tag in tags if nodes[tag] == where["worker:1"]["node_id"])
         assert where["worker:0"]["node_id"] == nodes[next(t for t in tags if t != dead)]
+        ray_cluster.kill_node(dead)
 
         def moved() -> dict[str, Any] | None:
             state = _state(cf, cluster_id)
             task = next(t for t in state["tasks"] if t["task"] == "worker:1")
             return state if task["status"] == "running" and state["restarts"] == 1 else None
 
-        with _following(ray_cluster, cf, cluster_id) as output:
-            ray_cluster.kill_node(dead)
-            # The replacement's job ran at the new spec version (a line, not a poll).
-            output.wait_for("[worker:1] up 2", timeout=120)
-            state = wait_until(moved, 120, "worker:1 respawned")
-            moved_to = next(t for t in state["tasks"] if t["task"] == "worker:1")
-            alive = set(ray_cluster.probe()["nodes"].values())
-            assert (
-                moved_to["node_id"] != where["worker:1"]["node_id"] and moved_to["node_id"] in alive
-            )
-            assert moved_to["address"].startswith(moved_to["node_ip"] + ":")
-            assert moved_to["node_ip"] != where["worker:1"]["node_ip"]  # one node per host
-            assert state["spec"]["worker"][1] == moved_to["address"]  # the new spec has it
-            assert state["spec_version"] == 2
-            # The standby holds no bundle but is held to the task's size as measured so far
-            # in this run (peak x 1.25, at least 256 MiB), not the first estimate.
-            assert where["worker:1"]["memory_requested"] == 2**30
-            peak = max(where[t]["memory_peak"] for t in ("worker:0", "worker:1"))
-            assert max(256 << 20, peak * 1.25) <= moved_to["memory_requested"] < 2**30
-            flag.touch()
-            output.join(120)  # `logs -f` ends with the run
+        state = wait_until(moved, 120, "worker:1 respawned")
+        moved_to = next(t for t in state["tasks"] if t["task"] == "worker:1")
+        alive = set(ray_cluster.probe()["nodes"].values())
+        assert moved_to["node_id"] != where["worker:1"]["node_id"] and moved_to["node_id"] in alive
+        assert moved_to["address"].startswith(moved_to["node_ip"] + ":")
+        assert moved_to["node_ip"] != where["worker:1"]["node_ip"]  # one node per host
+        assert state["spec"]["worker"][1] == moved_to["address"]  # the new spec has it
+        assert state["spec_version"] == 2
+        # The standby holds no bundle but is held to the task's size as measured so far
+        # in this run (peak x 1.25, at least 256 MiB), not the first estimate.
+        assert where["worker:1"]["memory_requested"] == 2**30
+        peak = max(where[t]["memory_peak"] for t in ("worker:0", "worker:1"))
+        assert max(256 << 20, peak * 1.25) <= moved_to["memory_requested"] < 2**30
+        flag.touch()
         state = wait_until(lambda: _ended(cf, cluster_id), 120, "the run's end")
         assert state["status"] == "succeeded", state
         logs = _logs(cf, cluster_id)
