@@ -101,11 +101,11 @@ class Recovery:
             and self._restarts < self.config.max_restarts
         )
         count = int(respawn) + self._growth_standbys()
-        model = first.id if first is not None else next(iter(self.tasks.workers()), None)
-        if not count or model is None:
+        # a standby registers as a task of the job it may replace (its command, its env)
+        task = first.id if first is not None else next(iter(self.tasks.workers()), None)
+        if not count or task is None:
             self.standby.keep(None)
             return
-        task = model
         self.standby.keep(
             lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"}),
             count,
