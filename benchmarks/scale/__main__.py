@@ -29,6 +29,7 @@ where TensorFlow is found), ``manager_heartbeats_per_s``, ``heartbeat_p99_ms``,
 
     python -m benchmarks.scale [--quick] [--rounds N] [--verbose] [--plots DIR] [--sizes 1,8,16]
                                [--parts data,control,ps,allreduce] [--tf-python PATH]
+                               [--sides async16,ring]
 
 ``--parts`` measures only some of the four (all by default): the keys of the others
 are left out of the RESULT line.
@@ -47,15 +48,40 @@ EFFICIENT = 0.9
 """Per-worker efficiency a shard count must reach to count as enough shards."""
 
 
+def _some_sides(figures: hosts.Figures, sizes: list[int]) -> dict:
+    """With ``--sides``: each side's per-worker efficiency at the largest size; the keys
+    that compare sides (or need the straggler and bf16 sides) are left out."""
+    largest, out = max(sizes), {}
+    for side, by_size in figures.per_worker.items():
+        eff = by_size[largest].median / by_size[1].median
+        print(f"{side} efficiency at {largest} workers: {eff:.2f}")
+    asyncs = [s for s in figures.per_worker if s.startswith("async")]
+    if asyncs:
+        out["efficiency_async_ps"] = max(
+            figures.per_worker[s][largest].median / figures.per_worker[s][1].median for s in asyncs
+        )
+    if "ring" in figures.per_worker:
+        ring = figures.per_worker["ring"]
+        out["efficiency_allreduce"] = ring[largest].median / ring[1].median
+    return out
+
+
 def _data_plane(
-    sizes: list[int], steps: int, rounds: int, verbose: bool, tf_python: str | None
+    sizes: list[int],
+    steps: int,
+    rounds: int,
+    verbose: bool,
+    tf_python: str | None,
+    only: frozenset[str] | None = None,
 ) -> tuple[dict, object]:
     from clusterflow.testing import available
 
     if not available():
         print("data plane skipped: emulated hosts need root and iproute2")
         return {}, None
-    figures = hosts.run(sizes, steps, rounds, verbose)
+    figures = hosts.run(sizes, steps, rounds, verbose, only)
+    if only is not None:
+        return _some_sides(figures, sizes), None
     largest, out = max(sizes), {}
     shards_needed = {}
     best = {}
@@ -123,6 +149,16 @@ def _sizes(text: str) -> list[int]:
 
 
 PARTS = ("data", "control", "ps", "allreduce")
+SIDES = ("async1", "async2", "async4", "async8", "async16", "sync", "ring", "ddp")
+
+
+def _side_names(text: str) -> frozenset[str]:
+    sides = frozenset(s.strip() for s in text.split(",") if s.strip())
+    if not sides or sides - set(SIDES):
+        raise argparse.ArgumentTypeError(
+            f"--sides {text!r}: a comma-separated choice of {', '.join(SIDES)}"
+        )
+    return sides
 
 
 def _parts(text: str) -> set[str]:
@@ -159,6 +195,13 @@ def main() -> None:
         default=set(PARTS),
         help="which parts to measure: data, control, ps, allreduce (default all)",
     )
+    p.add_argument(
+        "--sides",
+        type=_side_names,
+        help="the data plane's sides to measure, e.g. async16 (default all, with the "
+        "straggler and bf16 sides; async16 runs from 32 workers on); keys that compare "
+        "sides are then left out",
+    )
     args = p.parse_args()
     one_thread_per_process()
     load = MachineLoad()
@@ -177,6 +220,7 @@ def main() -> None:
             rounds=rounds,
             verbose=args.verbose,
             tf_python=args.tf_python,
+            only=args.sides,
         )
         figures.update(data)
     if "control" in args.parts:

@@ -158,16 +158,24 @@ class Sweep:
     """The emulated cluster: ``max_workers`` worker hosts and as many ps hosts as the
     most shards measured at that size."""
 
-    def __init__(self, max_workers: int, steps: int, rounds: int, verbose: bool) -> None:
+    def __init__(
+        self,
+        max_workers: int,
+        steps: int,
+        rounds: int,
+        verbose: bool,
+        only: frozenset[str] | None = None,
+    ) -> None:
         from clusterflow.rpc import Credentials
         from clusterflow.testing import EmulatedHosts, LinkShape
 
         self.steps, self.rounds, self.verbose = steps, rounds, verbose
+        self.only = only
         self.secret = Credentials.generate().secret.hex()
         self.ports = itertools.count(21000)
         self.log_dir = Path(tempfile.mkdtemp(prefix="cf-scale-"))
         shape = LinkShape(rate_bit=LINK_BIT // SCALE)
-        shards = max(shard_counts(max_workers))
+        shards = max(self._shards_used(max_workers) or [0])
         self.hosts = EmulatedHosts(max_workers + shards, shape, prefix="cfscale")
         agents = [Agent(h, self.log_dir) for h in self.hosts.hosts]
         for agent in agents:
@@ -187,6 +195,14 @@ class Sweep:
             print(f"host agents' logs: {self.log_dir}", flush=True)
         else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _wanted(self, side: str) -> bool:
+        return self.only is None or side in self.only
+
+    def _shards_used(self, n: int) -> list[int]:
+        """The ps hosts' counts the sides measured at ``n`` workers need."""
+        used = [s for s in shard_counts(n) if self._wanted(f"async{s}")]
+        return used + ([SYNC_SHARDS] if self._wanted("sync") else [])
 
     # one size ------------------------------------------------------------------------
 
@@ -222,25 +238,39 @@ class Sweep:
         workers = self.workers[:n]
         names: list[str] = []
         for shards in shard_counts(n):
+            if not self._wanted(f"async{shards}"):
+                continue
             split = {"split": shards // LAYERS} if shards > LAYERS else {}
             self._ps_side(f"async{shards}", workers, shards, mode="async", width=WIDTH, **split)
             names.append(f"async{shards}")
-        self._ps_side("sync", workers, SYNC_SHARDS, mode="sync", width=WIDTH)
-        names.append("sync")
-        port = next(self.ports)
-        fan(
-            workers,
-            "dist_init",
-            lambda i: {"rank": i},
-            master=workers[0].address,
-            port=port,
-            world=n,
-        )
-        fan(workers, "ring_join", name="ring", width=WIDTH, bf16=False, bucket_bytes=BUCKET_BYTES)
-        fan(workers, "ddp_join", name="ddp", width=WIDTH, bucket_bytes=BUCKET_BYTES)
-        names += ["ring", "ddp"]
+        if self._wanted("sync"):
+            self._ps_side("sync", workers, SYNC_SHARDS, mode="sync", width=WIDTH)
+            names.append("sync")
+        collective = [side for side in ("ring", "ddp") if self._wanted(side)]
+        if collective:
+            port = next(self.ports)
+            fan(
+                workers,
+                "dist_init",
+                lambda i: {"rank": i},
+                master=workers[0].address,
+                port=port,
+                world=n,
+            )
+        if "ring" in collective:
+            fan(
+                workers,
+                "ring_join",
+                name="ring",
+                width=WIDTH,
+                bf16=False,
+                bucket_bytes=BUCKET_BYTES,
+            )
+        if "ddp" in collective:
+            fan(workers, "ddp_join", name="ddp", width=WIDTH, bucket_bytes=BUCKET_BYTES)
+        names += collective
         sides = {name: name for name in names}
-        if extras:
+        if extras and self.only is None:
             for bf16 in (False, True):
                 name = "ring_heavy_bf16" if bf16 else "ring_heavy"
                 fan(
@@ -287,7 +317,8 @@ class Sweep:
                     "ps_stop",
                     name=name,
                 )
-        fan(workers, "dist_destroy")
+        if collective:
+            fan(workers, "dist_destroy")
         return windows, {side: Spread.of(ms).median for side, ms in cpu.items() if ms}
 
 
@@ -300,9 +331,14 @@ def _rss_bytes(pid: int) -> int:
     return int(kib[0]) * 1024 if kib else 0
 
 
-def run(sizes: list[int], steps: int, rounds: int, verbose: bool) -> Figures:
+def run(
+    sizes: list[int], steps: int, rounds: int, verbose: bool, only: frozenset[str] | None = None
+) -> Figures:
+    """Every size's figures; ``only`` names the sides to measure (all by default, and the
+    straggler and bf16 sides only then): one side at 32 workers fits a device call where
+    all of them did not (docs/gpu.md)."""
     figures = Figures()
-    sweep = Sweep(max(sizes), steps, rounds, verbose)
+    sweep = Sweep(max(sizes), steps, rounds, verbose, only)
     try:
         for n in sizes:
             started = time.perf_counter()
