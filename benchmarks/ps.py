@@ -121,6 +121,7 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
 
     from clusterflow.ps.api import Shard, VariableSpec
     from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.rpc.codec import PART_BYTES
     from clusterflow.strategies.parameter_server.shards import TrackedVar, load_into
 
     credentials = Credentials.generate()
@@ -166,6 +167,8 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
                 {"worker": "w", "version": version[0], "want_values": True},
                 {"g/w": grad},
                 framed=True,
+                part_bytes=PART_BYTES,  # in parts, as RemotePS sends a push,
+                streamed=True,  # and its values back as the ps steps them
             )
             version[0] = reply.body["version"]
             load_into([tracked], reply.tensors)
