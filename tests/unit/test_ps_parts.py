@@ -325,3 +325,43 @@ def test_parts_holding_more_bytes_than_their_header_describes_are_refused(one: _
         sock.close(linger=0)
     assert answer["k"] == codec.KIND_ERROR and "after every tensor's bytes" in answer["b"]
     _untouched(one)
+
+
+class _Kept:
+    """A reply stream whose parts never leave (a reply still in flight)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.pieces: list[torch.Tensor] = []
+
+    def begin(self, tensors: Any) -> None:
+        self.names = list(tensors)
+
+    def send(self, pieces: Any) -> None:
+        self.pieces.extend(pieces)
+
+
+def test_values_streamed_in_a_reply_in_flight_are_never_written_by_the_next_push() -> None:
+    from clusterflow.ps.loans import Loan
+    from clusterflow.ps.optimizer import OptimizerSpec
+
+    store = VariableStore(0)
+    store.create(
+        PSConfig(mode="async", num_replicas=1),
+        [{"name": "w", "shape": [N], "dtype": "float32"}],
+        {"w": torch.linspace(-1, 1, N)},
+    )
+    store.set_optimizer(OptimizerSpec.from_dict(OPTIMIZERS["sgd"]), {"w": 0})
+    grads = [g["g/w"] for g in _grads(2, torch.float32)]
+    kept = _Kept()
+    result = store.push(
+        worker="w", version=0, grads={"w": grads[0]}, want_values=True, lend=Loan(), stream=kept
+    )
+    assert result.applied and result.values == {} and kept.names == ["w"]
+    assert sum(p.numel() for p in kept.pieces) == N
+    sent = [p.clone() for p in kept.pieces]
+    store.push(worker="w", version=1, grads={"w": grads[1]})
+    # The second step wrote a copy: the reply's pieces still read the first step's values.
+    assert store.stats["copied_on_write"] == 1
+    assert all(_same(p, s) for p, s in zip(kept.pieces, sent, strict=True))
+    assert not _same(store.vars["w"][: sent[0].numel()], sent[0])
