@@ -61,8 +61,8 @@ if sys.argv[2] == "request":  # parks the loop while the second push's parts arr
 elif sys.argv[2] == "reply":  # parks the second push's step after its first group left
     group = VariableStore._step_group
 
-    def parked(opt, stream, params):
-        group(opt, stream, params)
+    def parked(opt, stream, params, frames):
+        group(opt, stream, params, frames)
         seen.append(1)
         if len(seen) == 2 + 1:  # the first push's two groups, then one of the second's
             park()

@@ -136,9 +136,9 @@ def test_a_push_in_parts_with_a_streamed_reply_equals_one_message_bit_for_bit(
         finite.append(set(done))
         return check(self, grads, done)
 
-    def spy_group(opt: Any, stream: Any, group: list[torch.Tensor]) -> None:
+    def spy_group(opt: Any, stream: Any, group: list[torch.Tensor], frames: Any) -> None:
         groups.append(len(group))
-        step_group(opt, stream, group)
+        step_group(opt, stream, group, frames)
 
     monkeypatch.setattr(VariableStore, "_check", spy_check)
     monkeypatch.setattr(VariableStore, "_step_group", staticmethod(spy_group))
@@ -337,8 +337,8 @@ class _Kept:
     def begin(self, tensors: Any) -> None:
         self.names = list(tensors)
 
-    def send(self, pieces: Any) -> None:
-        self.pieces.extend(pieces)
+    def send(self, frames: Any) -> None:
+        self.pieces.extend(torch.frombuffer(f, dtype=torch.float32) for f in frames)
 
 
 def test_values_streamed_in_a_reply_in_flight_are_never_written_by_the_next_push() -> None:

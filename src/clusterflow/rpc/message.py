@@ -34,15 +34,16 @@ class ReplyStream(Protocol):
     """Sends tensors of a reply before the handler returns (``RpcServer``).
 
     ``begin`` names the tensors (their dtype and shape) once; ``send`` then hands over
-    their bytes in order, as contiguous pieces, each call one message that leaves at
-    once. The reply the handler returns ends the stream: its body and any other tensors
-    follow, and the caller gets all of them as one ``Response``. The pieces' memory is
-    read after ``send`` returned, until the reply's ``on_sent`` tracker is done.
+    their bytes in order, as buffers (``codec.raw_frame`` and slices of it), each call
+    one message that leaves at once. The reply the handler returns ends the stream: its
+    body and any other tensors follow, and the caller gets all of them as one
+    ``Response``. The buffers are read after ``send`` returned, until the reply's
+    ``on_sent`` tracker is done.
     """
 
     def begin(self, tensors: Mapping[str, torch.Tensor]) -> None: ...
 
-    def send(self, pieces: Sequence[torch.Tensor]) -> None: ...
+    def send(self, frames: Sequence[Any]) -> None: ...
 
 
 @dataclass(slots=True)

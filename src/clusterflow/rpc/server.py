@@ -187,7 +187,7 @@ class _Stream:
             raise RuntimeError(f"{self._method}: the reply's stream was begun twice")
         self._descriptors = [codec.descriptor(name, t) for name, t in tensors.items()]
 
-    def send(self, pieces: Any) -> None:
+    def send(self, frames: Any) -> None:
         if self._descriptors is None:
             raise RuntimeError(f"{self._method}: a reply's stream sent before it was begun")
         header: dict[str, Any] = {
@@ -200,9 +200,9 @@ class _Stream:
         if self._seq == 0:
             header["t"] = self._descriptors
         self._seq += 1
-        frames = [zmq.Frame(codec.raw_frame(p), track=True) for p in pieces]
-        self.frames.extend(frames)
-        self._server._push([self._identity, msgpack.packb(header), *frames])
+        tracked = [zmq.Frame(f, track=True) for f in frames]
+        self.frames.extend(tracked)
+        self._server._push([self._identity, msgpack.packb(header), *tracked])
 
 
 def bind_host(host: str) -> str:
