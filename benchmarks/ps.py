@@ -7,7 +7,9 @@
   up; each round times one round trip of each. (Before 2026-11-27 the values ended in a
   buffer the client joined from the frames, and the write into the parameter, a second
   copy then, was not timed; now the frames go straight into the parameter: one copy
-  either way.)
+  either way.) Since 2026-11-28 the push travels as ``RemotePS`` sends it: in parts of
+  ``codec.PART_BYTES``, each checked on the ps as it arrives, and the values come back
+  a group of chunks at a time as the ps steps them (``streamed``).
 * training: samples/s on the MLP 784-512-512-10 (and 784-4096-4096-10 without
   --quick), batch 128 per worker, synthetic data: async ps (2 workers + 1 ps) and sync
   ps (2 workers + 1 ps) against hand-written ``DistributedDataParallel`` with 2 workers.
