@@ -667,12 +667,12 @@ class RpcServer:
             del self._partials[partial.identity]
         header, oneway = partial.header, partial.header["k"] == codec.KIND_ONEWAY
         if partial.failed is not None:
-            code, exc = partial.failed
+            code, error = partial.failed
             self._reply_or_log(
-                partial.identity, partial.request_id, partial.method, oneway, code, exc
+                partial.identity, partial.request_id, partial.method, oneway, code, error
             )
             return
-        checked = frozenset()
+        checked: frozenset[str] = frozenset()
         if partial.entry.check is not None:
             checked = frozenset(d[0] for d in header.get("t") or ()) - partial.unchecked
         self._serve(partial.identity, header, partial.frames, partial.entry, checked)
