@@ -153,8 +153,8 @@ def main() -> None:
             got += sock.recv_into(back[got:])
         return time.perf_counter() - start
 
-    def snapshots(method: str, body: Any, tensors: Any, lend: Any = None) -> Any:
-        return dispatch(method, body, tensors)  # no loan: the ps replies from snapshots
+    def snapshots(method: str, body: Any, tensors: Any, lend: Any = None, **rest: Any) -> Any:
+        return dispatch(method, body, tensors, **rest)  # no loan: the ps replies from snapshots
 
     per_round: dict[str, list[dict[str, float]]] = {"snapshot": [], "lent": []}
     floor: list[float] = []

@@ -7,7 +7,9 @@
   up; each round times one round trip of each. (Before 2026-11-27 the values ended in a
   buffer the client joined from the frames, and the write into the parameter, a second
   copy then, was not timed; now the frames go straight into the parameter: one copy
-  either way.)
+  either way.) Since 2026-11-28 the push travels as ``RemotePS`` sends it: in parts of
+  ``codec.PART_BYTES``, each checked on the ps as it arrives, and the values come back
+  a group of chunks at a time as the ps steps them (``streamed``).
 * training: samples/s on the MLP 784-512-512-10 (and 784-4096-4096-10 without
   --quick), batch 128 per worker, synthetic data: async ps (2 workers + 1 ps) and sync
   ps (2 workers + 1 ps) against hand-written ``DistributedDataParallel`` with 2 workers.
@@ -121,6 +123,7 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
 
     from clusterflow.ps.api import Shard, VariableSpec
     from clusterflow.rpc import Credentials, RpcClient
+    from clusterflow.rpc.codec import PART_BYTES
     from clusterflow.strategies.parameter_server.shards import TrackedVar, load_into
 
     credentials = Credentials.generate()
@@ -166,6 +169,8 @@ def bandwidth(rounds: int, verbose: bool) -> Spread:
                 {"worker": "w", "version": version[0], "want_values": True},
                 {"g/w": grad},
                 framed=True,
+                part_bytes=PART_BYTES,  # in parts, as RemotePS sends a push,
+                streamed=True,  # and its values back as the ps steps them
             )
             version[0] = reply.body["version"]
             load_into([tracked], reply.tensors)

@@ -17,6 +17,7 @@ from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.protocol import PullReply, PullRequest, PushReply, PushRequest
 from clusterflow.ps.wire import Tensors, Wire
 from clusterflow.rpc import Credentials, RemoteError, RpcClient
+from clusterflow.rpc.codec import PART_BYTES
 from clusterflow.rpc.fencing import Fence, raise_if_fenced, stamp, watch
 
 T = TypeVar("T")
@@ -74,6 +75,11 @@ connection in a pull that waits for the next step, and the step may need the chi
 checkpoint (quiesce, state, resume) to finish first."""
 
 
+PARTED_METHODS = frozenset({"push", "rows_push"})
+"""Calls whose large tensors travel in several messages (``RpcClient.call``'s
+``part_bytes``): a ps works on one while the next arrives."""
+
+
 class RemotePS:
     def __init__(
         self, spec: ClusterSpec, credentials: Credentials, *, deadline: float = 120.0
@@ -115,8 +121,18 @@ class RemotePS:
         clients = self._control if method in CONTROL_METHODS else self._clients
         if method != "load_state":  # its body is the ps's state, key for key
             body = stamp(body, self._fence)
+        # A push's gradients go in parts (rpc.codec.encode_parts): the ps checks each
+        # while the next is on the wire, and applies the push once the last came.
+        parts = PART_BYTES if method in PARTED_METHODS else 0
         try:
-            reply = clients[index].call(f"ps.{method}", body, tensors, framed=framed)
+            reply = clients[index].call(
+                f"ps.{method}",
+                body,
+                tensors,
+                framed=framed,
+                part_bytes=parts,
+                streamed=method == "push",  # its values may leave as the ps steps them
+            )
         except RemoteError as exc:
             raise_if_fenced(exc)  # TaskFenced: this worker was replaced; it stops here
             raise

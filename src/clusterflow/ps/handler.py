@@ -17,6 +17,7 @@ from clusterflow.ps.loans import Loan
 from clusterflow.ps.membership import LeaveRequest, MembersRequest
 from clusterflow.ps.protocol import (
     CONTROL,
+    GRAD_PREFIX,
     ApplyRequest,
     ControlRequest,
     CreateReply,
@@ -45,6 +46,7 @@ from clusterflow.ps.rows_protocol import (
 from clusterflow.ps.store import VariableStore
 from clusterflow.ps.tables import RowStore
 from clusterflow.ps.wire import Tensors, Wire
+from clusterflow.rpc.message import ReplyStream
 
 
 def wire_cast(tensors: Tensors, dtype: str | None) -> Tensors:
@@ -86,8 +88,21 @@ class PSHandler:
         version, values = self.store.pull(request.names, request.min_version, request.timeout, lend)
         return PullReply(version=version, values=wire_cast(values, request.dtype))
 
-    def push(self, request: PushRequest, lend: Loan | None = None) -> PushReply:
+    def push(
+        self,
+        request: PushRequest,
+        lend: Loan | None = None,
+        checked: frozenset[str] = frozenset(),
+        stream: ReplyStream | None = None,
+    ) -> PushReply:
+        """``checked``: wire names of the gradients whose frames passed the finite check as
+        they arrived (a push sent in parts, ``PSService``); the store skips theirs.
+        ``stream``: where the values may leave as they are stepped (float32 replies)."""
+        if request.values_dtype not in (None, "float32"):
+            stream = None  # cast whole in wire_cast below
         result = self.store.push(
+            stream=stream,
+            finite={n[len(GRAD_PREFIX) :] for n in checked if n.startswith(GRAD_PREFIX)},
             worker=request.worker,
             version=request.version,
             grads=request.grads,
@@ -163,12 +178,23 @@ class PSHandler:
         finally:
             self.store.end_fanout()
 
-    def dispatch(self, method: str, body: Any, tensors: Tensors, lend: Loan | None = None) -> Wire:
+    def dispatch(
+        self,
+        method: str,
+        body: Any,
+        tensors: Tensors,
+        lend: Loan | None = None,
+        *,
+        checked: frozenset[str] = frozenset(),
+        stream: ReplyStream | None = None,
+    ) -> Wire:
         """Serves one request as it travels (``method`` without the ``ps.`` prefix).
 
         ``lend``: a pull's or a push's reply may carry the live variables under this
         loan, whose ``sent`` the caller must hand the reply's tracker (``ps/loans.py``);
-        without it, they are snapshots.
+        without it, they are snapshots. ``checked``: tensors a push's frames passed the
+        finite check of as they arrived (``Request.checked``); ``stream``: where a push's
+        reply may send values as they are stepped (``Request.stream``).
 
         Raises:
             MalformedRequest: an unknown method, or a body the contract does not allow.
@@ -184,7 +210,8 @@ class PSHandler:
         if method == "pull":
             return self.pull(PullRequest.from_wire(body, tensors), lend).to_wire()
         if method == "push":
-            return self.push(PushRequest.from_wire(body, tensors), lend).to_wire()
+            push = PushRequest.from_wire(body, tensors)
+            return self.push(push, lend, checked, stream).to_wire()
         if method == "apply":
             version = self.apply(ApplyRequest.from_wire(body, tensors))
             return VersionReply(version=version).to_wire()

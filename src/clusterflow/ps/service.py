@@ -14,7 +14,7 @@ from typing import Any
 from clusterflow.cluster import ClusterSpec
 from clusterflow.ps.handler import PSHandler
 from clusterflow.ps.loans import Loan
-from clusterflow.ps.protocol import METHODS, ApplyRequest
+from clusterflow.ps.protocol import GRAD_PREFIX, METHODS, ApplyRequest
 from clusterflow.ps.store import VariableStore
 from clusterflow.rpc import Credentials, Request, Response, RpcClient
 from clusterflow.rpc.fencing import FENCE_KEY, FenceBook
@@ -61,9 +61,45 @@ class PSService:
                 handler = self._tracking_holder(name, handler)
             # A push's gradients come as the frames ZeroMQ received: the store applies
             # them chunk by chunk from there (ps/store.py), never joined into one buffer.
-            server.register(f"ps.{name}", handler, blocking=True, framed=name == "push")
+            # A push sent in parts (RemotePS) has each frame checked as its part arrives,
+            # while the next is on the wire; the step waits for the last part.
+            push = name == "push"
+            check = self._check_piece if push else None
+            server.register(f"ps.{name}", handler, blocking=True, framed=push, check=check)
         self.fences.register_on(server, "ps")  # ps.fence: the manager's relaunches
         self.fences.on_raise(self._release_a_replaced_holder)
+        self.fences.on_raise(self._drop_partial_pushes)
+
+    def _check_piece(self, name: str, piece: Any) -> None:
+        """One arrived frame of a push sent in parts, on the server's loop thread: the
+        store's finite check (``VariableStore.check_piece``), done while the next part is
+        on the wire rather than after the last."""
+        if name.startswith(GRAD_PREFIX):  # a buffer (b/) is assigned, never checked
+            self.store.check_piece(name[len(GRAD_PREFIX) :], piece)
+
+    def _drop_partial_pushes(self, task: str, incarnation: int) -> None:
+        """A replaced task's pushes still arriving in parts never apply: its parts are
+        dropped now, not at their deadline (a fence clears what the old one left)."""
+
+        def older(method: str, body: Any) -> bool:
+            raw = body.get(FENCE_KEY) if isinstance(body, Mapping) else None
+            return (
+                isinstance(raw, list | tuple)
+                and len(raw) == 2
+                and raw[0] == task
+                and isinstance(raw[1], int)
+                and raw[1] < incarnation
+            )
+
+        dropped = self.server.drop_partials(older)
+        if dropped:
+            log.warning(
+                "ps:%d: dropped %d unfinished push(es) of %s, replaced by incarnation %d",
+                self.store.ps_index,
+                dropped,
+                task,
+                incarnation,
+            )
 
     def _tracking_holder(self, method: str, handler: Handler) -> Handler:
         """Remembers who quiesced this ps (from the request's fence), until it resumes."""
@@ -104,8 +140,17 @@ class PSService:
             # Replies send the live variables; a push applying while one is still in
             # flight moves the variable to a copy first (ps/loans.py).
             loan = Loan()
-            body, tensors = self.handler.dispatch(method, request.body, request.tensors, loan)
-            return Response(body, tensors, on_sent=loan.sent if tensors else None)
+            body, tensors = self.handler.dispatch(
+                method,
+                request.body,
+                request.tensors,
+                loan,
+                checked=request.checked,
+                stream=request.stream,
+            )
+            # The tracker covers the frames the reply streamed before too (rpc/server.py).
+            lent = tensors or request.stream is not None
+            return Response(body, tensors, on_sent=loan.sent if lent else None)
 
         return serve
 

@@ -175,11 +175,23 @@ class RpcClient:
         *,
         deadline: float | None = None,
         framed: bool = False,
+        part_bytes: int = 0,
+        streamed: bool = False,
     ) -> Response:
         """Sends a request and waits for its reply.
 
         ``framed``: the reply's tensors in several frames come as ``codec.Framed``
         zero-copy views, not joined (for a caller that writes them where they belong).
+
+        ``part_bytes``: tensors of more bytes than this are sent as several messages of
+        about this many bytes each (``codec.encode_parts``), so the server works on one
+        (checks it) while the next is on the wire; 0 sends one message. The server runs
+        the handler only once the last came, and drops the parts it has when the
+        deadline passes.
+
+        ``streamed``: the handler may send tensors of its reply while it still works
+        (``Request.stream``: the ps sends each chunk of a variable once stepped); they
+        arrive as parts and join the reply's tensors.
 
         Blocks until the reply arrives or ``deadline`` seconds pass. The tensors are sent
         without a copy, straight from their memory: do not modify them in place from
@@ -197,9 +209,25 @@ class RpcClient:
         with self._lock:
             sock = self._socket()
             request_id = next(_ids)
-            frames = codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors)
+            extra = {"sr": 1} if streamed else {}
+            if part_bytes:
+                messages = codec.encode_parts(
+                    codec.KIND_REQUEST,
+                    request_id,
+                    method,
+                    body,
+                    tensors,
+                    part_bytes=part_bytes,
+                    dl=timeout,  # the server drops what came of it after this
+                    **extra,
+                )
+            else:
+                messages = [
+                    codec.encode(codec.KIND_REQUEST, request_id, method, body, tensors, **extra)
+                ]
             try:
-                self._send_before(sock, frames, method, end, timeout)
+                for frames in messages:
+                    self._send_before(sock, frames, method, end, timeout)
                 return self._await_reply(sock, request_id, method, end, timeout, framed)
             except RemoteError:
                 raise  # a well-formed answer: the connection is as good as before
@@ -317,6 +345,7 @@ class RpcClient:
         framed: bool = False,
     ) -> Response:
         probe_id = -1
+        stream: _Parts | None = None
         while True:
             remaining_ms = int((end - time.monotonic()) * 1000)
             if remaining_ms <= 0:
@@ -338,13 +367,19 @@ class RpcClient:
                 continue
             if header["id"] != request_id:
                 continue  # a late reply to an earlier call that gave up
+            if header["k"] == codec.KIND_PART:
+                if stream is None:
+                    stream = _Parts(f"{method} to {self.endpoint}")
+                stream.take(header, frames[1:])
+                continue
             if header["k"] not in (codec.KIND_REPLY, codec.KIND_ERROR):
                 raise ProtocolError(f"{method} to {self.endpoint}: a {header['k']!r} as reply")
             if header["k"] == codec.KIND_ERROR:
                 raise _remote_error(header, "internal", f"{method} on {self.endpoint}", method)
-            return Response(
-                header.get("b"), codec.decode_tensors(header, frames[1:], framed=framed)
-            )
+            tensors = codec.decode_tensors(header, frames[1:], framed=framed)
+            if stream is not None:
+                tensors = stream.join(tensors, framed)
+            return Response(header.get("b"), tensors)
 
     def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
         """Sends the probe (the connection is back while ``method`` waits); its id."""
@@ -395,6 +430,47 @@ class RpcClient:
                     f"{method} to {self.endpoint}: the peer refused our credentials "
                     f"(another cluster's secret, or another auth mode)"
                 )
+
+
+class _Parts:
+    """The parts of a reply its handler sent while it worked (``codec.KIND_PART``)."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._header: dict[str, Any] | None = None
+        self._pieces: codec.Pieces | None = None
+        self._frames: list[Any] = []
+        self._count = 0
+
+    def take(self, header: dict[str, Any], frames: list[Any]) -> None:
+        """One part, in order (its ``s``); the first names the tensors.
+
+        Raises:
+            ProtocolError: a part out of order, or frames its tensors do not hold.
+        """
+        seq = header.get("s")
+        if seq == 0 and self._header is None:
+            self._header = {"t": header.get("t")}
+            self._pieces = codec.Pieces(header.get("t"))
+        elif self._pieces is None or seq != self._count:
+            raise ProtocolError(f"{self._what}: reply part {seq!r} out of order")
+        assert self._pieces is not None
+        self._pieces.feed(frames)
+        self._frames.extend(frames)
+        self._count += 1
+
+    def join(self, tensors: dict[str, Any], framed: bool) -> dict[str, Any]:
+        """The streamed tensors with the reply's own ``tensors``.
+
+        Raises:
+            ProtocolError: a name in both, or streamed tensors not whole.
+        """
+        assert self._header is not None
+        streamed = codec.decode_tensors(self._header, self._frames, framed=framed)
+        both = streamed.keys() & tensors.keys()
+        if both:
+            raise ProtocolError(f"{self._what}: tensor {sorted(both)[0]!r} came twice")
+        return {**streamed, **tensors}
 
 
 def _recv_reply(sock: zmq.Socket[bytes]) -> list[Any]:

@@ -57,7 +57,20 @@ KIND_REQUEST = "req"
 KIND_ONEWAY = "one"
 KIND_REPLY = "rep"
 KIND_ERROR = "err"
-_KINDS = frozenset({KIND_REQUEST, KIND_ONEWAY, KIND_REPLY, KIND_ERROR})
+KIND_MORE = "mor"
+"""A later message of a request sent in parts (``encode_parts``): its header names the
+request (``id``) and its place (``s``, 1 for the second message) and carries no body."""
+KIND_PART = "prt"
+"""A part of a reply sent while its handler still runs (``RpcServer``'s ``ReplyStream``):
+the first (``s`` 0) describes the streamed tensors (``t``), every part carries their next
+frames; the reply (``rep``) that ends it holds the body and any other tensors."""
+_KINDS = frozenset({KIND_REQUEST, KIND_ONEWAY, KIND_REPLY, KIND_ERROR, KIND_MORE, KIND_PART})
+
+PART_BYTES = 8 * 1024 * 1024
+"""The tensor bytes of one message of a request sent in parts (``encode_parts``): the
+receiver works on each message as it arrives (the ps checks a push's gradients) while
+the next is on the wire. ZeroMQ hands a message over only whole, so a 64 MiB push in
+one message leaves all of that work until its last byte came."""
 
 DTYPES: Final[Mapping[str, int]] = MappingProxyType(
     {
@@ -112,6 +125,19 @@ def _torch() -> Any:
     return module
 
 
+def descriptor(name: str, tensor: torch.Tensor) -> list[Any]:
+    """``[name, dtype, shape, nbytes]`` of ``tensor``, as a header's ``t`` lists it."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"tensor dtype {dtype!r} cannot travel; supported: {', '.join(DTYPES)}")
+    return [name, dtype, list(tensor.shape), tensor.numel() * tensor.element_size()]
+
+
+def raw_frame(piece: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, as a zero-copy frame (a memoryview)."""
+    return memoryview(piece.detach().reshape(-1).view(_torch().uint8).numpy())  # type: ignore[arg-type]
+
+
 def _tensor_frames(tensor: torch.Tensor) -> tuple[list[Any], list[Any]]:
     """Returns (descriptor tail, frames) for one tensor, viewing its memory in place."""
     torch = _torch()
@@ -153,6 +179,60 @@ def encode(
     Raises:
         ProtocolError: a tensor of a dtype that cannot travel, or a body msgpack rejects.
     """
+    header, frames = _message(kind, request_id, method, body, tensors, extra)
+    frames[0] = _packed(header, method)
+    return frames
+
+
+def encode_parts(
+    kind: str,
+    request_id: int,
+    method: str,
+    body: Any = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    *,
+    part_bytes: int = PART_BYTES,
+    **extra: Any,
+) -> list[list[Any]]:
+    """The frames of one request as several messages, each of about ``part_bytes`` of
+    tensor frames (at least one frame each); one message where it fits in one.
+
+    The first message is ``encode``'s with ``n``, the number of messages, in its
+    header; the later ones are ``KIND_MORE`` messages (header: ``id``, ``m``, ``s``, the
+    message's place) with the next tensor frames. The first header describes every
+    tensor, so a receiver knows from it what every later frame belongs to
+    (``Pieces``). A tensor's frames may straddle two messages.
+
+    Raises:
+        ProtocolError: as ``encode``.
+    """
+    header, frames = _message(kind, request_id, method, body, tensors, extra)
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for frame in frames[1:]:
+        if groups[-1] and size + len(frame) > part_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(frame)
+        size += len(frame)
+    if len(groups) > 1:
+        header["n"] = len(groups)
+    messages = [[_packed(header, method), *groups[0]]]
+    for seq, group in enumerate(groups[1:], 1):
+        more = {"v": PROTOCOL_VERSION, "k": KIND_MORE, "id": request_id, "m": method, "s": seq}
+        messages.append([_pack(more), *group])
+    return messages
+
+
+def _message(
+    kind: str,
+    request_id: int,
+    method: str,
+    body: Any,
+    tensors: Mapping[str, torch.Tensor] | None,
+    extra: Mapping[str, Any],
+) -> tuple[dict[str, Any], list[Any]]:
+    """The header (unpacked) and ``[placeholder, *tensor frames]`` of one message."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "k": kind, "id": request_id, "m": method}
     if body is not None:
         header["b"] = body
@@ -165,11 +245,82 @@ def encode(
             frames.extend(tensor_frames)
         header["t"] = descriptors
     header.update(extra)
+    return header, frames
+
+
+def _packed(header: Mapping[str, Any], method: str) -> bytes:
     try:
-        frames[0] = _pack(header)
+        return _pack(header)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"message body of {method!r} cannot be encoded: {exc}") from exc
-    return frames
+
+
+class Pieces:
+    """Which tensor each frame of a request sent in parts belongs to, as the frames come.
+
+    A receiver that works on a message before the next has arrived (the ps's finite
+    check of a push, ``RpcServer.register``'s ``check``) feeds each message's frames in
+    order; ``feed`` names, per frame, its tensor and where in it the frame starts.
+
+    Raises (``__init__``, ``feed``):
+        ProtocolError: descriptors that are not ``[name, dtype, shape, nbytes]`` of a
+            known dtype, or frames beyond the bytes they describe.
+    """
+
+    __slots__ = ("_at", "_descriptors", "_got", "total")
+
+    def __init__(self, descriptors: Any) -> None:
+        if descriptors is None:
+            descriptors = []
+        if not isinstance(descriptors, list):
+            raise ProtocolError(f"malformed tensor descriptors {descriptors!r:.200}")
+        for d in descriptors:
+            if (
+                not isinstance(d, list)
+                or len(d) != 4
+                or not isinstance(d[0], str)
+                or d[1] not in DTYPES
+                or not isinstance(d[3], int)
+                or d[3] < 0
+            ):
+                raise ProtocolError(f"malformed tensor descriptor {d!r:.200}")
+        self._descriptors: list[list[Any]] = descriptors
+        self.total = sum(d[3] for d in descriptors)
+        """The bytes every frame of the request holds together."""
+        self._at = 0  # the descriptor the next frame belongs to
+        self._got = 0  # bytes of it received
+
+    def feed(self, frames: Sequence[Any]) -> list[tuple[str, str, int, Any]]:
+        """``(name, dtype, byte offset in the tensor, frame)`` for each of ``frames``."""
+        out = []
+        descriptors = self._descriptors
+        for frame in frames:
+            size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+            while self._at < len(descriptors) and descriptors[self._at][3] == 0:
+                self._at += 1
+            if self._at == len(descriptors):
+                raise ProtocolError(f"a frame of {size} bytes after every tensor's bytes came")
+            name, dtype, _, nbytes = descriptors[self._at]
+            if size == 0 or self._got + size > nbytes:
+                raise ProtocolError(
+                    f"tensor {name!r}: a frame of {size} bytes at byte {self._got} of {nbytes}"
+                )
+            out.append((name, dtype, self._got, frame))
+            self._got += size
+            if self._got == nbytes:
+                self._at, self._got = self._at + 1, 0
+        return out
+
+
+def piece(dtype: str, frame: Any) -> Any:
+    """A received frame as a flat zero-copy tensor of ``dtype``; None where it holds no
+    whole number of elements or sits misaligned for them (a sender that cut elsewhere)."""
+    torch = _torch()
+    flat = torch.frombuffer(_buffer(frame), dtype=torch.uint8)
+    itemsize = DTYPES[dtype]
+    if flat.numel() % itemsize or flat.data_ptr() % itemsize:
+        return None
+    return flat.view(getattr(torch, dtype))
 
 
 def decode_header(frame: Any) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clusterflow.rpc.errors import MalformedBody
 
@@ -22,6 +22,28 @@ class Request:
     peer: bytes
     """ZeroMQ routing id of the caller: stable for one connection, opaque otherwise."""
     oneway: bool = False
+    checked: frozenset[str] = frozenset()
+    """Tensors whose every frame the method's ``check`` passed as it arrived (a request
+    sent in parts, ``RpcServer.register``): the handler need not check them again."""
+    stream: ReplyStream | None = None
+    """Where the caller takes the reply in parts (``RpcClient.call``'s ``streamed``) and
+    the handler runs on the pool: tensors it sends here leave while it still works."""
+
+
+class ReplyStream(Protocol):
+    """Sends tensors of a reply before the handler returns (``RpcServer``).
+
+    ``begin`` names the tensors (their dtype and shape) once; ``send`` then hands over
+    their bytes in order, as buffers (``codec.raw_frame`` and slices of it), each call
+    one message that leaves at once. The reply the handler returns ends the stream: its
+    body and any other tensors follow, and the caller gets all of them as one
+    ``Response``. The buffers are read after ``send`` returned, until the reply's
+    ``on_sent`` tracker is done.
+    """
+
+    def begin(self, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def send(self, frames: Sequence[Any]) -> None: ...
 
 
 @dataclass(slots=True)

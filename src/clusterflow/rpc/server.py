@@ -24,8 +24,9 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -51,11 +52,44 @@ _RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's enum costs a conversion per 
 _instances = itertools.count()
 
 
+PART_DEADLINE_S = 600.0
+"""How long a request sent in parts may take to arrive whole when its header names no
+deadline (``dl``): its received parts are dropped then."""
+
+Check = Callable[[str, Any], None]
+"""``check(name, piece)``: looks at one arrived frame of tensor ``name`` (a flat tensor
+of its dtype) of a request sent in parts; raises to refuse the request."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     handler: Handler
     blocking: bool
     framed: bool = False
+    check: Check | None = None
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A request sent in parts whose last part has not come yet (``codec.encode_parts``).
+
+    Its frames are kept where ZeroMQ received them (no copy): the handler runs only once
+    every part came, so a request cut off mid-transfer reaches no handler, and its
+    parts are dropped at its deadline, when its peer starts another request, or when
+    ``drop_partials`` names it (a fenced task's)."""
+
+    identity: bytes
+    request_id: int
+    method: str
+    header: dict[str, Any]
+    entry: _Entry
+    parts: int
+    deadline: float
+    pieces: codec.Pieces
+    frames: list[Any] = field(default_factory=list)
+    seq: int = 1
+    unchecked: set[str] = field(default_factory=set)
+    failed: tuple[str, BaseException] | None = None
 
 
 class _HandlerThreads:
@@ -129,6 +163,46 @@ class _HandlerThreads:
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
+
+
+class _Stream:
+    """A blocking handler's ``Request.stream``: parts of its reply sent as it works.
+
+    Each part goes to the loop through the pool's DEALER, as a whole reply does, so the
+    parts and then the reply leave in order. Their frames are tracked: the reply's
+    ``on_sent`` tracker covers them too."""
+
+    def __init__(self, server: RpcServer, identity: bytes, request_id: int, method: str) -> None:
+        self._server = server
+        self._identity = identity
+        self._request_id = request_id
+        self._method = method
+        self._descriptors: list[list[Any]] | None = None
+        self._seq = 0
+        self.frames: list[zmq.Frame] = []
+        """Every tensor frame sent so far, tracked."""
+
+    def begin(self, tensors: Any) -> None:
+        if self._descriptors is not None:
+            raise RuntimeError(f"{self._method}: the reply's stream was begun twice")
+        self._descriptors = [codec.descriptor(name, t) for name, t in tensors.items()]
+
+    def send(self, frames: Any) -> None:
+        if self._descriptors is None:
+            raise RuntimeError(f"{self._method}: a reply's stream sent before it was begun")
+        header: dict[str, Any] = {
+            "v": codec.PROTOCOL_VERSION,
+            "k": codec.KIND_PART,
+            "id": self._request_id,
+            "m": self._method,
+            "s": self._seq,
+        }
+        if self._seq == 0:
+            header["t"] = self._descriptors
+        self._seq += 1
+        tracked = [zmq.Frame(f, track=True) for f in frames]
+        self.frames.extend(tracked)
+        self._server._push([self._identity, msgpack.packb(header), *tracked])
 
 
 def bind_host(host: str) -> str:
@@ -220,6 +294,11 @@ class RpcServer:
             self._pusher.close(linger=0)
             raise
         self._workers = _HandlerThreads(workers, name)
+        self._partials: dict[bytes, _Partial] = {}
+        """Requests sent in parts, not all arrived, by peer: a peer's calls follow each
+        other (``RpcClient`` serialises them), so it has one at most."""
+        self._partials_lock = threading.Lock()
+        """The loop thread and ``drop_partials`` (a handler's thread) share the table."""
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._sockets_closed = False
@@ -242,16 +321,41 @@ class RpcServer:
         *,
         blocking: bool = False,
         framed: bool = False,
+        check: Check | None = None,
     ) -> None:
         """Serves ``method`` with ``handler``; ``blocking`` handlers run on the pool.
 
         ``framed``: the request's tensors in several frames reach the handler as
         ``codec.Framed`` zero-copy views, not joined (a handler that consumes them frame
         by frame, such as the ps's push).
+
+        ``check``: for a request sent in parts (``codec.encode_parts``), called on the
+        loop thread with each tensor frame as its message arrives, while the next is on
+        the wire (the ps's finite check of a push). One that raises refuses the request:
+        its error is the answer once the last part came, and the handler never runs.
+        The handler learns which tensors passed from ``Request.checked``.
         """
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        self._handlers[method] = _Entry(handler, blocking, framed)
+        self._handlers[method] = _Entry(handler, blocking, framed, check)
+
+    def drop_partials(self, match: Callable[[str, Any], bool]) -> int:
+        """Drops the requests sent in parts, not all arrived, for which
+        ``match(method, body)`` is true (the body is the first part's); how many.
+
+        Their handler never runs: a later part finds no request to join and is answered
+        with a ``protocol`` error. The ps drops a fenced worker's pushes this way.
+        """
+        with self._partials_lock:
+            gone = [k for k, p in self._partials.items() if match(p.method, p.header.get("b"))]
+            for key in gone:
+                del self._partials[key]
+        return len(gone)
+
+    def partials(self) -> int:
+        """Requests sent in parts whose last part has not come (tests, stats)."""
+        with self._partials_lock:
+            return len(self._partials)
 
     def reserve_workers(self, count: int) -> None:
         """Room for ``count`` blocking handlers at once (threads start only as needed).
@@ -376,8 +480,22 @@ class RpcServer:
         method: str = header["m"]
         request_id: int = header["id"]
         oneway = header["k"] == codec.KIND_ONEWAY
+        if self._partials:
+            self._expire_partials()
+        if header["k"] == codec.KIND_MORE:
+            self._more(identity, header, frames[2:])
+            return
         if header["k"] not in (codec.KIND_REQUEST, codec.KIND_ONEWAY):
             self._send_error(identity, request_id, method, "protocol", "expected a request")
+            return
+        if self._partials and identity in self._partials:
+            # A peer's calls follow each other: its new request means the one it left
+            # unfinished (a call that gave up) never completes.
+            with self._partials_lock:
+                self._partials.pop(identity, None)
+        parts = header.get("n", 1)
+        if parts != 1:
+            self._begin(identity, header, frames, oneway)
             return
         size = len(frames[1]) if len(frames) == 2 else sum(len(f) for f in frames[1:])
         if size > self._max_message_bytes:
@@ -406,18 +524,193 @@ class RpcServer:
                 f"{self._name} takes no tensors; {method!r} came with {len(frames) - 2} frames",
             )
             return
+        self._serve(identity, header, frames[2:], entry, frozenset())
+
+    def _serve(
+        self,
+        identity: bytes,
+        header: dict[str, Any],
+        frames: list[Any],
+        entry: _Entry,
+        checked: frozenset[str],
+    ) -> None:
+        """Decodes a whole request's tensors and runs its handler (inline or on the pool)."""
+        method, request_id = header["m"], header["id"]
+        oneway = header["k"] == codec.KIND_ONEWAY
         try:
-            tensors = codec.decode_tensors(header, frames[2:], framed=entry.framed)
+            tensors = codec.decode_tensors(header, frames, framed=entry.framed)
         except ProtocolError as exc:
             self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
             return
-        request = Request(method, header.get("b"), tensors, identity, oneway)
+        request = Request(method, header.get("b"), tensors, identity, oneway, checked)
+        if entry.blocking and header.get("sr") and not oneway:
+            request.stream = _Stream(self, identity, request_id, method)
         if entry.blocking:
             self._workers.submit(self._run_blocking, entry, request, request_id)
         else:
             reply = self._invoke(entry, request, request_id)
             if reply is not None:
                 runtime.send(self._router, [identity, *reply])
+
+    # Requests sent in parts (codec.encode_parts) ----------------------------------
+
+    def _begin(
+        self, identity: bytes, header: dict[str, Any], frames: list[Any], oneway: bool
+    ) -> None:
+        """The first part of a request sent in parts: checked as a whole request's
+        header is, then kept (with its frames) until the rest came."""
+        method, request_id, parts = header["m"], header["id"], header.get("n")
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 2:
+            self._reply_or_log(
+                identity, request_id, method, oneway, "protocol", f"bad part count n={parts!r}"
+            )
+            return
+        try:
+            pieces = codec.Pieces(header.get("t"))
+        except ProtocolError as exc:
+            self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
+            return
+        if pieces.total + len(frames[1]) > self._max_message_bytes:
+            self._reply_or_log(
+                identity,
+                request_id,
+                method,
+                oneway,
+                "too_large",
+                f"message of {pieces.total + len(frames[1])} bytes exceeds the limit of "
+                f"{self._max_message_bytes} bytes",
+            )
+            return
+        entry = self._handlers.get(method)
+        if entry is None:
+            self._reply_or_log(
+                identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
+            )
+            return
+        if not self._takes_tensors:
+            self._reply_or_log(
+                identity,
+                request_id,
+                method,
+                oneway,
+                "bad_request",
+                f"{self._name} takes no tensors; {method!r} came in {parts} parts",
+            )
+            return
+        wait = header.get("dl", PART_DEADLINE_S)
+        if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
+            wait = PART_DEADLINE_S
+        partial = _Partial(
+            identity,
+            request_id,
+            method,
+            header,
+            entry,
+            parts,
+            time.monotonic() + min(float(wait), PART_DEADLINE_S),
+            pieces,
+        )
+        with self._partials_lock:
+            self._partials[identity] = partial
+        self._take(partial, frames[2:])
+
+    def _more(self, identity: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        """A later part: joined to its request, which it completes if it is the last."""
+        request_id, method, seq = header["id"], header["m"], header.get("s")
+        with self._partials_lock:
+            partial = self._partials.get(identity)
+            if partial is not None and (partial.request_id != request_id or partial.seq != seq):
+                del self._partials[identity]  # misordered: the request cannot complete
+        if partial is None:
+            self._send_error(
+                identity,
+                request_id,
+                method,
+                "protocol",
+                f"part {seq!r} of request {request_id} belongs to no request in progress "
+                f"(it expired, was dropped, or its first part never came)",
+            )
+            return
+        if partial.request_id != request_id or partial.seq != seq:
+            self._send_error(
+                identity,
+                partial.request_id,
+                partial.method,
+                "protocol",
+                f"part {seq!r} of request {request_id} came where part {partial.seq} of "
+                f"request {partial.request_id} was due; the request is dropped",
+            )
+            return
+        partial.seq += 1
+        self._take(partial, frames)
+
+    def _take(self, partial: _Partial, frames: list[Any]) -> None:
+        """Keeps one part's frames, checking each (``_Entry.check``); serves the request
+        once its last part came."""
+        if partial.failed is None:
+            try:
+                arrived = partial.pieces.feed(frames)
+            except ProtocolError as exc:
+                partial.failed = ("bad_request", exc)
+            else:
+                partial.frames.extend(frames)
+                check = partial.entry.check
+                if check is not None:
+                    self._check(partial, check, arrived)
+            if partial.failed is not None:
+                partial.frames.clear()  # refused: the rest of it is read and dropped
+        if partial.seq < partial.parts:
+            return
+        with self._partials_lock:
+            if self._partials.get(partial.identity) is not partial:
+                return  # dropped meanwhile (drop_partials)
+            del self._partials[partial.identity]
+        header, oneway = partial.header, partial.header["k"] == codec.KIND_ONEWAY
+        if partial.failed is not None:
+            code, error = partial.failed
+            self._reply_or_log(
+                partial.identity, partial.request_id, partial.method, oneway, code, error
+            )
+            return
+        checked: frozenset[str] = frozenset()
+        if partial.entry.check is not None:
+            checked = frozenset(d[0] for d in header.get("t") or ()) - partial.unchecked
+        self._serve(partial.identity, header, partial.frames, partial.entry, checked)
+
+    def _check(
+        self, partial: _Partial, check: Check, arrived: list[tuple[str, str, int, Any]]
+    ) -> None:
+        for name, dtype, _, frame in arrived:
+            view = codec.piece(dtype, frame)
+            if view is None:
+                partial.unchecked.add(name)  # the handler checks it whole
+                continue
+            try:
+                check(name, view)
+            except Exception as exc:
+                if isinstance(exc, ClusterflowError):
+                    log.info("%s: %s refused: %s", self._name, partial.method, exc)
+                    partial.failed = ("app", exc)
+                else:
+                    log.exception("%s: check of %s raised", self._name, partial.method)
+                    partial.failed = ("internal", exc)
+                return
+
+    def _expire_partials(self) -> None:
+        """Drops the requests sent in parts whose deadline passed (their caller gave up)."""
+        now = time.monotonic()
+        with self._partials_lock:
+            gone = [k for k, p in self._partials.items() if p.deadline < now]
+            for key in gone:
+                partial = self._partials.pop(key)
+                log.warning(
+                    "%s: %s request %s: %d of %d parts came before its deadline; dropped",
+                    self._name,
+                    partial.method,
+                    partial.request_id,
+                    partial.seq,
+                    partial.parts,
+                )
 
     def _invoke(self, entry: _Entry, request: Request, request_id: int) -> list[Any] | None:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
@@ -440,8 +733,9 @@ class RpcServer:
             frames = codec.encode(
                 codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
             )
+            streamed = request.stream.frames if isinstance(request.stream, _Stream) else []
             if response.on_sent is not None:
-                frames = _tracked(frames, response.on_sent)
+                frames = _tracked(frames, response.on_sent, streamed)
             return frames
         except Exception as exc:
             # The handler returned what cannot travel (a set, a complex tensor, a list
@@ -497,15 +791,18 @@ def _error_frames(request_id: int, method: str, code: str, error: object) -> lis
     return codec.encode(codec.KIND_ERROR, request_id, method, str(error), None, **extra)
 
 
-def _tracked(frames: list[Any], on_sent: Callable[[Any], None]) -> list[Any]:
+def _tracked(
+    frames: list[Any], on_sent: Callable[[Any], None], streamed: list[Any] | None = None
+) -> list[Any]:
     """``frames`` with the tensor frames as tracked zero-copy ``zmq.Frame``s.
 
     The tracker is done once ZeroMQ dropped every reference to the tensors' memory:
     their bytes left (or the peer went away). Frames under ZeroMQ's copy threshold are
-    copied at once and count as done.
+    copied at once and count as done. ``streamed``: the tracked frames of the reply's
+    parts sent before (``_Stream``), which the tracker covers too.
     """
     tensor_frames = [zmq.Frame(f, track=True) for f in frames[1:]]
-    on_sent(zmq.MessageTracker(*tensor_frames))
+    on_sent(zmq.MessageTracker(*(streamed or ()), *tensor_frames))
     return [frames[0], *tensor_frames]
 
 

@@ -116,12 +116,22 @@ class Server:
         *,
         blocking: bool = False,
         framed: bool = False,
+        check: Callable[[str, Any], None] | None = None,
     ) -> None:
         """Serves one more method; services use a ``service.method`` naming scheme.
 
-        ``framed``: see ``RpcServer.register`` (tensors in several frames come unjoined).
+        ``framed``, ``check``: see ``RpcServer.register`` (tensors in several frames come
+        unjoined; the frames of a request sent in parts checked as they arrive).
         """
-        self._rpc.register(method, handler, blocking=blocking, framed=framed)
+        self._rpc.register(method, handler, blocking=blocking, framed=framed, check=check)
+
+    def drop_partials(self, match: Callable[[str, Any], bool]) -> int:
+        """Drops requests sent in parts not all arrived (``RpcServer.drop_partials``)."""
+        return self._rpc.drop_partials(match)
+
+    def partials(self) -> int:
+        """Requests sent in parts whose last part has not come (``RpcServer.partials``)."""
+        return self._rpc.partials()
 
     def register_service(
         self, name: str, handlers: Mapping[str, Callable[[Request], Any]], *, blocking: bool = False
