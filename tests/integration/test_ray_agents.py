@@ -5,7 +5,9 @@ Two Ray nodes, one per emulated host (``clusterflow.testing.ray_nodes``, as in
 and removes them, even when a test failed. With agents started, a launch's tasks run
 under the node's agent (no Ray worker started for them), a second launch reuses the
 same agents, a killed agent is replaced by the next launch, results equal the local
-backend's, and ``ray-agents stop`` leaves no agent behind.
+backend's, and ``ray-agents stop`` leaves no agent behind. Through the head agent's port
+(``backends/agent_port.py``) a launch, ``describe`` and ``stop`` run in a CLI that cannot
+import Ray, and a stale port falls back to joining Ray, which records it anew.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = [sys.executable, str(Path(__file__).with_name("ray_agent_job.py")), "--epochs", "1"]
 ADDRESS = "10.77.0.1:6379"
 CLI = [sys.executable, "-m", "clusterflow.cli.main"]
+NO_RAY_CLI = [
+    sys.executable,
+    "-c",
+    "import sys; sys.modules['ray'] = None; from clusterflow.cli.main import main; main()",
+]
+"""The CLI in a process where ``import ray`` fails (any Ray module): what runs there
+imported no Ray."""
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +63,11 @@ def cf(nodes: RayNodes, tmp_path: Path) -> Iterator[Any]:
     ``--force``: a failed test may leave them hosting), whatever the test did."""
     env = nodes.env(CLUSTERFLOW_HOME=str(tmp_path / "home"))
 
-    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-        return nodes.run([*CLI, *args], env=env, timeout=timeout, cwd=REPO, capture_output=True)
+    def run(
+        *args: str, timeout: float = 240, no_ray: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        cli = NO_RAY_CLI if no_ray else CLI
+        return nodes.run([*cli, *args], env=env, timeout=timeout, cwd=REPO, capture_output=True)
 
     run.home = tmp_path / "home"  # type: ignore[attr-defined]
     yield run
@@ -69,10 +81,10 @@ def _agents(cf: Any) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"agent on node (\w+) \(pid (\d+)\)", out.stdout)}
 
 
-def _on_ray(cf: Any) -> subprocess.CompletedProcess[str]:
+def _on_ray(cf: Any, *, no_ray: bool = False) -> subprocess.CompletedProcess[str]:
     # Each worker asks for all of a node's CPUs: placed only if the agents hold none.
     ray = ["--backend", "ray", "--address", ADDRESS, "--resources", "worker:CPU=2"]
-    out = cf("start", *ray, "--workers", "2", "--", *JOB)
+    out = cf("start", *ray, "--workers", "2", "--", *JOB, no_ray=no_ray)
     assert out.returncode == 0, out.stderr + out.stdout
     return out
 
@@ -126,3 +138,59 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     assert stopped.returncode == 0, stopped.stderr
     assert not [a for a in nodes.probe()["actors"] if a.startswith("clusterflow")]
     assert "agents disabled" in cf("ray-agents", "status", "--address", ADDRESS).stdout
+
+
+def _record(cf: Any) -> Path:
+    """The head agent's port as ``ray-agents start`` recorded it for ``ADDRESS``."""
+    return Path(cf.home) / "ray-agents" / f"{ADDRESS.replace(':', '_')}.json"
+
+
+def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, cf: Any) -> None:
+    started = cf("ray-agents", "start", "--address", ADDRESS)
+    assert started.returncode == 0, started.stderr
+    record = _record(cf)
+    assert record.stat().st_mode & 0o777 == 0o600  # it holds the port's secret
+    agents = _agents(cf)
+
+    # The CLI cannot import Ray here: the launch, its output and its exit went through
+    # the head agent's port; the tasks still ran under the nodes' agents.
+    first = _on_ray(cf, no_ray=True)
+    assert _hosts(first.stdout) == set(agents.values()), first.stdout
+    local = cf("start", "--workers", "2", "--", *JOB)
+    assert local.returncode == 0, local.stderr
+    assert len(_results(local.stdout)) == 2, local.stdout
+    assert _results(first.stdout) == _results(local.stdout)  # digit for digit
+    clusters = sorted((cf.home / "clusters").iterdir(), key=lambda p: p.stat().st_mtime)
+    described = cf("describe", clusters[0].name, "--json", no_ray=True)
+    assert described.returncode == 0, described.stderr
+    manager = json.loads(described.stdout)["manager"]
+    assert manager["pid"] == agents[manager["node_id"]], (manager, agents)
+    failing = cf("start", "--backend", "ray", "--address", ADDRESS, "--", "false", no_ray=True)
+    assert failing.returncode == 1, failing.stderr  # the job's exit code, through the port
+
+    # A stale record (nothing listens at its address any more): one line names it and
+    # the launch joins Ray instead (here Ray cannot be imported: it says so, exit 2).
+    good = json.loads(record.read_text())
+    record.write_text(json.dumps({**good, "address": f"{good['address'].split(':')[0]}:1"}))
+    stale = cf("start", "--backend", "ray", "--address", ADDRESS, "--", "true", no_ray=True)
+    assert stale.returncode == 2, stale.stderr
+    lines = stale.stderr.strip().splitlines()
+    assert f"{good['address'].split(':')[0]}:1: nothing listens there" in lines[0], lines
+    assert str(record) in lines[0] and "joining Ray instead" in lines[0], lines
+    assert lines[-1].startswith("error: --backend ray needs Ray"), lines
+    # With Ray, the fallback launches and records the head agent's port anew.
+    again = _on_ray(cf)
+    assert _results(again.stdout) == _results(local.stdout)
+    assert json.loads(record.read_text())["address"] == good["address"]
+
+    # Detached and stopped, both through the port.
+    job = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    ray = ["--backend", "ray", "--address", ADDRESS]
+    detached = cf("start", *ray, "--detach", "--", *job, no_ray=True)
+    assert detached.returncode == 0, detached.stderr
+    cluster_id = detached.stdout.strip().splitlines()[-1]
+    stopped = cf("stop", cluster_id, "--grace", "5", no_ray=True)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.strip() == f"{cluster_id}: stopped", stopped.stdout
+    state = json.loads(cf("describe", cluster_id, "--json", no_ray=True).stdout)
+    assert state["status"] == "stopped", state

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from clusterflow.backends import agent_port
 from clusterflow.backends.ray_actor import SupervisorHost
 from clusterflow.backends.ray_driver import NAMESPACE
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -68,7 +69,7 @@ def fingerprint() -> str:
     it makes): an agent whose code differs is replaced, not reused."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in ("ray_agent.py", "ray_actor.py", "memory_watch.py"):
+    for name in ("ray_agent.py", "ray_actor.py", "memory_watch.py", "agent_port.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -86,6 +87,20 @@ class NodeAgent:
         """Objects it hosts for others, by key: the head's agent hosts managers
         (``manager/ray_host.py``: ``ManagerHost``, which this layer may not import)."""
         self._lock = threading.Lock()
+        self._port: list[agent_port.PortServer] = []
+
+    def port(self) -> dict[str, Any]:
+        """Its own port (``agent_port``: what a launch calls without joining Ray), started
+        on the first call on this node's address: the address, the port's secret (hex)
+        and this node, for the caller to record (``manager/agent_record.py``)."""
+        import ray
+
+        server = agent_port.serve_once(self, ray.util.get_node_ip_address(), self._port)
+        return {
+            "address": server.address,
+            "secret": server.credentials.to_hex(),
+            "node_id": self.node_id,
+        }
 
     def ping(self) -> dict[str, Any]:
         """Its node, its code's ``fingerprint``, its process and what it hosts now."""
@@ -361,6 +376,22 @@ def find_head_agent() -> Any:
         if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
             return _find(node["NodeID"])
     return None
+
+
+def head_port() -> dict[str, Any] | None:
+    """The head agent's port (``NodeAgent.port``: its address, secret and node), started
+    there if need be; None where the head runs no agent.
+
+    Raises:
+        ray.exceptions.RayError: the agent did not answer within ``PING_DEADLINE_S``.
+    """
+    import ray
+
+    agent = find_head_agent()
+    if agent is None:
+        return None
+    port: dict[str, Any] = ray.get(agent.port.remote(), timeout=PING_DEADLINE_S)
+    return port
 
 
 def _ping_deadline(deadline: float) -> float:

@@ -25,11 +25,21 @@ def ray_agents() -> None:
 def start(address: str | None) -> None:
     """Enables agents on the Ray cluster and starts one on every live node (nodes that
     join later get theirs at their first launch; a crashed one is replaced)."""
+    import ray
+
     from clusterflow.backends import ray_agent, ray_driver
+    from clusterflow.manager import agent_record
 
     ray_driver.join(address)
     for info in ray_agent.start_all():
         click.echo(f"agent on node {info['node_id']} (pid {info['pid']})")
+    port = ray_agent.head_port()
+    if port is not None:
+        # Named as given and as Ray resolved it (`auto`, RAY_ADDRESS): a launch naming
+        # either reaches the head's agent without joining Ray (docs/ray.md, "Agents").
+        for named in {agent_record.address_of(address), ray.get_runtime_context().gcs_address}:
+            agent_record.write(named, port)
+        click.echo(f"agent port {port['address']} (recorded in {agent_record.path(address)})")
 
 
 @ray_agents.command(context_settings=CONTEXT)
@@ -54,7 +64,9 @@ def status(address: str | None) -> None:
 def stop(address: str | None, force: bool) -> None:
     """Disables agents on the Ray cluster and ends every agent (`ray stop` ends them too)."""
     from clusterflow.backends import ray_agent, ray_driver
+    from clusterflow.manager import agent_record
 
     ray_driver.join(address)
     nodes = ray_agent.stop_all(force=force)
+    agent_record.remove(address)
     click.echo(f"stopped {len(nodes)} agent(s)")

@@ -181,13 +181,11 @@ class RayHandle:
     def stop(self, grace_s: float) -> str:
         if self._final is not None:
             return f"not running ({self._final.status})"
-        import ray
-
         from clusterflow.manager import ray_host
 
         try:
             outcome = ray_host.stop(self.cluster, grace_s)
-        except ray.exceptions.RayError as exc:  # it ended meanwhile, or its node died
+        except ray_host.ManagerGone as exc:  # it ended meanwhile, or its node died
             outcome = f"not stopped in order ({type(exc).__name__}); ended"
             if self.manager is not None:
                 self.manager.end()

@@ -30,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from clusterflow.backends import kinds, ray_agent, ray_driver
+from clusterflow.backends.agent_port import AgentPort
 from clusterflow.backends.ray_placement import PlacementError, TaskRequest
 from clusterflow.cluster.contract import ENV_SECRET_FILE
-from clusterflow.errors import ConfigError
-from clusterflow.manager import registry
+from clusterflow.errors import ClusterflowError, ConfigError
+from clusterflow.manager import agent_record, registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.registry import TERMINAL, ClusterDir
 from clusterflow.manager.state import ClusterState
+from clusterflow.rpc import RpcError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ PULL_LIMIT = 8 << 20
 """Most bytes of one file sent by one ``pull`` (the rest comes with the next)."""
 CALL_DEADLINE_S = 30.0
 """Deadline of a call from the CLI to the manager actor."""
+PORT_DEADLINE_S = 10.0
+"""Deadline of asking the head's agent for its port (``NodeAgent.port``)."""
 MIRRORED = ("events.jsonl", "output.log", "trial-report.jsonl")
 
 
@@ -246,35 +250,44 @@ def connect(address: str | None, job_dir: str | None = None) -> None:
 def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandle:
     """Starts the cluster's manager in the Ray cluster and places the cluster.
 
+    Where ``ray-agents start`` (or an earlier launch) recorded the head agent's port
+    (``agent_record``) and it answers, the manager is made there through that port and
+    Ray is neither imported nor joined here; otherwise (no record, a stale one, a run
+    with ``--job-dir``) the CLI joins Ray as before.
+
     Raises:
         PlacementError: the cluster cannot be placed (the manager is ended again).
+        ManagerGone: the manager stopped answering before the cluster was placed.
+        ConfigError: Ray cannot be joined, or the head's agent refused the manager.
     """
     from clusterflow.manager.memory_sizing import earlier_peaks, size
 
-    connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
-    import ray
-
+    key = actor_name(cluster.id)
+    # A run with a job folder never goes to an agent: Ray unpacks it only for its workers.
+    port = None if config.job_dir else agent_record.open_port(config.address)
+    if port is None:
+        connect(config.address, config.job_dir)  # first: it says how to get Ray if missing
     secret = cluster.secret_file.read_text()
     sized, automatic = size(config)
     before = earlier_peaks(config, automatic)
     args = (cluster.id, sized.to_dict(), secret, sorted(automatic), before)
-    # The head's agent hosts the manager when agents run (no Ray worker to start), but
-    # not a run with a job folder: Ray unpacks that only for the run's own workers.
-    actor: Any = None if config.job_dir else _in_head_agent(actor_name(cluster.id), args)
-    if actor is None:
-        actor = (
-            _host_class()
-            .options(
-                name=actor_name(cluster.id),
-                namespace=NAMESPACE,
-                lifetime="detached",
-                scheduling_strategy=_on_head_node(),
-            )
-            .remote(*args)
-        )
-    handle = ManagerHandle(cluster, actor)
+    link: PortLink | RayLink
+    if port is not None:
+        try:
+            port.make(key, __name__, ManagerHost.__name__, *args)
+        except RpcError as exc:
+            port.close()
+            why = f"the head's agent at {port.address} did not make the manager: {exc}"
+            raise ConfigError(why) from exc
+        link = PortLink(port, key)
+    else:
+        # The head's agent hosts the manager when agents run (no Ray worker to start);
+        # else (or with a job folder) it gets a detached actor of its own.
+        hosted = None if config.job_dir else _in_head_agent(key, args, config.address)
+        link = RayLink(hosted if hosted is not None else _new_actor(key, args))
+    handle = ManagerHandle(cluster, link)
     try:
-        error = ray.get(actor.start.remote(), timeout=config.placement_timeout_s + 120.0)
+        error = link.call("start", deadline=config.placement_timeout_s + 120.0)
     except BaseException:
         handle.end()
         raise
@@ -284,9 +297,25 @@ def run(cluster: ClusterDir, config: RunConfig, *, detach: bool) -> ManagerHandl
     return handle
 
 
-def _in_head_agent(key: str, args: tuple[Any, ...]) -> Hosted | None:
+def _new_actor(key: str, args: tuple[Any, ...]) -> Any:
+    """The manager as a detached actor of its own, on the head node."""
+    return (
+        _host_class()
+        .options(
+            name=key,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            scheduling_strategy=_on_head_node(),
+        )
+        .remote(*args)
+    )
+
+
+def _in_head_agent(key: str, args: tuple[Any, ...], address: str | None) -> Hosted | None:
     """The manager made in the head node's agent; None where agents are not enabled,
-    or where the head's agent failed within its deadlines (an actor of its own then)."""
+    or where the head's agent failed within its deadlines (an actor of its own then).
+    The agent's port is recorded for ``address`` on the way, so the next command with
+    that address reaches the agent without joining Ray (``agent_record``)."""
     import ray
 
     try:
@@ -297,6 +326,10 @@ def _in_head_agent(key: str, args: tuple[Any, ...]) -> Hosted | None:
     except (ray_agent.AgentUnavailable, ray.exceptions.RayError) as exc:
         log.warning("the head's agent cannot host the manager (%s); it gets an actor", exc)
         return None
+    try:
+        agent_record.write(address, ray.get(agent.port.remote(), timeout=PORT_DEADLINE_S))
+    except (ray.exceptions.RayError, OSError) as exc:  # only the next launch is slower
+        log.warning("the head agent's port is not recorded (%s)", exc)
     return Hosted(agent, key)
 
 
@@ -351,42 +384,121 @@ class Hosted:
             self.agent.drop.remote(self.key)
 
 
-class ManagerHandle:
-    """The CLI's handle on a manager actor: keeps the local folder a mirror of its own."""
+class ManagerGone(ClusterflowError):
+    """The manager did not answer a call within its deadline: it ended, its node or its
+    agent died, or (through the agent's port) the agent is gone."""
 
-    def __init__(self, cluster: ClusterDir, actor: Any) -> None:
-        self.cluster = cluster
+
+class RayLink:
+    """The CLI's calls to a manager over Ray: its own actor, or ``Hosted`` in the head's
+    agent (the process joined Ray)."""
+
+    def __init__(self, actor: Any) -> None:
         self.actor = actor
+
+    def call(self, method: str, *args: Any, deadline: float) -> Any:
+        """``method(*args)`` of the manager, waited for at most ``deadline`` seconds.
+
+        Raises:
+            ManagerGone: Ray says it is gone, or it did not answer in time.
+        """
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=deadline)
+        except ray.exceptions.RayError as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ManagerGone(f"the manager did not answer {method}: {why}") from exc
+
+    def end(self) -> None:
+        """Lets the manager end: told it may, then dropped from its agent (which lives on
+        for the next run) or its actor killed."""
+        import ray
+
+        with contextlib.suppress(ManagerGone):
+            self.call("release", deadline=CALL_DEADLINE_S)
+        if isinstance(self.actor, Hosted):
+            self.actor.end()
+        else:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(self.actor, no_restart=True)
+
+
+class PortLink:
+    """The CLI's calls to a manager hosted by the head's agent, through the agent's port
+    (``agent_port``): no Ray in this process."""
+
+    def __init__(self, port: AgentPort, key: str) -> None:
+        self.port = port
+        self.key = key
+
+    def call(self, method: str, *args: Any, deadline: float) -> Any:
+        """``method(*args)`` of the manager, waited for at most ``deadline`` seconds.
+
+        Raises:
+            ManagerGone: the agent hosts it no more, or did not answer in time.
+        """
+        try:
+            return self.port.call(self.key, method, *args, deadline=deadline)
+        except RpcError as exc:
+            raise ManagerGone(f"the manager did not answer {method}: {exc}") from exc
+
+    def end(self) -> None:
+        """Lets the manager end: told it may, then dropped from the agent."""
+        with contextlib.suppress(ManagerGone):
+            self.call("release", deadline=CALL_DEADLINE_S)
+        with contextlib.suppress(RpcError):
+            self.port.drop(self.key)
+        self.port.close()
+
+
+class ManagerHandle:
+    """The CLI's handle on a manager: keeps the local folder a mirror of its own."""
+
+    def __init__(self, cluster: ClusterDir, link: RayLink | PortLink) -> None:
+        self.cluster = cluster
+        self.link = link
 
     @classmethod
     def find(cls, cluster: ClusterDir) -> ManagerHandle | None:
-        """The handle of a Ray cluster's manager; None for a local cluster or a gone one."""
+        """The handle of a Ray cluster's manager; None for a local cluster or a gone one.
+
+        Through the head agent's port when it is recorded, answers and hosts the manager
+        (no Ray joined); else by joining Ray (an actor of its own, or the head's agent).
+        """
         config = cluster.read_config()
         kind = kinds.find(config.get("backend") or kinds.LOCAL.name)
         if kind is None or not kind.manager_in_ray:
             return None
+        key = actor_name(cluster.id)
+        port = agent_record.open_port(config.get("address"))
+        if port is not None:
+            try:
+                if port.hosts(key):
+                    return cls(cluster, PortLink(port, key))
+            except RpcError as exc:
+                log.warning("the head's agent at %s stopped answering (%s)", port.address, exc)
+            port.close()
         connect(config.get("address"))
         import ray
 
         try:
-            actor: Any = ray.get_actor(actor_name(cluster.id), namespace=NAMESPACE)
+            actor: Any = ray.get_actor(key, namespace=NAMESPACE)
         except ValueError:
-            actor = Hosted.find(actor_name(cluster.id))
-        return None if actor is None else cls(cluster, actor)
+            actor = Hosted.find(key)
+        return None if actor is None else cls(cluster, RayLink(actor))
 
     def refresh(self) -> ClusterState | None:
         """Pulls the manager's state and new output into the local folder; the state,
         or None if the manager is gone. A final state is collected once: the manager
         is then told it may end."""
-        import ray
-
         offsets = {name: _size(self.cluster.path / name) for name in MIRRORED}
         with contextlib.suppress(OSError):
             for p in self.cluster.logs_dir.iterdir():
                 offsets[f"logs/{p.name}"] = p.stat().st_size
         try:
-            reply = ray.get(self.actor.pull.remote(offsets), timeout=CALL_DEADLINE_S)
-        except ray.exceptions.RayError:
+            reply = self.link.call("pull", offsets, deadline=CALL_DEADLINE_S)
+        except ManagerGone:
             return None
         # Another machine's mirror starts from config.json alone (docs/ray.md).
         self.cluster.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -412,20 +524,16 @@ class ManagerHandle:
         return state
 
     def stop(self, grace_s: float) -> None:
-        import ray
+        """Asks the manager to stop its tasks in order.
 
-        ray.get(self.actor.stop.remote(grace_s), timeout=grace_s + CALL_DEADLINE_S)
+        Raises:
+            ManagerGone: it did not take the request within ``grace_s`` and a call's deadline.
+        """
+        self.link.call("stop", grace_s, deadline=grace_s + CALL_DEADLINE_S)
 
     def end(self) -> None:
         """Lets the manager end (it has nothing left to run or to tell)."""
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.actor.release.remote(), timeout=CALL_DEADLINE_S)
-        if isinstance(self.actor, Hosted):
-            self.actor.end()  # the agent lives on for the next run
-        else:
-            ray.kill(self.actor, no_restart=True)
+        self.link.end()
 
 
 def _size(path: Path) -> int:
