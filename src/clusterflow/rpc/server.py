@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import socket
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -37,7 +34,9 @@ from clusterflow.errors import ClusterflowError
 from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import AuthMode, Credentials
 from clusterflow.rpc.errors import CodedError, ProtocolError
-from clusterflow.rpc.message import Handler, Request, Response
+from clusterflow.rpc.handlers import Check, Entry, HandlerThreads
+from clusterflow.rpc.message import Request, Response
+from clusterflow.rpc.parts import Partial, ReplyStream, RequestsInParts
 
 log = logging.getLogger(__name__)
 
@@ -52,159 +51,6 @@ _RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's enum costs a conversion per 
 _instances = itertools.count()
 
 
-PART_DEADLINE_S = 600.0
-"""How long a request sent in parts may take to arrive whole when its header names no
-deadline (``dl``): its received parts are dropped then."""
-
-Check = Callable[[str, Any], None]
-"""``check(name, piece)``: looks at one arrived frame of tensor ``name`` (a flat tensor
-of its dtype) of a request sent in parts; raises to refuse the request."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    handler: Handler
-    blocking: bool
-    framed: bool = False
-    check: Check | None = None
-
-
-@dataclass(slots=True)
-class _Partial:
-    """A request sent in parts whose last part has not come yet (``codec.encode_parts``).
-
-    Its frames are kept where ZeroMQ received them (no copy): the handler runs only once
-    every part came, so a request cut off mid-transfer reaches no handler, and its
-    parts are dropped at its deadline, when its peer starts another request, or when
-    ``drop_partials`` names it (a fenced task's)."""
-
-    identity: bytes
-    request_id: int
-    method: str
-    header: dict[str, Any]
-    entry: _Entry
-    parts: int
-    deadline: float
-    pieces: codec.Pieces
-    frames: list[Any] = field(default_factory=list)
-    seq: int = 1
-    unchecked: set[str] = field(default_factory=set)
-    failed: tuple[str, BaseException] | None = None
-
-
-class _HandlerThreads:
-    """Daemon threads that run blocking handlers, started as calls need them.
-
-    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so one
-    handler waiting on an event that never comes would hang the process forever.
-    """
-
-    def __init__(self, size: int, name: str) -> None:
-        self._size = max(1, size)
-        self._name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._cond = threading.Condition()
-        self._threads = 0
-        self._busy = 0
-        self._closed = False
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> bool:
-        """Queues ``fn(*args)``; False once ``close`` was called."""
-        with self._cond:
-            if self._closed:
-                return False
-            self._busy += 1
-            if self._busy > self._threads and self._threads < self._size:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"{self._name}-handler-{self._threads}", daemon=True
-                ).start()
-        self._jobs.put((fn, args))
-        return True
-
-    def grow(self, size: int) -> None:
-        """Allows up to ``size`` threads (never fewer than now); starts any queued work needs."""
-        with self._cond:
-            self._size = max(self._size, size)
-            while self._busy > self._threads < self._size and not self._closed:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"{self._name}-handler-{self._threads}", daemon=True
-                ).start()
-
-    def close(self) -> None:
-        """Lets idle threads end; running handlers are abandoned, queued ones dropped."""
-        with self._cond:
-            self._closed = True
-            threads = self._threads
-        for _ in range(threads):
-            self._jobs.put(None)
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Waits until no handler runs; True if none does."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._busy == 0, timeout)
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, args = job
-            try:
-                if not self._closed:
-                    fn(*args)
-            except Exception:
-                log.exception("%s: blocking handler thread failed", self._name)
-            finally:
-                del job, fn, args
-                with self._cond:
-                    self._busy -= 1
-                    self._cond.notify_all()
-
-
-class _Stream:
-    """A blocking handler's ``Request.stream``: parts of its reply sent as it works.
-
-    Each part goes to the loop through the pool's DEALER, as a whole reply does, so the
-    parts and then the reply leave in order. Their frames are tracked: the reply's
-    ``on_sent`` tracker covers them too."""
-
-    def __init__(self, server: RpcServer, identity: bytes, request_id: int, method: str) -> None:
-        self._server = server
-        self._identity = identity
-        self._request_id = request_id
-        self._method = method
-        self._descriptors: list[list[Any]] | None = None
-        self._seq = 0
-        self.frames: list[zmq.Frame] = []
-        """Every tensor frame sent so far, tracked."""
-
-    def begin(self, tensors: Any) -> None:
-        if self._descriptors is not None:
-            raise RuntimeError(f"{self._method}: the reply's stream was begun twice")
-        self._descriptors = [codec.descriptor(name, t) for name, t in tensors.items()]
-
-    def send(self, frames: Any) -> None:
-        if self._descriptors is None:
-            raise RuntimeError(f"{self._method}: a reply's stream sent before it was begun")
-        header: dict[str, Any] = {
-            "v": codec.PROTOCOL_VERSION,
-            "k": codec.KIND_PART,
-            "id": self._request_id,
-            "m": self._method,
-            "s": self._seq,
-        }
-        if self._seq == 0:
-            header["t"] = self._descriptors
-        self._seq += 1
-        tracked = [zmq.Frame(f, track=True) for f in frames]
-        self.frames.extend(tracked)
-        self._server._push([self._identity, msgpack.packb(header), *tracked])
-
-
 def bind_host(host: str) -> str:
     """The ZeroMQ bind interface for an address host: IPs as they are, names on all."""
     bare = host.strip("[]")
@@ -217,7 +63,7 @@ def bind_host(host: str) -> str:
     return f"[{bare}]" if ":" in bare else bare
 
 
-class RpcServer:
+class RpcServer(RequestsInParts):
     """Serves registered methods on one TCP port.
 
     Usage: build, ``register`` methods, ``start()``; ``stop()`` when done (also a
@@ -253,7 +99,7 @@ class RpcServer:
     ) -> None:
         self._ctx = runtime.context()
         self._takes_tensors = tensors
-        self._handlers: dict[str, _Entry] = {}
+        self._handlers: dict[str, Entry] = {}
         self._max_message_bytes = max_message_bytes
         self._name = name
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -293,8 +139,8 @@ class RpcServer:
             self._router.close(linger=0)
             self._pusher.close(linger=0)
             raise
-        self._workers = _HandlerThreads(workers, name)
-        self._partials: dict[bytes, _Partial] = {}
+        self._workers = HandlerThreads(workers, name)
+        self._partials: dict[bytes, Partial] = {}
         """Requests sent in parts, not all arrived, by peer: a peer's calls follow each
         other (``RpcClient`` serialises them), so it has one at most."""
         self._partials_lock = threading.Lock()
@@ -337,25 +183,7 @@ class RpcServer:
         """
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        self._handlers[method] = _Entry(handler, blocking, framed, check)
-
-    def drop_partials(self, match: Callable[[str, Any], bool]) -> int:
-        """Drops the requests sent in parts, not all arrived, for which
-        ``match(method, body)`` is true (the body is the first part's); how many.
-
-        Their handler never runs: a later part finds no request to join and is answered
-        with a ``protocol`` error. The ps drops a fenced worker's pushes this way.
-        """
-        with self._partials_lock:
-            gone = [k for k, p in self._partials.items() if match(p.method, p.header.get("b"))]
-            for key in gone:
-                del self._partials[key]
-        return len(gone)
-
-    def partials(self) -> int:
-        """Requests sent in parts whose last part has not come (tests, stats)."""
-        with self._partials_lock:
-            return len(self._partials)
+        self._handlers[method] = Entry(handler, blocking, framed, check)
 
     def reserve_workers(self, count: int) -> None:
         """Room for ``count`` blocking handlers at once (threads start only as needed).
@@ -531,7 +359,7 @@ class RpcServer:
         identity: bytes,
         header: dict[str, Any],
         frames: list[Any],
-        entry: _Entry,
+        entry: Entry,
         checked: frozenset[str],
     ) -> None:
         """Decodes a whole request's tensors and runs its handler (inline or on the pool)."""
@@ -544,7 +372,7 @@ class RpcServer:
             return
         request = Request(method, header.get("b"), tensors, identity, oneway, checked)
         if entry.blocking and header.get("sr") and not oneway:
-            request.stream = _Stream(self, identity, request_id, method)
+            request.stream = ReplyStream(self, identity, request_id, method)
         if entry.blocking:
             self._workers.submit(self._run_blocking, entry, request, request_id)
         else:
@@ -552,167 +380,7 @@ class RpcServer:
             if reply is not None:
                 runtime.send(self._router, [identity, *reply])
 
-    # Requests sent in parts (codec.encode_parts) ----------------------------------
-
-    def _begin(
-        self, identity: bytes, header: dict[str, Any], frames: list[Any], oneway: bool
-    ) -> None:
-        """The first part of a request sent in parts: checked as a whole request's
-        header is, then kept (with its frames) until the rest came."""
-        method, request_id, parts = header["m"], header["id"], header.get("n")
-        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 2:
-            self._reply_or_log(
-                identity, request_id, method, oneway, "protocol", f"bad part count n={parts!r}"
-            )
-            return
-        try:
-            pieces = codec.Pieces(header.get("t"))
-        except ProtocolError as exc:
-            self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
-            return
-        if pieces.total + len(frames[1]) > self._max_message_bytes:
-            self._reply_or_log(
-                identity,
-                request_id,
-                method,
-                oneway,
-                "too_large",
-                f"message of {pieces.total + len(frames[1])} bytes exceeds the limit of "
-                f"{self._max_message_bytes} bytes",
-            )
-            return
-        entry = self._handlers.get(method)
-        if entry is None:
-            self._reply_or_log(
-                identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
-            )
-            return
-        if not self._takes_tensors:
-            self._reply_or_log(
-                identity,
-                request_id,
-                method,
-                oneway,
-                "bad_request",
-                f"{self._name} takes no tensors; {method!r} came in {parts} parts",
-            )
-            return
-        wait = header.get("dl", PART_DEADLINE_S)
-        if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:
-            wait = PART_DEADLINE_S
-        partial = _Partial(
-            identity,
-            request_id,
-            method,
-            header,
-            entry,
-            parts,
-            time.monotonic() + min(float(wait), PART_DEADLINE_S),
-            pieces,
-        )
-        with self._partials_lock:
-            self._partials[identity] = partial
-        self._take(partial, frames[2:])
-
-    def _more(self, identity: bytes, header: dict[str, Any], frames: list[Any]) -> None:
-        """A later part: joined to its request, which it completes if it is the last."""
-        request_id, method, seq = header["id"], header["m"], header.get("s")
-        with self._partials_lock:
-            partial = self._partials.get(identity)
-            if partial is not None and (partial.request_id != request_id or partial.seq != seq):
-                del self._partials[identity]  # misordered: the request cannot complete
-        if partial is None:
-            self._send_error(
-                identity,
-                request_id,
-                method,
-                "protocol",
-                f"part {seq!r} of request {request_id} belongs to no request in progress "
-                f"(it expired, was dropped, or its first part never came)",
-            )
-            return
-        if partial.request_id != request_id or partial.seq != seq:
-            self._send_error(
-                identity,
-                partial.request_id,
-                partial.method,
-                "protocol",
-                f"part {seq!r} of request {request_id} came where part {partial.seq} of "
-                f"request {partial.request_id} was due; the request is dropped",
-            )
-            return
-        partial.seq += 1
-        self._take(partial, frames)
-
-    def _take(self, partial: _Partial, frames: list[Any]) -> None:
-        """Keeps one part's frames, checking each (``_Entry.check``); serves the request
-        once its last part came."""
-        if partial.failed is None:
-            try:
-                arrived = partial.pieces.feed(frames)
-            except ProtocolError as exc:
-                partial.failed = ("bad_request", exc)
-            else:
-                partial.frames.extend(frames)
-                check = partial.entry.check
-                if check is not None:
-                    self._check(partial, check, arrived)
-            if partial.failed is not None:
-                partial.frames.clear()  # refused: the rest of it is read and dropped
-        if partial.seq < partial.parts:
-            return
-        with self._partials_lock:
-            if self._partials.get(partial.identity) is not partial:
-                return  # dropped meanwhile (drop_partials)
-            del self._partials[partial.identity]
-        header, oneway = partial.header, partial.header["k"] == codec.KIND_ONEWAY
-        if partial.failed is not None:
-            code, error = partial.failed
-            self._reply_or_log(
-                partial.identity, partial.request_id, partial.method, oneway, code, error
-            )
-            return
-        checked: frozenset[str] = frozenset()
-        if partial.entry.check is not None:
-            checked = frozenset(d[0] for d in header.get("t") or ()) - partial.unchecked
-        self._serve(partial.identity, header, partial.frames, partial.entry, checked)
-
-    def _check(
-        self, partial: _Partial, check: Check, arrived: list[tuple[str, str, int, Any]]
-    ) -> None:
-        for name, dtype, _, frame in arrived:
-            view = codec.piece(dtype, frame)
-            if view is None:
-                partial.unchecked.add(name)  # the handler checks it whole
-                continue
-            try:
-                check(name, view)
-            except Exception as exc:
-                if isinstance(exc, ClusterflowError):
-                    log.info("%s: %s refused: %s", self._name, partial.method, exc)
-                    partial.failed = ("app", exc)
-                else:
-                    log.exception("%s: check of %s raised", self._name, partial.method)
-                    partial.failed = ("internal", exc)
-                return
-
-    def _expire_partials(self) -> None:
-        """Drops the requests sent in parts whose deadline passed (their caller gave up)."""
-        now = time.monotonic()
-        with self._partials_lock:
-            gone = [k for k, p in self._partials.items() if p.deadline < now]
-            for key in gone:
-                partial = self._partials.pop(key)
-                log.warning(
-                    "%s: %s request %s: %d of %d parts came before its deadline; dropped",
-                    self._name,
-                    partial.method,
-                    partial.request_id,
-                    partial.seq,
-                    partial.parts,
-                )
-
-    def _invoke(self, entry: _Entry, request: Request, request_id: int) -> list[Any] | None:
+    def _invoke(self, entry: Entry, request: Request, request_id: int) -> list[Any] | None:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
         try:
             result = entry.handler(request)
@@ -733,7 +401,7 @@ class RpcServer:
             frames = codec.encode(
                 codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
             )
-            streamed = request.stream.frames if isinstance(request.stream, _Stream) else []
+            streamed = request.stream.frames if isinstance(request.stream, ReplyStream) else []
             if response.on_sent is not None:
                 frames = _tracked(frames, response.on_sent, streamed)
             return frames
@@ -743,7 +411,7 @@ class RpcServer:
             log.error("%s: reply of %s cannot be sent: %s", self._name, request.method, exc)
             return _error_frames(request_id, request.method, "internal", exc)
 
-    def _run_blocking(self, entry: _Entry, request: Request, request_id: int) -> None:
+    def _run_blocking(self, entry: Entry, request: Request, request_id: int) -> None:
         reply = self._invoke(entry, request, request_id)
         if reply is not None and not self._stopped.is_set():
             self._push([request.peer, *reply])
@@ -799,7 +467,7 @@ def _tracked(
     The tracker is done once ZeroMQ dropped every reference to the tensors' memory:
     their bytes left (or the peer went away). Frames under ZeroMQ's copy threshold are
     copied at once and count as done. ``streamed``: the tracked frames of the reply's
-    parts sent before (``_Stream``), which the tracker covers too.
+    parts sent before (``ReplyStream``), which the tracker covers too.
     """
     tensor_frames = [zmq.Frame(f, track=True) for f in frames[1:]]
     on_sent(zmq.MessageTracker(*(streamed or ()), *tensor_frames))
