@@ -21,6 +21,22 @@
 
 Goals: respawn at most 3 s, full restart at most 10 s, checkpoint at most 1.5x.
 
+With ``--verbose``, where each recovery's time goes, phase by phase (the medians over
+the trials), from the kill's instant, the manager's events (``events.jsonl``) and the
+job's own marks (``job.py``'s ``phases.log``):
+
+* a respawn: ``detect`` (the kill to the manager recording the exit), ``decide`` (to its
+  ``task_respawned``: the old launch killed, its leases returned), ``hand`` (to
+  ``standby_took_over``: the ps fenced, the checkpoint chosen), ``register`` (to the
+  new address's ``spec_updated``), ``start`` (to the job's first line running in the
+  zygote), ``strategy`` (to the strategy and model built), ``restore`` (nothing to
+  restore here), ``first_step`` (to its first applied update);
+* a whole restart: ``detect``, ``stop`` (to ``cluster_restarted``: every task killed, a
+  fresh store), ``tasks`` (to ``spec_assembled``: the supervisors started and
+  registered), then the latest task's ``spawn`` (to its job's first line),
+  ``imports`` (torch), ``strategy`` (the process group joined), ``restore`` (the
+  checkpoint read) and ``first_step``.
+
     python -m benchmarks.recovery [--quick] [--rounds N] [--verbose]
 """
 
@@ -107,8 +123,64 @@ class Cluster:
                 return children[0].pid if children else None
         return None
 
+    def events(self) -> list[dict[str, object]]:
+        path = self.home / "clusters" / self.id / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def marks(self) -> list[list[str]]:
+        """``task attempt NAME wall_time`` lines of the job's ``phases.log``."""
+        path = self.out / "phases.log"
+        if not path.exists():
+            return []
+        return [line.split() for line in path.read_text().splitlines() if line.count(" ") == 3]
+
     def stop(self) -> None:
         subprocess.run([*CLI, "stop", self.id], capture_output=True, env=self.env, check=False)
+
+
+RESPAWN_PHASES = (
+    "detect",
+    "decide",
+    "hand",
+    "register",
+    "start",
+    "strategy",
+    "restore",
+    "first_step",
+)
+RESTART_PHASES = (
+    "detect",
+    "stop",
+    "tasks",
+    "spawn",
+    "imports",
+    "strategy",
+    "restore",
+    "first_step",
+)
+PROFILE: dict[str, dict[str, list[float]]] = {"respawn": {}, "restart": {}}
+"""Each recovery's phases (module docstring), per trial, for ``--verbose``."""
+
+
+def _event_after(events: list[dict[str, object]], name: str, after: float, **match: str) -> float:
+    """The time of the first ``name`` event at or after ``after`` whose fields match."""
+    for event in events:
+        at = float(event["time"])  # type: ignore[arg-type]
+        if (
+            event["event"] == name
+            and at >= after
+            and all(event.get(k) == v for k, v in match.items())
+        ):
+            return at
+    raise SystemExit(f"benchmark failed: no {name} event {match} after the kill")
+
+
+def _profile(kind: str, names: tuple[str, ...], marks: list[float]) -> None:
+    """Records one trial's phases: the gaps between consecutive instants of ``marks``
+    (one more than ``names``)."""
+    assert len(marks) == len(names) + 1
+    for name, begin, end in zip(names, marks, marks[1:], strict=False):
+        PROFILE[kind].setdefault(name, []).append(end - begin)
 
 
 def worker_respawns(trials: int, workdir: Path) -> list[float]:
@@ -142,7 +214,33 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
                 ]
                 return min(news) if news else None
 
-            times.append(float(_wait(first_new, "update from the respawned worker")) - killed)  # type: ignore[arg-type]
+            first = float(_wait(first_new, "update from the respawned worker"))  # type: ignore[arg-type]
+            times.append(first - killed)
+            events = cluster.events()
+            exited = _event_after(events, "task_exited", killed, task="worker:1")
+            respawned = _event_after(events, "task_respawned", exited, task="worker:1")
+            took = _event_after(events, "standby_took_over", respawned, task="worker:1")
+            moved = _event_after(events, "spec_updated", took, task="worker:1")
+            job = {
+                m[2]: float(m[3])
+                for m in cluster.marks()
+                if m[0] == "worker:1" and float(m[3]) >= took
+            }
+            _profile(
+                "respawn",
+                RESPAWN_PHASES,
+                [
+                    killed,
+                    exited,
+                    respawned,
+                    took,
+                    moved,
+                    job["started"],
+                    job["strategy"],
+                    job["restored"],
+                    first,
+                ],
+            )
             # The next trial starts from a steady state again.
             count = len(cluster.lines())
             _wait(lambda n=count: len(cluster.lines()) > n + 40, "steps")
@@ -174,7 +272,31 @@ def full_restarts(trials: int, workdir: Path) -> list[float]:
                 news = [float(line[3]) for line in cluster.lines() if line[2] == str(a + 1)]
                 return min(news) if news else None
 
-            times.append(float(_wait(first_of_next, "step after the restart")) - killed)  # type: ignore[arg-type]
+            first = float(_wait(first_of_next, "step after the restart"))  # type: ignore[arg-type]
+            times.append(first - killed)
+            events = cluster.events()
+            exited = _event_after(events, "task_exited", killed, task="worker:0")
+            restarted = _event_after(events, "cluster_restarted", exited)
+            assembled = _event_after(events, "spec_assembled", restarted)
+            latest: dict[str, float] = {}
+            for _task, incarnation, name, at in cluster.marks():
+                if incarnation == str(attempt + 1):
+                    latest[name] = max(latest.get(name, 0.0), float(at))
+            _profile(
+                "restart",
+                RESTART_PHASES,
+                [
+                    killed,
+                    exited,
+                    restarted,
+                    assembled,
+                    latest["started"],
+                    latest["imported"],
+                    latest["strategy"],
+                    latest["restored"],
+                    first,
+                ],
+            )
     finally:
         cluster.stop()
     return times
@@ -236,6 +358,13 @@ def main() -> None:
         restart = full_restarts(trials, workdir)
         print("full restart (s):   " + " ".join(f"{t:.2f}" for t in restart), flush=True)
         described = load.describe()
+    if args.verbose:
+        for kind, phases in PROFILE.items():
+            print(
+                f"{kind} by phase, seconds: "
+                + ", ".join(f"{name} {Spread.of(values)}" for name, values in phases.items()),
+                flush=True,
+            )
     figures = {
         "worker_respawn_s": Spread.of(respawn),
         "full_restart_s": Spread.of(restart),

@@ -54,7 +54,7 @@ class Recovery:
     _attempt: int
     _status: str
     _store: StoreHost | None
-    _new_store: Callable[[], StoreHost]
+    _new_store: Callable[[bool], StoreHost]
 
     if TYPE_CHECKING:
 
@@ -183,8 +183,10 @@ class Recovery:
             task.address = None
         if self._store is not None:
             # A fresh store: the old one holds the dead incarnation's rendezvous keys.
+            # Started at once when the old one was used: the ranks will connect again.
+            used = self._store.started
             self._store.close()
-            self._store = self._new_store()
+            self._store = self._new_store(used)
         restore = self._choose_checkpoint(restore_data=True)
         self.cluster.append_event("cluster_restarted", **event, checkpoint=restore)
         for task in self.tasks.values():
