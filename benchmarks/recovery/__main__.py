@@ -158,7 +158,7 @@ RESTART_PHASES = (
     "restore",
     "first_step",
 )
-PROFILE: dict[str, dict[str, list[float]]] = {"respawn": {}, "restart": {}}
+PROFILE: dict[str, dict[str, list[float]]] = {"respawn": {}, "restart": {}, "cold_restart": {}}
 """Each recovery's phases (module docstring), per trial, for ``--verbose``."""
 
 
@@ -249,19 +249,29 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
     return times
 
 
-def full_restarts(trials: int, workdir: Path) -> list[float]:
-    out = workdir / "allreduce"
+def full_restarts(trials: int, workdir: Path, *, warm: bool) -> list[float]:
+    """``warm``: under ``--warm-restarts``, each trial from a steady state with a warm
+    standby per task (as ``worker_respawns`` waits for its standby)."""
+    out = workdir / ("allreduce-warm" if warm else "allreduce")
     out.mkdir()
-    cluster = Cluster(workdir / "home-allreduce", out, ["--workers", "2"], "allreduce")
+    flags = ["--workers", "2", *(["--warm-restarts"] if warm else [])]
+    cluster = Cluster(workdir / f"home-{out.name}", out, flags, "allreduce")
+    kind = "restart" if warm else "cold_restart"
     times = []
+
+    def standbys_warm() -> bool:
+        standby = cluster.state().get("standby") or {}
+        return not warm or standby.get("ready_count") == 2  # type: ignore[union-attr]
+
     try:
         for attempt in range(trials):
             _wait(
                 lambda a=attempt: (
                     sum(1 for line in cluster.lines() if line[2] == str(a)) > 40
                     and cluster.job_pid("worker:0")
+                    and standbys_warm()
                 ),
-                "steps",
+                "steps" + (" and a warm standby per task" if warm else ""),
             )
             pid = cluster.job_pid("worker:0")
             assert pid is not None
@@ -283,7 +293,7 @@ def full_restarts(trials: int, workdir: Path) -> list[float]:
                 if incarnation == str(attempt + 1):
                     latest[name] = max(latest.get(name, 0.0), float(at))
             _profile(
-                "restart",
+                kind,
                 RESTART_PHASES,
                 [
                     killed,
@@ -355,8 +365,15 @@ def main() -> None:
         )
         respawn = worker_respawns(trials, workdir)
         print("worker respawn (s): " + " ".join(f"{t:.2f}" for t in respawn), flush=True)
-        restart = full_restarts(trials, workdir)
+        restart = full_restarts(trials, workdir, warm=True)
         print("full restart (s):   " + " ".join(f"{t:.2f}" for t in restart), flush=True)
+        cold = full_restarts(trials, workdir, warm=False)
+        print(
+            "cold restart (s), without --warm-restarts: "
+            + " ".join(f"{t:.2f}" for t in cold)
+            + f"; median {Spread.of(cold)}",
+            flush=True,
+        )
         described = load.describe()
     if args.verbose:
         for kind, phases in PROFILE.items():

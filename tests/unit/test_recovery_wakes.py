@@ -70,6 +70,7 @@ def _controller(tmp_path: Path, config: RunConfig, **kwargs: Any) -> Controller:
         name="local",
         job_env=lambda task: {},
         launch=lambda launch: _Supervisor(launch.task, 0),
+        adopt=lambda process, task: None,
     )
     return Controller(
         ClusterDir(folder),
@@ -201,3 +202,56 @@ def test_local_wait_while_another_thread_waits_too(sleeper: subprocess.Popen[byt
     assert process.wait(30.0) == 0
     waiter.join(30)
     assert codes == [0]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm_restarts", "cold"])
+def test_warm_restarts_keep_a_standby_per_task_and_the_next_store_and_a_restart_takes_them(
+    tmp_path: Path, warm: bool
+) -> None:
+    """Under ``--warm-restarts``, once the spec is assembled: a standby per task and the
+    next attempt's store (started at once); a whole restart hands every task to a
+    standby (no new supervisor launched) and runs on that store. Without it: neither."""
+    made: list[bool] = []
+    config = RunConfig(command=("true",), workers=2, max_restarts=2, warm_restarts=warm)
+    controller = _controller(tmp_path, config, store=lambda eager: _Store(eager, made))
+    launched: list[_Supervisor] = []
+
+    def launch(launch: Any) -> _Supervisor:
+        launched.append(_Supervisor(launch.task, 0))
+        return launched[-1]
+
+    controller.backend.launch = launch  # type: ignore[method-assign]
+    try:
+        controller._store = controller._new_store(False)
+        for task in controller.tasks.values():
+            controller._launch(task, None)
+        controller._keep_standby()
+        assert controller.standby.count() == 0  # the cluster's start: nothing kept yet
+        for index, task in enumerate(controller.tasks.values()):
+            controller.rendezvous.register(task.id, f"127.0.0.1:{index + 1}", respawned=False)
+        controller._store.started = True  # type: ignore[misc]  # its ranks connected
+        controller._keep_standby()
+        standbys = launched[2:]
+        assert len(standbys) == (2 if warm else 0) and controller.standby.count() == len(standbys)
+        assert made == ([False, True] if warm else [False])
+        spare = controller._spare_store
+        controller._relaunch_all("a test's restart")
+        tasks = [controller.tasks[TaskId.parse(f"worker:{i}")].process for i in range(2)]
+        if warm:
+            assert tasks == standbys and len(launched) == 4  # the standbys, oldest first
+            assert controller._store is spare and made == [False, True]
+        else:
+            assert tasks == launched[2:] and len(launched) == 4  # two cold supervisors
+            assert made == [False, True]  # the used store's successor, started at once
+    finally:
+        controller.standby.close()
+        controller.output.close()
+
+
+def test_warm_restarts_keep_nothing_where_ray_places_the_tasks() -> None:
+    """A restart on Ray is placed anew: a standby would run outside that placement."""
+    from clusterflow.manager.recovery import Recovery
+
+    for backend, warm in (("local", True), ("ray", False)):
+        config = RunConfig(command=("true",), workers=2, warm_restarts=True, backend=backend)
+        assert Recovery._warm_restarts(SimpleNamespace(config=config)) is warm  # type: ignore[arg-type]

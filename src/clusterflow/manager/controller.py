@@ -140,6 +140,8 @@ class Controller(Recovery, Elastic):
         self._status = "starting"
         self._created = time.time()
         self._store: StoreHost | None = None
+        self._spare_store: StoreHost | None = None
+        """The next attempt's store, started ahead (``--warm-restarts``)."""
         self._restarts = 0
         self._memory_restarts = 0
         self._attempt = 0
@@ -322,8 +324,9 @@ class Controller(Recovery, Elastic):
         self.rendezvous.close()
         self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
         self.standby.close()
-        if self._store is not None:
-            self._store.close()
+        for store in (self._store, self._spare_store):
+            if store is not None:
+                store.close()
         self._sweep()
         self.output.join()
 
