@@ -6,11 +6,14 @@
   ``job.py`` writes after each applied push). Median over the trials. Each
   trial starts from a steady state: training runs and the manager's standby supervisor
   (a warm Python with torch imported, ``backends/zygote.py``) is ready.
-* ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers, checkpointing every 10
-  steps. The job of ``worker:0`` is SIGKILLed; the manager stops every task and restarts
-  them all from the last committed checkpoint; the figure is the time from the kill to
-  the first step of the new incarnation (a line with the next attempt number). These
-  two have no peer: each prints as the median over trials with the smallest and largest.
+* ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers under
+  ``--warm-restarts``, checkpointing every 10 steps. Each trial starts from a steady
+  state with a warm standby per task; the job of ``worker:0`` is SIGKILLed; the manager
+  stops every task and restarts them all from the last committed checkpoint; the figure
+  is the time from the kill to the first step of the new incarnation (a line with the
+  next attempt number). The same without ``--warm-restarts`` (every task started cold)
+  is printed beside it, ``cold restart (s)``. These have no peer: each prints as the
+  median over trials with the smallest and largest.
 * ``checkpoint_vs_torch_save``: one process, a 64 MiB MLP. A consistent checkpoint
   (``Checkpointer.save``: the model part, the task's own part, the manifest, all fsynced)
   against ``torch.save`` of the same state dict to a file in the same folder, in
@@ -31,11 +34,12 @@ job's own marks (``job.py``'s ``phases.log``):
   new address's ``spec_updated``), ``start`` (to the job's first line running in the
   zygote), ``strategy`` (to the strategy and model built), ``restore`` (nothing to
   restore here), ``first_step`` (to its first applied update);
-* a whole restart: ``detect``, ``stop`` (to ``cluster_restarted``: every task killed, a
-  fresh store), ``tasks`` (to ``spec_assembled``: the supervisors started and
-  registered), then the latest task's ``spawn`` (to its job's first line),
-  ``imports`` (torch), ``strategy`` (the process group joined), ``restore`` (the
-  checkpoint read) and ``first_step``.
+* a whole restart (``restart`` warm, ``cold_restart`` cold): ``detect``, ``stop`` (to
+  ``cluster_restarted``: every task killed, a fresh store), ``tasks`` (to
+  ``spec_assembled``: the supervisors started, or the standbys handed the tasks, and
+  registered), then the latest task's ``spawn`` (to its job's first line), ``imports``
+  (torch), ``strategy`` (the process group joined), ``restore`` (the checkpoint read)
+  and ``first_step``.
 
     python -m benchmarks.recovery [--quick] [--rounds N] [--verbose]
 """
