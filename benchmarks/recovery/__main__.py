@@ -6,11 +6,14 @@
   ``job.py`` writes after each applied push). Median over the trials. Each
   trial starts from a steady state: training runs and the manager's standby supervisor
   (a warm Python with torch imported, ``backends/zygote.py``) is ready.
-* ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers, checkpointing every 10
-  steps. The job of ``worker:0`` is SIGKILLed; the manager stops every task and restarts
-  them all from the last committed checkpoint; the figure is the time from the kill to
-  the first step of the new incarnation (a line with the next attempt number). These
-  two have no peer: each prints as the median over trials with the smallest and largest.
+* ``full_restart_s``: MultiWorkerMirroredStrategy on 2 workers under
+  ``--warm-restarts``, checkpointing every 10 steps. Each trial starts from a steady
+  state with a warm standby per task; the job of ``worker:0`` is SIGKILLed; the manager
+  stops every task and restarts them all from the last committed checkpoint; the figure
+  is the time from the kill to the first step of the new incarnation (a line with the
+  next attempt number). The same without ``--warm-restarts`` (every task started cold)
+  is printed beside it, ``cold restart (s)``. These have no peer: each prints as the
+  median over trials with the smallest and largest.
 * ``checkpoint_vs_torch_save``: one process, a 64 MiB MLP. A consistent checkpoint
   (``Checkpointer.save``: the model part, the task's own part, the manifest, all fsynced)
   against ``torch.save`` of the same state dict to a file in the same folder, in
@@ -20,6 +23,23 @@
   the same durability as the checkpoint's.
 
 Goals: respawn at most 3 s, full restart at most 10 s, checkpoint at most 1.5x.
+
+With ``--verbose``, where each recovery's time goes, phase by phase (the medians over
+the trials), from the kill's instant, the manager's events (``events.jsonl``) and the
+job's own marks (``job.py``'s ``phases.log``):
+
+* a respawn: ``detect`` (the kill to the manager recording the exit), ``decide`` (to its
+  ``task_respawned``: the old launch killed, its leases returned), ``hand`` (to
+  ``standby_took_over``: the ps fenced, the checkpoint chosen), ``register`` (to the
+  new address's ``spec_updated``), ``start`` (to the job's first line running in the
+  zygote), ``strategy`` (to the strategy and model built), ``restore`` (nothing to
+  restore here), ``first_step`` (to its first applied update);
+* a whole restart (``restart`` warm, ``cold_restart`` cold): ``detect``, ``stop`` (to
+  ``cluster_restarted``: every task killed, a fresh store), ``tasks`` (to
+  ``spec_assembled``: the supervisors started, or the standbys handed the tasks, and
+  registered), then the latest task's ``spawn`` (to its job's first line), ``imports``
+  (torch), ``strategy`` (the process group joined), ``restore`` (the checkpoint read)
+  and ``first_step``.
 
     python -m benchmarks.recovery [--quick] [--rounds N] [--verbose]
 """
@@ -107,8 +127,64 @@ class Cluster:
                 return children[0].pid if children else None
         return None
 
+    def events(self) -> list[dict[str, object]]:
+        path = self.home / "clusters" / self.id / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def marks(self) -> list[list[str]]:
+        """``task attempt NAME wall_time`` lines of the job's ``phases.log``."""
+        path = self.out / "phases.log"
+        if not path.exists():
+            return []
+        return [line.split() for line in path.read_text().splitlines() if line.count(" ") == 3]
+
     def stop(self) -> None:
         subprocess.run([*CLI, "stop", self.id], capture_output=True, env=self.env, check=False)
+
+
+RESPAWN_PHASES = (
+    "detect",
+    "decide",
+    "hand",
+    "register",
+    "start",
+    "strategy",
+    "restore",
+    "first_step",
+)
+RESTART_PHASES = (
+    "detect",
+    "stop",
+    "tasks",
+    "spawn",
+    "imports",
+    "strategy",
+    "restore",
+    "first_step",
+)
+PROFILE: dict[str, dict[str, list[float]]] = {"respawn": {}, "restart": {}, "cold_restart": {}}
+"""Each recovery's phases (module docstring), per trial, for ``--verbose``."""
+
+
+def _event_after(events: list[dict[str, object]], name: str, after: float, **match: str) -> float:
+    """The time of the first ``name`` event at or after ``after`` whose fields match."""
+    for event in events:
+        at = float(event["time"])  # type: ignore[arg-type]
+        if (
+            event["event"] == name
+            and at >= after
+            and all(event.get(k) == v for k, v in match.items())
+        ):
+            return at
+    raise SystemExit(f"benchmark failed: no {name} event {match} after the kill")
+
+
+def _profile(kind: str, names: tuple[str, ...], marks: list[float]) -> None:
+    """Records one trial's phases: the gaps between consecutive instants of ``marks``
+    (one more than ``names``)."""
+    assert len(marks) == len(names) + 1
+    for name, begin, end in zip(names, marks, marks[1:], strict=False):
+        PROFILE[kind].setdefault(name, []).append(end - begin)
 
 
 def worker_respawns(trials: int, workdir: Path) -> list[float]:
@@ -142,7 +218,33 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
                 ]
                 return min(news) if news else None
 
-            times.append(float(_wait(first_new, "update from the respawned worker")) - killed)  # type: ignore[arg-type]
+            first = float(_wait(first_new, "update from the respawned worker"))  # type: ignore[arg-type]
+            times.append(first - killed)
+            events = cluster.events()
+            exited = _event_after(events, "task_exited", killed, task="worker:1")
+            respawned = _event_after(events, "task_respawned", exited, task="worker:1")
+            took = _event_after(events, "standby_took_over", respawned, task="worker:1")
+            moved = _event_after(events, "spec_updated", took, task="worker:1")
+            job = {
+                m[2]: float(m[3])
+                for m in cluster.marks()
+                if m[0] == "worker:1" and float(m[3]) >= took
+            }
+            _profile(
+                "respawn",
+                RESPAWN_PHASES,
+                [
+                    killed,
+                    exited,
+                    respawned,
+                    took,
+                    moved,
+                    job["started"],
+                    job["strategy"],
+                    job["restored"],
+                    first,
+                ],
+            )
             # The next trial starts from a steady state again.
             count = len(cluster.lines())
             _wait(lambda n=count: len(cluster.lines()) > n + 40, "steps")
@@ -151,19 +253,29 @@ def worker_respawns(trials: int, workdir: Path) -> list[float]:
     return times
 
 
-def full_restarts(trials: int, workdir: Path) -> list[float]:
-    out = workdir / "allreduce"
+def full_restarts(trials: int, workdir: Path, *, warm: bool) -> list[float]:
+    """``warm``: under ``--warm-restarts``, each trial from a steady state with a warm
+    standby per task (as ``worker_respawns`` waits for its standby)."""
+    out = workdir / ("allreduce-warm" if warm else "allreduce")
     out.mkdir()
-    cluster = Cluster(workdir / "home-allreduce", out, ["--workers", "2"], "allreduce")
+    flags = ["--workers", "2", *(["--warm-restarts"] if warm else [])]
+    cluster = Cluster(workdir / f"home-{out.name}", out, flags, "allreduce")
+    kind = "restart" if warm else "cold_restart"
     times = []
+
+    def standbys_warm() -> bool:
+        standby = cluster.state().get("standby") or {}
+        return not warm or standby.get("ready_count") == 2  # type: ignore[union-attr]
+
     try:
         for attempt in range(trials):
             _wait(
                 lambda a=attempt: (
                     sum(1 for line in cluster.lines() if line[2] == str(a)) > 40
                     and cluster.job_pid("worker:0")
+                    and standbys_warm()
                 ),
-                "steps",
+                "steps" + (" and a warm standby per task" if warm else ""),
             )
             pid = cluster.job_pid("worker:0")
             assert pid is not None
@@ -174,7 +286,31 @@ def full_restarts(trials: int, workdir: Path) -> list[float]:
                 news = [float(line[3]) for line in cluster.lines() if line[2] == str(a + 1)]
                 return min(news) if news else None
 
-            times.append(float(_wait(first_of_next, "step after the restart")) - killed)  # type: ignore[arg-type]
+            first = float(_wait(first_of_next, "step after the restart"))  # type: ignore[arg-type]
+            times.append(first - killed)
+            events = cluster.events()
+            exited = _event_after(events, "task_exited", killed, task="worker:0")
+            restarted = _event_after(events, "cluster_restarted", exited)
+            assembled = _event_after(events, "spec_assembled", restarted)
+            latest: dict[str, float] = {}
+            for _task, incarnation, name, at in cluster.marks():
+                if incarnation == str(attempt + 1):
+                    latest[name] = max(latest.get(name, 0.0), float(at))
+            _profile(
+                kind,
+                RESTART_PHASES,
+                [
+                    killed,
+                    exited,
+                    restarted,
+                    assembled,
+                    latest["started"],
+                    latest["imported"],
+                    latest["strategy"],
+                    latest["restored"],
+                    first,
+                ],
+            )
     finally:
         cluster.stop()
     return times
@@ -233,9 +369,23 @@ def main() -> None:
         )
         respawn = worker_respawns(trials, workdir)
         print("worker respawn (s): " + " ".join(f"{t:.2f}" for t in respawn), flush=True)
-        restart = full_restarts(trials, workdir)
+        restart = full_restarts(trials, workdir, warm=True)
         print("full restart (s):   " + " ".join(f"{t:.2f}" for t in restart), flush=True)
+        cold = full_restarts(trials, workdir, warm=False)
+        print(
+            "cold restart (s), without --warm-restarts: "
+            + " ".join(f"{t:.2f}" for t in cold)
+            + f"; median {Spread.of(cold)}",
+            flush=True,
+        )
         described = load.describe()
+    if args.verbose:
+        for kind, phases in PROFILE.items():
+            print(
+                f"{kind} by phase, seconds: "
+                + ", ".join(f"{name} {Spread.of(values)}" for name, values in phases.items()),
+                flush=True,
+            )
     figures = {
         "worker_respawn_s": Spread.of(respawn),
         "full_restart_s": Spread.of(restart),

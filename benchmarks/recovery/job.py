@@ -3,7 +3,9 @@
 ``async``: a worker of an asynchronous parameter-server run (respawned alone when it
 dies). ``allreduce``: a replica of MultiWorkerMirroredStrategy, checkpointing every 10
 steps (the whole cluster restarts from the last checkpoint when one dies). Each applied
-step appends ``task pid attempt wall_time`` to ``OUT/steps.log``.
+step appends ``task pid attempt wall_time`` to ``OUT/steps.log``; the job's start, its
+imports done, its strategy built and its checkpoint restored each append ``task attempt
+NAME wall_time`` to ``OUT/phases.log`` (the benchmark's ``--verbose`` profile).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+STARTED = time.time()  # before torch: a cold job's import shows in the `imports` phase
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 STEPS = 100_000  # the benchmark stops the cluster long before
 
@@ -32,9 +36,21 @@ def log_step(out: Path) -> None:
         os.close(fd)
 
 
+def mark(out: Path, name: str, at: float | None = None) -> None:
+    """Appends ``task attempt NAME wall_time`` to ``OUT/phases.log`` (``--verbose``)."""
+    line = (
+        f"{os.environ['CLUSTERFLOW_TASK']} {os.environ.get('CLUSTERFLOW_ATTEMPT', '0')} "
+        f"{name} {time.time() if at is None else at:.6f}\n"
+    )
+    with (out / "phases.log").open("a") as f:
+        f.write(line)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mode, out = sys.argv[1], Path(sys.argv[2])
+    mark(out, "started", STARTED)
+    mark(out, "imported")
     x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
     if mode == "async":
         from clusterflow.strategies.parameter_server import ParameterServerStrategy
@@ -49,6 +65,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mark(out, "strategy")
     step = 0
     ckpt = None
     if mode == "allreduce":
@@ -56,6 +73,7 @@ def main() -> None:
 
         ckpt = Checkpointer(strategy, model=model, optimizer=opt, every_steps=10)
         step = ckpt.restore()
+    mark(out, "restored")
 
     def train() -> None:
         opt.zero_grad()

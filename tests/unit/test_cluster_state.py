@@ -23,7 +23,7 @@ STATE = ClusterState(
     spec_version=2,
     restarts=1,
     max_restarts=3,
-    standby=StandbyState(pid=77, ready=True),
+    standby=StandbyState(pid=77, ready=True, kept=2, ready_count=1),
     checkpoint_dir="memory://c",
     tasks=(
         TaskState(task="worker:0", status="running", pid=43, step=12, loss=0.5),

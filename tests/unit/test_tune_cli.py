@@ -111,6 +111,7 @@ GIVEN = {
     "evaluator": ["--evaluator"],
     "replicas_per_host": ["--replicas-per-host", "2"],
     "max_restarts": ["--max-restarts", "1"],
+    "warm_restarts": ["--warm-restarts"],
     "checkpoint_dir": ["--checkpoint-dir", "/ckpt"],
     "stall_timeout": ["--stall-timeout", "5"],
     "ps_cmd": ["--ps-cmd", "python ps.py"],

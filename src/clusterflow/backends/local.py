@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,28 @@ class LocalProcess:
         return False  # local tasks ask for no memory: nothing to grow
 
     def wait(self, timeout: float) -> int | None:
+        """Blocks up to ``timeout`` seconds for the exit; None if still running.
+
+        Woken by the exit itself (a pidfd turns readable), not found by a later look:
+        ``Popen.wait(timeout)`` sleeps between looks, up to 50 ms each, which a whole
+        restart paid once per task it stopped (docs/benchmarks.md, "Recovery by phase").
+        """
+        code = self._popen.poll()
+        if code is not None:
+            return code
+        try:
+            exit_fd = os.pidfd_open(self._popen.pid)
+        except OSError:  # reaped meanwhile by another thread's look, or no pidfd here
+            return self._popen_wait(timeout)
+        try:
+            exited, _, _ = select.select([exit_fd], [], [], timeout)
+        finally:
+            os.close(exit_fd)
+        if not exited:
+            return self._popen.poll()
+        return self._popen.wait()  # exited: reaped at once (or already, by a look)
+
+    def _popen_wait(self, timeout: float) -> int | None:
         try:
             return self._popen.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -104,6 +104,12 @@ class WorkersParam(click.ParamType):  # type: ignore[type-arg]
     help="Recoveries (respawn a worker, or restart all from the last checkpoint) [default: 0].",
 )
 @click.option(
+    "--warm-restarts",
+    is_flag=True,
+    default=None,
+    help="Keep a warm standby per task (torch imported) so a whole restart starts none cold.",
+)
+@click.option(
     "--checkpoint-dir",
     help="Where consistent checkpoints go: a path or fsspec URL [default: the cluster's folder].",
 )
@@ -163,6 +169,7 @@ def start(
     replicas_per_host: int | None,
     config_file: str | None,
     max_restarts: int | None,
+    warm_restarts: bool | None,
     checkpoint_dir: str | None,
     stall_timeout: float | None,
     resume_id: str | None,

@@ -28,6 +28,7 @@ FILE_KEYS = frozenset(
         "untracked",
         "env",
         "max_restarts",
+        "warm_restarts",
         "checkpoint_dir",
         "stall_timeout_s",
         "heartbeat_timeout_s",
@@ -126,6 +127,12 @@ class RunConfig:
     """A running task silent for this long is treated as dead."""
     max_restarts: int = 0
     """Recoveries (a worker respawned, or every task restarted) before the run fails."""
+    warm_restarts: bool = False
+    """Keep a warm standby per task while restarts remain (from the spec's assembly on),
+    and the next attempt's store up already, so a whole restart starts no Python and
+    imports no torch: an idle process per task (torch imported) bought for a restart
+    about as quick as a respawn (docs/benchmarks.md, "Recovery by phase"). Where Ray
+    places the tasks it keeps none: Ray places each restart anew."""
     checkpoint_dir: str | None = None
     """Where consistent checkpoints go (a path or fsspec URL); None: the cluster's folder."""
     stall_timeout_s: float | None = None
@@ -218,6 +225,10 @@ class RunConfig:
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise SettingError(
                 Setting("max_restarts"), f" must be a non-negative integer, got {r!r}"
+            )
+        if not isinstance(self.warm_restarts, bool):
+            raise SettingError(
+                Setting("warm_restarts"), f" must be true or false, got {self.warm_restarts!r}"
             )
         if self.checkpoint_dir is not None and (
             not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir.strip()

@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from clusterflow.backends.api import Backend
+from clusterflow.backends.api import Backend, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
     ENV_CLUSTER_ID,
@@ -86,12 +86,16 @@ __all__ = ["POLL_S", "Controller", "RegistrationError"]
 
 POLL_S = 0.1
 """Longest the loop waits between looks at the tasks (an exit also wakes it at once)."""
+EXIT_REPORT_WAIT_S = 10.0
+"""How long a waiter watches a supervisor that reported its job's exit (it exits at once;
+one that does not is found by the loop's looks all the same)."""
 STATE_EVERY_S = 2.0
 """``state.json`` is rewritten at least this often (live figures), and at every change."""
 
 
-StoreFactory = Callable[[], StoreHost]
-"""Starts the hosted torch store of one attempt (a fresh one for each)."""
+StoreFactory = Callable[[bool], StoreHost]
+"""Starts the hosted torch store of one attempt (a fresh one for each); True: start its
+process at once (``StoreHost``'s ``eager``)."""
 
 
 class Controller(Recovery, Elastic):
@@ -136,6 +140,8 @@ class Controller(Recovery, Elastic):
         self._status = "starting"
         self._created = time.time()
         self._store: StoreHost | None = None
+        self._spare_store: StoreHost | None = None
+        """The next attempt's store, started ahead (``--warm-restarts``)."""
         self._restarts = 0
         self._memory_restarts = 0
         self._attempt = 0
@@ -157,7 +163,9 @@ class Controller(Recovery, Elastic):
             config.checkpoint_dir or str(cluster.path / "checkpoints")
         )
         self._new_store = store or (
-            lambda: StoreHost({**os.environ, ENV_CLUSTER_ID: cluster.id}, config.host)
+            lambda eager: StoreHost(
+                {**os.environ, ENV_CLUSTER_ID: cluster.id}, config.host, eager=eager
+            )
         )
         self.place = ClusterPlace(
             cluster_id=cluster.id,
@@ -204,7 +212,7 @@ class Controller(Recovery, Elastic):
         self.cluster.append_event("starting", tasks=[str(t) for t in self.tasks])
         self._write_state()
         try:
-            self._store = self._new_store()
+            self._store = self._new_store(False)  # a job may never use it
             restore = self._choose_checkpoint(restore_data=True)
             for task in self.tasks.values():
                 self._launch(task, restore)
@@ -316,8 +324,9 @@ class Controller(Recovery, Elastic):
         self.rendezvous.close()
         self._stop_tasks([t for t in self.tasks.values() if t.exit_code is None])
         self.standby.close()
-        if self._store is not None:
-            self._store.close()
+        for store in (self._store, self._spare_store):
+            if store is not None:
+                store.close()
         self._sweep()
         self.output.join()
 
@@ -515,10 +524,26 @@ class Controller(Recovery, Elastic):
         self.tasks.report(self.tasks.find(figures.task), figures.figures())
 
     def _on_exited(self, request: Request) -> None:
+        """A supervisor reports its job's exit, just before it exits with the same code.
+
+        The loop reads the exit code from the supervisor process itself, which is still
+        alive while this answer goes back to it: a waiter wakes the loop again the
+        moment it has exited, so a respawn or restart does not wait for the loop's next
+        look (``POLL_S``).
+        """
         exited = ExitedRequest.from_wire(request.body)
         if exited.error:
             self.tasks.failed_to_run(exited.task, exited.error)
-        self._wake.set()  # the loop reads the exit code from the process itself
+        self._wake.set()
+        process = self.tasks.find(exited.task).process
+        if process is not None:
+            threading.Thread(
+                target=self._wake_on_exit, args=(process,), name="exit-waiter", daemon=True
+            ).start()
+
+    def _wake_on_exit(self, process: TaskProcess) -> None:
+        process.wait(EXIT_REPORT_WAIT_S)
+        self._wake.set()
 
     def _on_stop(self, request: Request) -> dict[str, Any]:
         grace = StopRequest.from_wire(request.body).grace_s

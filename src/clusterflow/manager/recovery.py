@@ -16,6 +16,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from clusterflow.backends import kinds
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ENV_STANDBY
@@ -54,7 +55,8 @@ class Recovery:
     _attempt: int
     _status: str
     _store: StoreHost | None
-    _new_store: Callable[[], StoreHost]
+    _spare_store: StoreHost | None
+    _new_store: Callable[[bool], StoreHost]
 
     if TYPE_CHECKING:
 
@@ -70,7 +72,8 @@ class Recovery:
         """Starts ``task``'s supervisor (again), following its output into its log.
 
         A warm standby takes it when one is kept and the task may be respawned alone, or
-        ``warm`` says it may (a grow's newcomer, ``Elastic._apply_scale``)."""
+        ``warm`` says it may (a grow's newcomer, ``Elastic._apply_scale``; every task
+        of a whole restart under ``--warm-restarts``)."""
         task.restore = restore
         if task.respawnable or warm:
 
@@ -86,23 +89,28 @@ class Recovery:
             )
 
     def _keep_standby(self) -> None:
-        """Keeps warm standby supervisors: one while a respawn may still be needed, and
-        those an elastic cluster's next grow may take (``Elastic._growth_standbys``).
+        """Keeps warm standby supervisors: one while a respawn may still be needed, one
+        per task while a whole restart may (``--warm-restarts``), and those an elastic
+        cluster's next grow may take (``Elastic._growth_standbys``).
 
         A respawn's only once a job declared a task respawnable (so runs that restart
-        everything pay nothing) and only while restarts remain. They are started while
-        training runs: their torch import then costs the running tasks CPU once, instead
-        of costing a replacement or a newcomer its start-up.
+        everything pay nothing) and only while restarts remain; a restart's once the
+        attempt's spec is assembled (its jobs run), while restarts remain. They are
+        started while training runs: their torch import then costs the running tasks
+        CPU once, instead of costing a replacement or a newcomer its start-up (on a
+        machine with no core to spare, the jobs' own start pays it under
+        ``--warm-restarts``: docs/benchmarks.md, "Recovery by phase").
         """
         first = next((t for t in self.tasks.values() if t.respawnable), None)
-        respawn = (
-            first is not None
-            and self.rendezvous.spec is not None
-            and self._restarts < self.config.max_restarts
+        restarts_left = (
+            self.rendezvous.spec is not None and self._restarts < self.config.max_restarts
         )
-        count = int(respawn) + self._growth_standbys()
+        respawn = first is not None and restarts_left
+        restart = len(self.tasks) if restarts_left and self._warm_restarts() else 0
+        count = max(int(respawn), restart) + self._growth_standbys()
         # a standby registers as a task of the job it may replace (its command, its env)
         task = first.id if first is not None else next(iter(self.tasks.workers()), None)
+        task = task if task is not None else next(iter(self.tasks), None)
         if not count or task is None:
             self.standby.keep(None)
             return
@@ -110,6 +118,15 @@ class Recovery:
             lambda: TaskLaunch(task=task, env={**self._task_env(task), ENV_STANDBY: "1"}),
             count,
         )
+        store = self._store
+        if restart and store is not None and store.started and self._spare_store is None:
+            # The next attempt's store, up before it is needed (torch imported).
+            self._spare_store = self._new_store(True)
+
+    def _warm_restarts(self) -> bool:
+        """``--warm-restarts``, where the tasks are not placed by Ray (a restart there is
+        placed anew, and a standby would run outside that placement)."""
+        return self.config.warm_restarts and not kinds.named(self.config.backend).placed_by_ray
 
     def _kill(self, tasks: list[TaskRecord]) -> None:
         """SIGKILL at once: every committed checkpoint is a consistent cut, so nothing is
@@ -183,13 +200,16 @@ class Recovery:
             task.address = None
         if self._store is not None:
             # A fresh store: the old one holds the dead incarnation's rendezvous keys.
+            # Started at once when the old one was used: the ranks will connect again.
+            used = self._store.started
             self._store.close()
-            self._store = self._new_store()
+            spare, self._spare_store = self._spare_store, None  # --warm-restarts: up already
+            self._store = spare if spare is not None else self._new_store(used)
         restore = self._choose_checkpoint(restore_data=True)
         self.cluster.append_event("cluster_restarted", **event, checkpoint=restore)
         for task in self.tasks.values():
             self.tasks.relaunching(task)
-            self._launch(task, restore)
+            self._launch(task, restore, warm=self._warm_restarts())
         self._write_state()
 
     def _choose_checkpoint(self, *, restore_data: bool) -> str | None:

@@ -184,12 +184,18 @@ class StandbyPool:
         return next((s for s in self._standbys if s.process.pid == pid), None)
 
     def state(self) -> StandbyState | None:
-        """The oldest standby's (the one a respawn takes first); None when none is kept."""
+        """The oldest standby's (the one a respawn takes first), with how many are kept
+        and warm; None when none is kept."""
         with self._cond:
             if not self._standbys:
                 return None
             standby = self._standbys[0]
-            return StandbyState(pid=standby.process.pid, ready=standby.waiting)
+            return StandbyState(
+                pid=standby.process.pid,
+                ready=standby.waiting,
+                kept=len(self._standbys),
+                ready_count=sum(s.waiting for s in self._standbys),
+            )
 
     def close(self) -> None:
         """Releases waiting standbys and kills the idle ones (they hold nothing to lose)."""

@@ -136,6 +136,10 @@ class StandbyState:
     pid: int
     ready: bool
     """Waiting at the manager: it takes a task at once."""
+    kept: int = 1
+    """Standbys kept (this one the oldest): one per task under ``--warm-restarts``."""
+    ready_count: int = 0
+    """Of those, how many wait at the manager (warm)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,7 +248,14 @@ class ClusterState:
             "max_restarts": self.max_restarts,
             "memory_restarts": self.memory_restarts,
             "standby": (
-                {"pid": self.standby.pid, "ready": self.standby.ready} if self.standby else None
+                {
+                    "pid": self.standby.pid,
+                    "ready": self.standby.ready,
+                    "kept": self.standby.kept,
+                    "ready_count": self.standby.ready_count,
+                }
+                if self.standby
+                else None
             ),
             "checkpoint_dir": self.checkpoint_dir,
             "tasks": [t.to_dict() for t in self.tasks],
@@ -286,7 +297,10 @@ class ClusterState:
             memory_restarts=_typed(data, "memory_restarts", int, 0),
             standby=(
                 StandbyState(
-                    pid=_typed(standby, "pid", int, 0), ready=_typed(standby, "ready", bool, False)
+                    pid=_typed(standby, "pid", int, 0),
+                    ready=_typed(standby, "ready", bool, False),
+                    kept=_typed(standby, "kept", int, 1),
+                    ready_count=_typed(standby, "ready_count", int, 0),
                 )
                 if isinstance(standby, Mapping)
                 else None

@@ -39,10 +39,15 @@ class StoreHost:
     Args:
         env: the store process's environment.
         host: interface to bind; local clusters use loopback.
+        eager: start the store process now, not when the first rank connects (its
+            ranks are known to connect: the attempt before used the store).
     """
 
-    def __init__(self, env: Mapping[str, str], host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, env: Mapping[str, str], host: str = "127.0.0.1", *, eager: bool = False
+    ) -> None:
         self._env = dict(env)
+        self._eager = eager
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
@@ -86,12 +91,15 @@ class StoreHost:
             proc.wait()
 
     def _start_on_demand(self) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._sock, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            ready = {key.fileobj for key, _ in selector.select()}
+        if not self._eager:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._sock, selectors.EVENT_READ)
+                selector.register(self._wake_r, selectors.EVENT_READ)
+                ready = {key.fileobj for key, _ in selector.select()}
+            if self._sock not in ready:
+                return
         with self._lock:
-            if self._closed or self._sock not in ready:
+            if self._closed:
                 return
             fd = self._sock.fileno()
             self._proc = subprocess.Popen(
