@@ -182,10 +182,11 @@ class RayHandle:
         if self._final is not None:
             return f"not running ({self._final.status})"
         from clusterflow.manager import ray_host
+        from clusterflow.manager.ray_links import ManagerGone
 
         try:
             outcome = ray_host.stop(self.cluster, grace_s)
-        except ray_host.ManagerGone as exc:  # it ended meanwhile, or its node died
+        except ManagerGone as exc:  # it ended meanwhile, or its node died
             outcome = f"not stopped in order ({type(exc).__name__}); ended"
             if self.manager is not None:
                 self.manager.end()
