@@ -62,8 +62,8 @@ def torch_batches(columns: Mapping[str, Any], lo: int, size: int) -> list[dict[s
 
     Equal to ``torch_collate`` of each batch's slices (tensors over the same memory),
     but made by one ``Tensor.split`` per column in C++: a batch of small records costs
-    a dict instead of a NumPy slice and a ``from_numpy`` per column, about half the
-    training loop's CPU per batch of the benchmark's 16-column records.
+    a dict instead of a NumPy slice and a ``from_numpy`` per column (the training
+    loop's CPU per pass of ``benchmarks.data`` fell by a sixth; ``benchmarks._data_cpu``).
     """
     import torch
 

@@ -24,9 +24,7 @@ def arrow_columns(table: Any, *, owned: bool = False) -> dict[str, Any]:
     ``owned``: nothing else holds or will read ``table``'s memory (a row group decoded
     for this read alone). Its numeric columns then come out *writable* over that memory
     itself, where Arrow allocated it mutable: tensors can share them as they are, where
-    read-only arrays cost the reader a copy of every split (``collate.writable``; a
-    third of the CPU of reading a split of small records on this machine, its page
-    faults included).
+    read-only arrays cost the reader a copy of every split (``collate.writable``).
     """
     import pyarrow.types as pat  # type: ignore[import-untyped]
 
