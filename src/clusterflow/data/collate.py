@@ -76,7 +76,7 @@ def torch_batches(columns: Mapping[str, Any], lo: int, size: int) -> list[dict[s
             and len(values) - lo >= size
         ):
             return []
-        parts.append(torch.from_numpy(values[lo:]).split(size))
+        parts.append(torch.from_numpy(values[lo:]).split(size))  # type: ignore[no-untyped-call]
     names = list(columns)
     full = (len(next(iter(columns.values()))) - lo) // size
     rows = itertools.islice(zip(*parts, strict=True), full)
