@@ -16,7 +16,7 @@ from clusterflow.data import (
 )
 from clusterflow.data.api import Lease
 from clusterflow.data.batching import Batcher, ReadSplit
-from clusterflow.data.collate import numpy_collate
+from clusterflow.data.collate import numpy_collate, torch_collate
 from clusterflow.errors import ConfigError
 
 
@@ -46,6 +46,43 @@ def test_flush_hands_out_a_smaller_batch_and_epochs_never_mix() -> None:
     held = batcher.flush()
     assert held is not None and len(held) == 3 and held.completes == (1,)
     assert batcher.flush() is None
+
+
+def test_default_collate_cuts_a_split_at_once_into_the_same_tensors() -> None:
+    """torch_collate's batches of a split are made in one go (torch_batches): each equals
+    torch_collate of its records, over the split's own memory, after a carried
+    remainder, and after the batch size changes in the middle of a split."""
+    batcher = Batcher(4, torch_collate, "d")
+    assert batcher.cut(split(1, 0, 2)) is None  # 0, 1 carried: the next split's cuts shift
+    two_d = np.arange(40, 80, dtype=np.float32).reshape(20, 2)
+    second = ReadSplit(Lease(2, 0, 10, 30), {"id": np.arange(10, 30), "xy": two_d}, None)
+    got = []
+    while (batch := batcher.cut(second)) is not None:
+        got.append(batch)
+        if len(got) == 2:
+            batcher.batch_size = 3
+    rest = batcher.flush()
+    assert rest is not None
+    got.append(rest)
+    ids = [b.data["id"].tolist() for b in got]
+    assert ids == [[0, 1, 10, 11], [12, 13, 14, 15], [16, 17, 18], [19, 20, 21], [22, 23, 24],
+                   [25, 26, 27], [28, 29]]  # fmt: skip
+    for b in got[1:]:
+        lo = b.data["id"][0].item() - 10
+        expected = torch_collate({k: v[lo : lo + len(b)] for k, v in second.columns.items()})
+        for name, tensor in b.data.items():
+            assert tensor.equal(expected[name]) and tensor.data_ptr() == expected[name].data_ptr()
+    assert got[3].completes == () and got[-1].completes == (2,)
+    assert second.views and second.views_size == 3  # made at once, anew for the new size
+
+
+def test_default_collate_cuts_other_columns_batch_by_batch() -> None:
+    names = np.empty(6, dtype=object)
+    names[:] = [f"r{i}" for i in range(6)]
+    batcher = Batcher(4, torch_collate, "d")
+    batch = batcher.cut(ReadSplit(Lease(1, 0, 0, 6), {"id": np.arange(6), "name": names}, None))
+    assert batch is not None and batch.data["name"] == ["r0", "r1", "r2", "r3"]
+    assert batch.data["id"].tolist() == [0, 1, 2, 3]
 
 
 def test_collate_error_names_the_source_record_through_a_shuffle() -> None:

@@ -42,6 +42,31 @@ def test_parquet_reads_only_the_row_groups_of_a_range(tmp_path: Path) -> None:
     assert source.chunks_read == 3
 
 
+def test_a_whole_row_group_is_read_writable_in_place_and_never_handed_out_again(
+    tmp_path: Path,
+) -> None:
+    """A split that is one row group comes out writable over the decoded memory (no copy
+    for the reader to make), and a batch written in place never changes a later read."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(table(300), path, row_group_size=100)
+    source = ArrowSource(str(path))
+    cols = source.read(100, 200)
+    for name in ("id", "x", "pair"):
+        assert cols[name].flags.writeable, name
+        owner = cols[name].base
+        while isinstance(owner, np.ndarray):  # the list column is a reshaped view
+            owner = owner.base
+        assert isinstance(owner, pa.Buffer), name  # Arrow's memory, not a copy
+    cols["x"][:] = -1
+    cols["pair"][:] = -1
+    again = source.read(100, 200)
+    assert again["x"].tolist() == [i / 2 for i in range(100, 200)]
+    assert again["pair"][0].tolist() == [100, -100]
+    assert source.chunks_read == 2  # decoded anew: the written memory was never kept
+    part = source.read(200, 250)  # part of a row group: kept decoded, so Arrow's, read-only
+    assert not part["x"].flags.writeable and source.read(200, 300)["x"][0] == 100
+
+
 def test_directory_of_files_in_name_order(tmp_path: Path) -> None:
     for i in range(3):
         pq.write_table(table(10).slice(0, 10), tmp_path / f"part-{i}.parquet")

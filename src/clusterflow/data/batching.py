@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from clusterflow.data.api import CollateError, Columns, Lease, SplitKey
-from clusterflow.data.collate import Collate, find_bad_record
+from clusterflow.data.collate import Collate, find_bad_record, torch_batches, torch_collate
 
 
 @dataclass(slots=True)
@@ -32,6 +32,11 @@ class ReadSplit:
     """Records already cut into batches."""
     key: SplitKey | None = None
     """The split's stable key (``None`` where the reader did not say which split)."""
+    views: list[Any] | None = None
+    """The collated full batches from record ``views_from`` on, made at once where the
+    collate function allows (``torch_batches``); None until the first is cut."""
+    views_from: int = 0
+    views_size: int = 0
 
     @property
     def remaining(self) -> int:
@@ -139,13 +144,28 @@ class Batcher:
         return self._batch(data, leases, completes, pieces[0].split.lease.epoch, size, keys)
 
     def _single(self, split: ReadSplit, lo: int, hi: int) -> Batch:
-        columns = {name: values[lo:hi] for name, values in split.columns.items()}
-        data = self._collate(columns, None, split, lo, hi)
+        data = self._view(split, lo, hi - lo)
+        if data is None:
+            columns = {name: values[lo:hi] for name, values in split.columns.items()}
+            data = self._collate(columns, None, split, lo, hi)
         lease_id = split.lease.lease_id
         done = hi == len(split.lease)
         completes = (lease_id,) if done else ()
         keys = (split.key,) if done and split.key is not None else ()
         return self._batch(data, (lease_id,), completes, split.lease.epoch, hi - lo, keys)
+
+    def _view(self, split: ReadSplit, lo: int, size: int) -> Any:
+        """Records ``[lo, lo + size)`` of ``split`` collated, from the split's batches
+        made at once (``torch_batches``; the default collate only), or None."""
+        if self.collate is not torch_collate or size != self.batch_size:
+            return None  # a smaller last batch is collated alone
+        views = split.views
+        if views is None or size != split.views_size or (lo - split.views_from) % size:
+            # The first batch of the split, or the batch size changed: make them all.
+            views = split.views = torch_batches(split.columns, lo, size)
+            split.views_from, split.views_size = lo, size
+        i = (lo - split.views_from) // size
+        return views[i] if i < len(views) else None
 
     def _batch(
         self,

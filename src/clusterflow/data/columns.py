@@ -13,13 +13,18 @@ import numpy as np
 __all__ = ["arrow_columns"]
 
 
-def arrow_columns(table: Any) -> dict[str, Any]:
+def arrow_columns(table: Any, *, owned: bool = False) -> dict[str, Any]:
     """A pyarrow table as NumPy columns the collator can take without further checks.
 
     Fixed-width columns without nulls come out as NumPy arrays (zero copy where Arrow
     allows); fixed-size lists as 2-D arrays (a tensor per record); everything else,
     and numeric columns with nulls, as object arrays of Python values, so a null or a
     ragged list fails collation naming its record instead of silently becoming NaN.
+
+    ``owned``: nothing else holds or will read ``table``'s memory (a row group decoded
+    for this read alone). Its numeric columns then come out *writable* over that memory
+    itself, where Arrow allocated it mutable: tensors can share them as they are, where
+    read-only arrays cost the reader a copy of every split (``collate.writable``).
     """
     import pyarrow.types as pat  # type: ignore[import-untyped]
 
@@ -29,9 +34,12 @@ def arrow_columns(table: Any) -> dict[str, Any]:
         if column.null_count == 0 and (
             pat.is_integer(kind) or pat.is_floating(kind) or pat.is_boolean(kind)
         ):
-            out[name] = column.to_numpy()
+            mine = _writable_view(column) if owned else None
+            out[name] = mine if mine is not None else column.to_numpy()
         elif column.null_count == 0 and pat.is_fixed_size_list(kind):
-            flat = column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            flat = _writable_view(column, values=True) if owned else None
+            if flat is None:
+                flat = column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
             out[name] = flat.reshape(len(column), kind.list_size)
         else:
             values = column.to_pylist()
@@ -39,3 +47,27 @@ def arrow_columns(table: Any) -> dict[str, Any]:
             objects[:] = values
             out[name] = objects
     return out
+
+
+def _writable_view(column: Any, *, values: bool = False) -> np.ndarray | None:
+    """A writable NumPy array over a one-chunk column's own data buffer (its list values
+    with ``values``), or None where that is not possible: several chunks, booleans
+    (bit-packed), nulls among list values, or memory Arrow marks immutable (a memory
+    map, a buffer borrowed from Python)."""
+    import pyarrow.types as pat
+
+    if column.num_chunks != 1:
+        return None
+    array = column.chunk(0)
+    if values:
+        array = array.flatten()  # the list values of this slice of the column
+        if array.null_count:
+            return None
+    kind = array.type
+    if not (pat.is_integer(kind) or pat.is_floating(kind)):
+        return None
+    data = array.buffers()[1]
+    if data is None or not data.is_mutable:
+        return None
+    dtype = np.dtype(kind.to_pandas_dtype())
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)

@@ -175,7 +175,17 @@ class ArrowSource:
         return self._starts[-1]
 
     def read(self, start: int, stop: int) -> Columns:
-        """Records ``[start, stop)``, reading only the chunks that hold them."""
+        """Records ``[start, stop)``, reading only the chunks that hold them.
+
+        A range that is exactly one Parquet row group not held decoded (a split of a
+        file written one row group per split, as recommended) is decoded for this read
+        alone and not kept: its numeric columns come out writable over the decoded
+        memory itself, so the reader makes no copy of them, and since no later read
+        gets that memory, a batch written in place never changes what is read next.
+        """
+        whole = self._whole_chunk(start, stop)
+        if whole is not None:
+            return arrow_columns(self._decode(whole), owned=True)
         return arrow_columns(self.read_table(start, stop))
 
     def file_schemas(self) -> list[Any]:
@@ -266,6 +276,23 @@ class ArrowSource:
             self._tables[i] = table
         return table
 
+    def _whole_chunk(self, start: int, stop: int) -> int | None:
+        """The Parquet row group that ``[start, stop)`` is exactly, if it is not held
+        decoded already (then reading it again costs nothing); else None."""
+        if self.format != "parquet" or not 0 <= start < stop <= self.num_records():
+            return None
+        k = bisect.bisect_right(self._starts, start) - 1
+        if self._starts[k] != start or self._starts[k + 1] != stop:
+            return None
+        chunk = self._chunks[k]
+        with self._lock:
+            return None if (chunk.file, chunk.index) in self._cache else k
+
+    def _decode(self, k: int) -> Any:
+        """Chunk ``k`` decoded for one read: not kept, its memory is the caller's."""
+        with self._lock:
+            return self._load(k)
+
     def _chunk(self, k: int) -> Any:
         chunk = self._chunks[k]
         key = (chunk.file, chunk.index)
@@ -274,25 +301,31 @@ class ArrowSource:
             if table is not None:
                 self._cache.move_to_end(key)
                 return table
-            try:
-                if self.format == "parquet":
-                    table = self._handle(chunk.file).read_row_group(
-                        chunk.index, columns=self.columns, use_threads=False
-                    )
-                elif self.format == "ipc":
-                    batch = self._handle(chunk.file).get_batch(chunk.index)
-                    table = _select(batch_to_table(batch), self.columns)
-                else:
-                    table = _select(self._csv(chunk.file), self.columns)
-            except _arrow_errors() as exc:
-                raise SourceError(
-                    f"cannot read chunk {chunk.index} of {self.files[chunk.file]!r}: {exc}"
-                ) from exc
-            self.chunks_read += 1
+            table = self._load(k)
             self._cache[key] = table
             if len(self._cache) > self._cached_chunks:
                 self._cache.popitem(last=False)
             return table
+
+    def _load(self, k: int) -> Any:
+        """Decodes chunk ``k`` (call under ``_lock``: file handles are not thread-safe)."""
+        chunk = self._chunks[k]
+        try:
+            if self.format == "parquet":
+                table = self._handle(chunk.file).read_row_group(
+                    chunk.index, columns=self.columns, use_threads=False
+                )
+            elif self.format == "ipc":
+                batch = self._handle(chunk.file).get_batch(chunk.index)
+                table = _select(batch_to_table(batch), self.columns)
+            else:
+                table = _select(self._csv(chunk.file), self.columns)
+        except _arrow_errors() as exc:
+            raise SourceError(
+                f"cannot read chunk {chunk.index} of {self.files[chunk.file]!r}: {exc}"
+            ) from exc
+        self.chunks_read += 1
+        return table
 
 
 def _arrow_errors() -> tuple[type[Exception], ...]:

@@ -18,6 +18,15 @@ interleaved: torch's own), lowered to communication actions by torch's own
 So while a stage computes micro-batch ``i``, the activations of ``i + 1`` (and the
 gradients the next stage sends back) arrive into buffers already posted.
 
+GPipe and 1F1B (one stage per rank) run that lowered order in a plain loop of torch's
+own stage calls (``OverlappedSingle._step_microbatches``) rather than through
+``_PipelineScheduleRuntime``'s, which wraps every action (a send, a receive, a no-op
+shard action) in a profiler range, a context object and checks for several stages per
+rank: about 1 ms of a stage's CPU a step more than torch's ``Schedule1F1B`` in
+``benchmarks.pipeline``'s setting (``benchmarks._pipeline_cpu``), on cores the stages
+share with their own compute. The interleaved schedule, several stages per rank,
+keeps torch's runtime.
+
 This leans on ``_PipelineScheduleRuntime``, a private class of torch 2.13
 (``torch.distributed.pipelining.schedules``), the runtime torch's interleaved and
 zero-bubble schedules run on; the pin in ``ci/constraints.txt`` holds it.
@@ -28,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleInterleaved1F1B,
@@ -35,7 +46,13 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import (
     RECV_B,
     RECV_F,
+    REDUCE_GRAD,
+    RESHARD,
+    SEND_B,
+    SEND_F,
+    UNSHARD,
     _Action,
+    _batch_p2p,
     _ComputationType,
     _PipelineScheduleRuntime,
 )
@@ -109,6 +126,67 @@ class OverlappedSingle(_ReceivesFirst):
             for rank in range(stages)
         }
         self._prepare_schedule_with_comms(self.pipeline_order)
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """This rank's lowered order, run by a plain loop (module docstring): what
+        ``_PipelineScheduleRuntime`` does for one stage per rank, action for action."""
+        stage = self._stages[0]
+        if isinstance(stage.submod, FSDPModule):  # its shard actions are not no-ops
+            super()._step_microbatches(  # type: ignore[no-untyped-call]
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
+            )
+            return
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)  # type: ignore[no-untyped-call]
+        first_target = target_mbs[0] if target_mbs is not None else None
+        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)  # type: ignore[no-untyped-call]
+        posted: dict[tuple[_ComputationType, int], list[dist.Work]] = {}
+        sends: list[dist.Work] = []
+        backwards = 0
+        for action in self.pipeline_order_with_comms[self.rank]:
+            kind, index = action.computation_type, action.microbatch_index
+            mb = -1 if index is None else index  # None: a whole-stage action
+            if kind == RECV_F:
+                posted[RECV_F, mb] = _batch_p2p(stage.get_fwd_recv_ops(mb))
+            elif kind == RECV_B:
+                posted[RECV_B, mb] = _batch_p2p(stage.get_bwd_recv_ops(mb))
+            elif kind == F:
+                if not stage.is_first:
+                    for work in posted.pop((RECV_F, mb)):  # KeyError: computed before posted
+                        work.wait()
+                output = stage.forward_one_chunk(
+                    mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
+                )
+                self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)  # type: ignore[no-untyped-call]
+            elif kind == B:
+                if not stage.is_last:
+                    for work in posted.pop((RECV_B, mb)):
+                        work.wait()
+                backwards += 1
+                stage.backward_one_chunk(
+                    mb,
+                    loss=self._maybe_get_loss(stage, mb),  # type: ignore[no-untyped-call]
+                    full_backward=True,
+                    last_backward=backwards == self._n_microbatches,
+                )
+            elif kind == SEND_F:
+                sends.extend(_batch_p2p(stage.get_fwd_send_ops(mb)))
+            elif kind == SEND_B:
+                sends.extend(_batch_p2p(stage.get_bwd_send_ops(mb)))
+            elif kind == REDUCE_GRAD:
+                stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
+            elif kind not in (UNSHARD, RESHARD):  # no-ops without FSDP
+                raise ValueError(f"{action} is not an action of a one-stage schedule")
+        for work in sends:  # long done, most of them: torch's runtime waits here too
+            work.wait()
+        self._update_losses(self._stages, losses)  # type: ignore[no-untyped-call]
 
 
 class OverlappedInterleaved1F1B(_ReceivesFirst, ScheduleInterleaved1F1B):
