@@ -199,10 +199,16 @@ class Sweep:
     def _wanted(self, side: str) -> bool:
         return self.only is None or side in self.only
 
+    def _async_counts(self, n: int) -> list[int]:
+        """The async ps's shard counts measured at ``n`` workers: those named, at every
+        size (so the 1-worker base exists for each), else ``shard_counts``."""
+        if self.only is None:
+            return list(shard_counts(n))
+        return sorted(int(side[5:]) for side in self.only if side.startswith("async"))
+
     def _shards_used(self, n: int) -> list[int]:
         """The ps hosts' counts the sides measured at ``n`` workers need."""
-        used = [s for s in shard_counts(n) if self._wanted(f"async{s}")]
-        return used + ([SYNC_SHARDS] if self._wanted("sync") else [])
+        return self._async_counts(n) + ([SYNC_SHARDS] if self._wanted("sync") else [])
 
     # one size ------------------------------------------------------------------------
 
@@ -237,9 +243,7 @@ class Sweep:
         each side's CPU per step per worker (ms)."""
         workers = self.workers[:n]
         names: list[str] = []
-        for shards in shard_counts(n):
-            if not self._wanted(f"async{shards}"):
-                continue
+        for shards in self._async_counts(n):
             split = {"split": shards // LAYERS} if shards > LAYERS else {}
             self._ps_side(f"async{shards}", workers, shards, mode="async", width=WIDTH, **split)
             names.append(f"async{shards}")

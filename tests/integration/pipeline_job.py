@@ -48,14 +48,27 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    for schedule, stages in (("gpipe", 4), ("1f1b", 2), ("interleaved", 2)):
+    from clusterflow.strategies.pipeline import overlap
+
+    def plain_loop_forbidden(ops: Any) -> Any:
+        raise AssertionError("the plain loop ran where torch's runtime should have")
+
+    batch_p2p = overlap._batch_p2p  # the plain loop's own name for it (torch's has its own)
+    runs = (("gpipe", 4), ("1f1b", 2), ("interleaved", 2), ("1f1b-runtime", 2))
+    for name, stages in runs:
+        schedule = name.removesuffix("-runtime")
+        # "-runtime": torch's runtime runs the order, as where torch's private calls
+        # differ from the plain loop's (overlap.PLAIN_LOOP_FITS false, torch 2.11)
+        runtime = name.endswith("-runtime")
+        overlap.PLAIN_LOOP_FITS = not runtime
+        overlap._batch_p2p = plain_loop_forbidden if runtime else batch_p2p
         strategy = cf.PipelineStrategy(schedule, microbatches=4, stages=stages)
         with strategy.scope():
             model = mlp()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         hooks = []
         ckpt = out / f"ckpt-{schedule}"
-        if schedule == "1f1b":
+        if name == "1f1b":
             hooks.append(cf.Checkpoint(str(ckpt), every_steps=4))
         history = cf.fit(
             model,
@@ -69,13 +82,13 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             hooks=hooks,
             metrics=["accuracy"],
         )
-        result[schedule] = {
+        result[name] = {
             "params": flat(model),
             "loss": history.history["loss"],
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
             "actions": strategy.engine.actions(),  # type: ignore[union-attr]
         }
-        if schedule == "1f1b" and rank == 0:
+        if name == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
             result["joined"] = {"params": flat(joined), "step": step}
     return result

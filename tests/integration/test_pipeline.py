@@ -125,7 +125,7 @@ def test_sync_schedules_equal_one_process(results: dict[str, list[Any]]) -> None
         model, nn.CrossEntropyLoss(), optimizer, job.data(), epochs=2, global_batch_size=16, seed=3
     )
     expected = job.flat(model)
-    for schedule in ("gpipe", "1f1b", "interleaved"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "1f1b-runtime"):
         for rank, result in enumerate(results["sync"]):
             got = result[schedule]
             diff = (got["params"] - expected).abs().max().item()

@@ -29,11 +29,16 @@ keeps torch's runtime.
 
 This leans on ``_PipelineScheduleRuntime``, a private class of torch 2.13
 (``torch.distributed.pipelining.schedules``), the runtime torch's interleaved and
-zero-bubble schedules run on; the pin in ``ci/constraints.txt`` holds it.
+zero-bubble schedules run on; the pin in ``ci/constraints.txt`` holds it. The plain loop
+also calls private methods of the schedule and the stage whose parameters changed between
+releases (torch 2.11's ``_initialize_stages`` takes no target): where this torch's differ
+from what the loop passes (``PLAIN_LOOP_FITS``), torch's runtime runs the same order.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +104,50 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[_Actio
     return order
 
 
+log = logging.getLogger(__name__)
+
+PLAIN_LOOP_CALLS: dict[str, tuple[str, ...]] = {
+    "_PipelineScheduleRuntime._check_inputs": ("arg_mbs", "kwarg_mbs", "target_mbs", "losses"),
+    "_PipelineScheduleRuntime._initialize_stages": ("args", "kwargs", "target", "loss_kwargs"),
+    "_PipelineScheduleRuntime._maybe_compute_loss": (
+        "stage",
+        "output",
+        "target_mbs",
+        "mb_index",
+        "loss_kwargs",
+    ),
+    "_PipelineScheduleRuntime._maybe_get_loss": ("stage", "mb_index"),
+    "_PipelineScheduleRuntime._update_losses": ("stages", "losses"),
+    "PipelineStage.forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
+    "PipelineStage.backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "PipelineStage.perform_reduce_grad": ("grad_scale_factor",),
+}
+"""The private torch calls ``OverlappedSingle._step_microbatches`` makes, with the
+parameters it passes them (torch 2.13's)."""
+
+
+def plain_loop_fits(owners: dict[str, Any] | None = None) -> bool:
+    """Whether this torch's private calls take the parameters the plain loop passes
+    (``PLAIN_LOOP_CALLS``); ``owners`` maps the class names to classes (tests)."""
+    found = owners or {
+        "_PipelineScheduleRuntime": _PipelineScheduleRuntime,
+        "PipelineStage": PipelineStage,
+    }
+    for call, wanted in PLAIN_LOOP_CALLS.items():
+        owner, _, name = call.partition(".")
+        try:
+            params = tuple(inspect.signature(getattr(found[owner], name)).parameters)
+        except (AttributeError, TypeError, ValueError):
+            return False
+        if params[1:] != wanted:  # [0] is self
+            log.info("torch's %s takes %s: its runtime runs the pipeline's order", call, params)
+            return False
+    return True
+
+
+PLAIN_LOOP_FITS = plain_loop_fits()
+
+
 class _ReceivesFirst(_PipelineScheduleRuntime):
     """Lowers a compute order as torch does, then posts every receive first."""
 
@@ -139,7 +188,8 @@ class OverlappedSingle(_ReceivesFirst):
         """This rank's lowered order, run by a plain loop (module docstring): what
         ``_PipelineScheduleRuntime`` does for one stage per rank, action for action."""
         stage = self._stages[0]
-        if isinstance(stage.submod, FSDPModule):  # its shard actions are not no-ops
+        # FSDP: its shard actions are not no-ops; another torch: its private calls differ.
+        if isinstance(stage.submod, FSDPModule) or not PLAIN_LOOP_FITS:
             super()._step_microbatches(  # type: ignore[no-untyped-call]
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
             )
