@@ -190,8 +190,10 @@ class OverlappedSingle(_ReceivesFirst):
         stage = self._stages[0]
         # FSDP: its shard actions are not no-ops; another torch: its private calls differ.
         if isinstance(stage.submod, FSDPModule) or not PLAIN_LOOP_FITS:
+            # loss_kwargs only where given: torch 2.11's runtime takes no such argument
+            more = () if loss_kwargs is None else (loss_kwargs,)
             super()._step_microbatches(  # type: ignore[no-untyped-call]
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, *more
             )
             return
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)  # type: ignore[no-untyped-call]
