@@ -51,16 +51,16 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
     from clusterflow.strategies.pipeline import overlap
 
     def plain_loop_forbidden(ops: Any) -> Any:
-        raise AssertionError("the plain loop ran where torch's runtime should have")
+        raise AssertionError("the overlap ran where torch's own schedule should have")
 
     batch_p2p = overlap._batch_p2p  # the plain loop's own name for it (torch's has its own)
     runs = (("gpipe", 4), ("1f1b", 2), ("interleaved", 2), ("1f1b-runtime", 2))
     for name, stages in runs:
         schedule = name.removesuffix("-runtime")
-        # "-runtime": torch's runtime runs the order, as where torch's private calls
-        # differ from the plain loop's (overlap.PLAIN_LOOP_FITS false, torch 2.11)
+        # "-runtime": torch's own schedule runs, as where torch's private calls differ
+        # from the overlap's (overlap.OVERLAP_FITS false, torch 2.11)
         runtime = name.endswith("-runtime")
-        overlap.PLAIN_LOOP_FITS = not runtime
+        overlap.OVERLAP_FITS = not runtime
         overlap._batch_p2p = plain_loop_forbidden if runtime else batch_p2p
         strategy = cf.PipelineStrategy(schedule, microbatches=4, stages=stages)
         with strategy.scope():

@@ -54,21 +54,21 @@ def test_receives_move_first_in_their_order_and_nothing_else_moves() -> None:
     assert _names(receives_first(actions)) == "1RECV_F0 1RECV_F1 1F0 1SEND_F0 1F1"
 
 
-def test_the_plain_loop_fits_this_torch_and_not_one_whose_private_calls_differ() -> None:
+def test_the_overlap_fits_this_torch_and_not_one_whose_private_calls_differ() -> None:
     """The plain loop calls torch's private schedule and stage methods; torch 2.11's
     ``_initialize_stages`` takes no target (seen on the GPU machine: a TypeError at the
-    first step). Where a call's parameters differ, torch's runtime runs the order."""
+    first step). Where a call's parameters differ, torch's own schedules run instead."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from clusterflow.strategies.pipeline.overlap import plain_loop_fits
+    from clusterflow.strategies.pipeline.overlap import overlap_fits
 
-    assert plain_loop_fits()  # the pinned torch: CI runs the plain loop
+    assert overlap_fits()  # the pinned torch: CI runs the plain loop
 
     class Older(_PipelineScheduleRuntime):
         def _initialize_stages(self, args, kwargs):  # type: ignore[no-untyped-def]  # torch 2.11's
             raise AssertionError("never called")
 
     owners = {"_PipelineScheduleRuntime": Older, "PipelineStage": PipelineStage}
-    assert not plain_loop_fits(owners)
-    assert not plain_loop_fits({"_PipelineScheduleRuntime": object, "PipelineStage": PipelineStage})
+    assert not overlap_fits(owners)
+    assert not overlap_fits({"_PipelineScheduleRuntime": object, "PipelineStage": PipelineStage})

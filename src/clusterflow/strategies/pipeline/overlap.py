@@ -31,8 +31,10 @@ This leans on ``_PipelineScheduleRuntime``, a private class of torch 2.13
 (``torch.distributed.pipelining.schedules``), the runtime torch's interleaved and
 zero-bubble schedules run on; the pin in ``ci/constraints.txt`` holds it. The plain loop
 also calls private methods of the schedule and the stage whose parameters changed between
-releases (torch 2.11's ``_initialize_stages`` takes no target): where this torch's differ
-from what the loop passes (``PLAIN_LOOP_FITS``), torch's runtime runs the same order.
+releases (torch 2.11's ``_initialize_stages`` takes no target, and its runtime's sends
+failed with gloo's "Bad address" on the GPU machine): where this torch's calls differ
+from what the loop passes (``OVERLAP_FITS``), the pipeline runs torch's own public
+schedules instead, without the overlap (``SyncEngine``).
 """
 
 from __future__ import annotations
@@ -123,12 +125,13 @@ PLAIN_LOOP_CALLS: dict[str, tuple[str, ...]] = {
     "PipelineStage.perform_reduce_grad": ("grad_scale_factor",),
 }
 """The private torch calls ``OverlappedSingle._step_microbatches`` makes, with the
-parameters it passes them (torch 2.13's)."""
+parameters it passes them (torch 2.13's, the torch the overlap was built and tested on)."""
 
 
-def plain_loop_fits(owners: dict[str, Any] | None = None) -> bool:
+def overlap_fits(owners: dict[str, Any] | None = None) -> bool:
     """Whether this torch's private calls take the parameters the plain loop passes
-    (``PLAIN_LOOP_CALLS``); ``owners`` maps the class names to classes (tests)."""
+    (``PLAIN_LOOP_CALLS``): where not, the overlapped schedules are not used (module
+    docstring). ``owners`` maps the class names to classes (tests)."""
     found = owners or {
         "_PipelineScheduleRuntime": _PipelineScheduleRuntime,
         "PipelineStage": PipelineStage,
@@ -140,12 +143,12 @@ def plain_loop_fits(owners: dict[str, Any] | None = None) -> bool:
         except (AttributeError, TypeError, ValueError):
             return False
         if params[1:] != wanted:  # [0] is self
-            log.info("torch's %s takes %s: its runtime runs the pipeline's order", call, params)
+            log.info("torch's %s takes %s: the pipeline runs without the overlap", call, params)
             return False
     return True
 
 
-PLAIN_LOOP_FITS = plain_loop_fits()
+OVERLAP_FITS = overlap_fits()
 
 
 class _ReceivesFirst(_PipelineScheduleRuntime):
@@ -188,8 +191,7 @@ class OverlappedSingle(_ReceivesFirst):
         """This rank's lowered order, run by a plain loop (module docstring): what
         ``_PipelineScheduleRuntime`` does for one stage per rank, action for action."""
         stage = self._stages[0]
-        # FSDP: its shard actions are not no-ops; another torch: its private calls differ.
-        if isinstance(stage.submod, FSDPModule) or not PLAIN_LOOP_FITS:
+        if isinstance(stage.submod, FSDPModule):  # its shard actions are not no-ops
             # loss_kwargs only where given: torch 2.11's runtime takes no such argument
             more = () if loss_kwargs is None else (loss_kwargs,)
             super()._step_microbatches(  # type: ignore[no-untyped-call]

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from clusterflow.strategies.pipeline import overlap as overlapping
 from clusterflow.strategies.pipeline.api import PipelineError, Schedule
 from clusterflow.strategies.pipeline.layout import Layout
 from clusterflow.strategies.pipeline.overlap import OverlappedInterleaved1F1B, OverlappedSingle
@@ -67,11 +68,14 @@ class SyncEngine:
             for c in layout.my_chunks()
         ]
         gpipe = self._schedule is Schedule.GPIPE
+        # Read at each build: the overlap leans on torch's private calls, which other
+        # torch releases take differently (overlap.OVERLAP_FITS).
+        overlap = self._overlap and overlapping.OVERLAP_FITS
         try:
             if self._schedule is Schedule.INTERLEAVED:
-                kind = OverlappedInterleaved1F1B if self._overlap else ScheduleInterleaved1F1B
+                kind = OverlappedInterleaved1F1B if overlap else ScheduleInterleaved1F1B
                 return kind(stages, self._microbatches, loss_fn=loss_fn)
-            if self._overlap:
+            if overlap:
                 return OverlappedSingle(stages[0], self._microbatches, loss_fn, gpipe=gpipe)
             single = ScheduleGPipe if gpipe else Schedule1F1B
             return single(stages[0], self._microbatches, loss_fn=loss_fn)
@@ -88,7 +92,8 @@ class SyncEngine:
         out = []
         for schedule in self._built.values():
             order = getattr(schedule, "pipeline_order_with_comms", None) or {}
-            out.append([str(action) for action in order.get(schedule.rank, [])])
+            rank = getattr(schedule, "rank", None)  # torch's single-stage ones have none
+            out.append([str(action) for action in order.get(rank, [])] if rank is not None else [])
         return out
 
     def _call_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
