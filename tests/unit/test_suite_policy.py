@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -313,3 +316,23 @@ def test_the_scheduler_keeps_the_machine_and_a_modules_wide_fixture_on_one_worke
     assert conftest.group_of(ray, ROOT) == conftest.group_of(lossy, ROOT) == "machine"
     assert conftest.group_of(dashboard, ROOT) == "tests/integration/test_dashboard.py"
     assert conftest.group_of(chaos, ROOT) == chaos
+
+
+def test_a_real_xdist_run_keeps_a_modules_wide_fixture_on_one_worker() -> None:
+    """The scheduler is in use, not only defined: test_cache_source.py's three tests
+    share a module-scoped fixture, so ``-n 2`` runs them all on one worker (scheduled
+    alone, xdist would give the first to one worker and the second to the other)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2"]
+    done = subprocess.run(
+        [*argv, "tests/unit/test_cache_source.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = [line.split()[0] for line in done.stdout.splitlines() if " PASSED " in line]
+    assert len(ran) == 3 and len(set(ran)) == 1, done.stdout[-3000:]
