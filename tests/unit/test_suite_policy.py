@@ -8,6 +8,10 @@ clusterflow is a failure, not a reason to skip every test that needs it.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -235,3 +239,100 @@ def test_no_two_test_modules_share_a_name() -> None:
         if "__pycache__" not in path.parts and path.name not in {"conftest.py", "__init__.py"}:
             by_name.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
     assert not {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+_HARNESS = {"clusterflow.testing.netns", "clusterflow.testing.ray_nodes"}
+_HARNESS |= {"clusterflow.testing.hosts_backend", "clusterflow.testing.tc"}
+_HARNESS_NAMES = {"available", "EmulatedHosts", "sweep_stale", "RayNodes"}
+
+
+def _leading_words(argv: ast.List | ast.Tuple) -> str:
+    """An argv literal's first two constants, joined (``"ip netns"``)."""
+    return " ".join(str(e.value) for e in argv.elts[:2] if isinstance(e, ast.Constant))
+
+
+def uses_the_machine(source: str) -> bool:
+    """Whether a test module makes network namespaces: it imports the emulated-host
+    harness (``clusterflow.testing``) or runs ``ip netns`` itself."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if node.module in _HARNESS or (
+                node.module == "clusterflow.testing" and names & _HARNESS_NAMES
+            ):
+                return True
+        if isinstance(node, ast.List | ast.Tuple) and _leading_words(node) == "ip netns":
+            return True
+    return False
+
+
+def _machine_modules() -> set[str]:
+    """The keys of tests/conftest.py's ``MACHINE_MODULES``, read without importing it
+    (a test module importing ``conftest`` may get another folder's)."""
+    tree = ast.parse((TESTS / "conftest.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MACHINE_MODULES":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("tests/conftest.py has no MACHINE_MODULES")
+
+
+def test_every_module_that_makes_namespaces_runs_in_the_machine_group() -> None:
+    """Two workers (``-n 2``) run the suite; a module on the emulated hosts beside
+    another would share Ray's /tmp/ray and ~/.ray, caches' /dev/shm folders and a
+    timing scenario's idle machine: all of them run on one worker, one after another."""
+    modules = {
+        path.relative_to(TESTS).as_posix()
+        for path in TESTS.rglob("test_*.py")
+        if "__pycache__" not in path.parts
+    }
+    using = {m for m in modules if uses_the_machine((TESTS / m).read_text())}
+    listed = _machine_modules()
+    outside = using - listed
+    assert not outside, f"modules on emulated hosts outside MACHINE_MODULES: {outside}"
+    assert listed <= modules, f"MACHINE_MODULES names no module: {listed - modules}"
+    assert "-n" in str(_pytest_settings()["addopts"]).split()
+
+
+def test_the_machine_check_finds_the_harness_and_leaves_mentions_alone() -> None:
+    assert uses_the_machine("from clusterflow.testing import available\n")
+    assert uses_the_machine("from clusterflow.testing.ray_nodes import RayNodes\n")
+    assert uses_the_machine("run(['ip', 'netns', 'exec', name, 'true'])\n")
+    assert not uses_the_machine("from clusterflow.testing.waiting import wait_for\n")
+    assert not uses_the_machine("x = 'clusterflow.testing.hosts_backend HostsLauncher'\n")
+
+
+def test_the_scheduler_keeps_the_machine_and_a_modules_wide_fixture_on_one_worker() -> None:
+    """xdist's controller asks ``group_of`` for each test's unit of work: the machine
+    modules share one, a module with a module-scoped fixture is one (its cluster starts
+    once), every other test is alone (the two workers share a module's tests)."""
+    spec = importlib.util.spec_from_file_location("suite_root_conftest", TESTS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    ray = "tests/integration/test_ray.py::test_digits_ddp_gives_the_local_backends_result"
+    lossy = "tests/integration/test_hostile_lossy.py::test_x"
+    dashboard = "tests/integration/test_dashboard.py::test_the_list_page_shows_the_cluster"
+    chaos = "tests/integration/test_chaos.py::test_x[seed101]"
+    assert conftest.group_of(ray, ROOT) == conftest.group_of(lossy, ROOT) == "machine"
+    assert conftest.group_of(dashboard, ROOT) == "tests/integration/test_dashboard.py"
+    assert conftest.group_of(chaos, ROOT) == chaos
+
+
+def test_a_real_xdist_run_keeps_a_modules_wide_fixture_on_one_worker() -> None:
+    """The scheduler is in use, not only defined: test_cache_source.py's three tests
+    share a module-scoped fixture, so ``-n 2`` runs them all on one worker (scheduled
+    alone, xdist would give the first to one worker and the second to the other)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2"]
+    done = subprocess.run(
+        [*argv, "tests/unit/test_cache_source.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = [line.split()[0] for line in done.stdout.splitlines() if " PASSED " in line]
+    assert len(ran) == 3 and len(set(ran)) == 1, done.stdout[-3000:]
