@@ -14,23 +14,18 @@ torch's optimizer on the whole variable, each push once.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
 from typing import Any
 
+import ps_kill_checks as checks
 import pytest
 import torch
 
-from clusterflow.rpc import Credentials, RpcClient
+from clusterflow.rpc import RpcClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-N = 2 * 1024 * 1024 + 999
-"""8 MiB of float32: 17 frames; the reply streams in two groups (16 chunks, then 1)."""
 PART = 1024 * 1024
 """The push travels in 9 parts of 1 MiB."""
-SGD = {"name": "SGD", "groups": [{"lr": 0.1, "momentum": 0.9}]}
 
 PS = """
 import sys, threading, torch
@@ -73,14 +68,6 @@ threading.Event().wait()
 """
 
 
-def _ps(secret: bytes, mode: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PS, secret.hex(), mode], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
-
-
 def _push(client: RpcClient, version: int, grad: torch.Tensor, split: int) -> Any:
     body = {"worker": "w", "version": version, "keys": [["d", 0, split]], "want_values": True}
     return client.call(
@@ -90,76 +77,4 @@ def _push(client: RpcClient, version: int, grad: torch.Tensor, split: int) -> An
 
 @pytest.mark.parametrize("where", ["request", "reply"])
 def test_a_ps_killed_between_two_parts_of_a_push_recovers_all_of_it_or_none(where: str) -> None:
-    credentials = Credentials.generate()
-    gen = torch.Generator().manual_seed(11)
-    grads = [torch.randn(N, generator=gen) * 1e-2 for _ in range(2)]
-    start = torch.linspace(-1, 1, N)
-    procs: list[subprocess.Popen[str]] = []
-    clients: list[RpcClient] = []
-    try:
-        first, target = _ps(credentials.secret, where)
-        procs.append(first)
-        client, control = (RpcClient(target, credentials, deadline=60) for _ in range(2))
-        clients += [client, control]
-        decl = [{"name": "w", "shape": [N], "dtype": "float32"}]
-        config = {"mode": "async", "num_replicas": 1}
-        client.call("ps.create", {"config": config, "vars": decl}, {"w": start})
-        client.call("ps.optimizer", {"spec": SGD, "group_of": {"w": 0}})
-        assert _push(client, 0, grads[0], split=1)["applied"]
-        saved = control.call("ps.state")  # the last checkpoint before the kill
-        checkpoint = (saved.body, dict(saved.tensors))
-
-        dying = RpcClient(target, credentials, deadline=10)
-        clients.append(dying)
-        pushed = threading.Thread(
-            target=lambda: _quietly(lambda: _push(dying, 1, grads[1], split=2)), daemon=True
-        )
-        pushed.start()
-        assert first.stdout is not None and first.stdout.readline().strip() == "between"
-        # A checkpoint asked for now must not hold part of the push: it waits (for the
-        # step's lock, or for the parked loop) until the kill. (Bounded for the broken
-        # case.)
-        mid: list[Any] = []
-        reading = threading.Thread(
-            target=lambda: _quietly(lambda: mid.append(control.call("ps.state", deadline=10))),
-            daemon=True,
-        )
-        reading.start()
-        reading.join(5)
-        first.kill()
-        first.wait(30)
-        pushed.join(30)
-        reading.join(30)
-        if mid:  # a checkpoint that came back is the newest: recover from it
-            checkpoint = (mid[0].body, dict(mid[0].tensors))
-
-        second, target = _ps(credentials.secret, "serve")
-        procs.append(second)
-        fresh = RpcClient(target, credentials, deadline=60)
-        clients.append(fresh)
-        fresh.call("ps.load_state", *checkpoint)
-        # The worker retries the push whose reply never came: its split went back. A
-        # checkpoint that already held the push refuses it as a duplicate.
-        _push(fresh, int(checkpoint[0]["version"]), grads[1], split=2)
-        got = fresh.call("ps.pull").tensors["w"]
-    finally:
-        for c in clients:
-            c.close()
-        for p in procs:
-            p.kill()
-            p.wait(30)
-
-    var = start.clone()
-    reference = torch.optim.SGD([var], lr=0.1, momentum=0.9)
-    for grad in grads:  # the unstreamed path: each push once, on the whole variable
-        var.grad = grad
-        reference.step()
-    assert torch.equal(got.view(torch.int32), var.view(torch.int32))
-
-
-def _quietly(call: Any) -> None:
-    """Runs ``call``; its failure is the kill this test makes (the ps went away)."""
-    try:
-        call()
-    except Exception:
-        return
+    checks.killed_mid_push_then_recovered(PS, where, _push)
