@@ -94,6 +94,14 @@ class ScaleRefused(CodedError):
     wire_code = "scale_refused"
 
 
+class GrowFailed(CodedError):
+    """A grow whose newcomer could not be launched: it left again (``lost``), the
+    newcomers after it were never added, and the cluster runs on at the size it
+    reached (the message says which)."""
+
+    wire_code = "grow_failed"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleView:
     """What ``check_scale`` judges a request by: the cluster now."""
@@ -184,6 +192,8 @@ class Elastic:
         self._scale_pending: tuple[int, bool] | None = None
         """The size asked for, and whether to restart every task to reach it."""
         self._scale_result: tuple[list[TaskId], list[TaskId]] | None = None
+        self._scale_failure: str | None = None
+        """Why the last grow stopped short (a newcomer's launch failed), for its reply."""
         self._restart_changes: list[tuple[TaskId, str, int | None]] = []
         """Who joined or left in a resizing restart, and the step then: recorded in
         the history once the new barrier assembles (the first spec that holds them)."""
@@ -299,6 +309,9 @@ class Elastic:
                     self._scale_pending, self._scale_result = (wanted, restart), None
                 self._wake.set()
                 joined, left = self._await_scale()
+                failure, self._scale_failure = self._scale_failure, None
+                if failure is not None:
+                    raise GrowFailed(failure)
             return ScaleReply(
                 workers=len(self.tasks.workers()),
                 spec_version=self.rendezvous.version,
@@ -363,16 +376,35 @@ class Elastic:
             restore = self._choose_checkpoint(restore_data=False)
             added = range(top, top + wanted - len(workers))
             ps_membership.joining(self, [TaskId("worker", i) for i in added])  # before launch
+            failure: str | None = None
             for index in added:
                 task = TaskId("worker", index)
+                if failure is not None:  # announced to the ps and reserved, never added
+                    ps_membership.leaving(self, task)
+                    self.backend.release(task)
+                    continue
                 record = self.tasks.add(
                     task, tracked=self.config.is_tracked(task), restarts=self._departed.get(task, 0)
                 )
                 self.rendezvous.admit(task)
                 self._resized()
-                self._launch(record, restore, warm=self._grows_warm())
+                try:
+                    self._launch(record, restore, warm=self._grows_warm())
+                except Exception as exc:  # the grow stops here; the running tasks go on
+                    log.warning("%s could not be launched: %s", task, exc)
+                    self.cluster.append_event("launch_failed", task=str(task), reason=str(exc))
+                    self._leave(record, "lost")
+                    failure = f"{task} could not be launched ({exc})"
+                    continue
                 joined.append(task)
-            self.output.line(f"clusterflow: adding {', '.join(map(str, joined))}")
+            if joined:
+                self.output.line(f"clusterflow: adding {', '.join(map(str, joined))}")
+            if failure is not None:
+                self._scale_failure = (
+                    f"cluster {self.cluster.id}: {failure}; it runs "
+                    f"{len(self.tasks.workers())} workers"
+                    + (f" (added {', '.join(map(str, joined))})" if joined else "")
+                )
         else:
             for task in reversed(workers[wanted:]):
                 self._leave(self.tasks[task], "left")
@@ -528,4 +560,6 @@ def scale_cluster(cluster: ClusterDir, workers: int) -> ScaleReply:
             reply = client.call(ManagerMethod.SCALE, request.to_wire()).body
         except ScaleRefused as exc:
             raise ConfigError(str(exc)) from None
+        except GrowFailed as exc:  # not bad input: the cluster changed, and says how
+            raise ClusterflowError(str(exc)) from None
     return ScaleReply.from_wire(reply)
