@@ -103,9 +103,6 @@ class RequestsInParts:
     A mixin of ``RpcServer``, one concept apart from the loop that serves whole
     messages; it reads the server's table of methods and answers through it."""
 
-    _handlers: dict[str, Entry]
-    _max_message_bytes: int
-    _takes_tensors: bool
     _name: str
     _partials: dict[bytes, Partial]
     _partials_lock: threading.Lock
@@ -136,6 +133,10 @@ class RequestsInParts:
         ) -> None: ...
 
         def _push(self, frames: list[Any]) -> None: ...
+
+        def _admit(
+            self, identity: bytes, header: dict[str, Any], size: int, tensors: str | None
+        ) -> Entry | None: ...
 
     def drop_partials(self, match: Callable[[str, Any], bool]) -> int:
         """Drops the requests sent in parts, not all arrived, for which
@@ -171,32 +172,10 @@ class RequestsInParts:
         except ProtocolError as exc:
             self._reply_or_log(identity, request_id, method, oneway, "bad_request", exc)
             return
-        if pieces.total + len(frames[1]) > self._max_message_bytes:
-            self._reply_or_log(
-                identity,
-                request_id,
-                method,
-                oneway,
-                "too_large",
-                f"message of {pieces.total + len(frames[1])} bytes exceeds the limit of "
-                f"{self._max_message_bytes} bytes",
-            )
-            return
-        entry = self._handlers.get(method)
+        entry = self._admit(
+            identity, header, pieces.total + len(frames[1]), f"came in {parts} parts"
+        )
         if entry is None:
-            self._reply_or_log(
-                identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
-            )
-            return
-        if not self._takes_tensors:
-            self._reply_or_log(
-                identity,
-                request_id,
-                method,
-                oneway,
-                "bad_request",
-                f"{self._name} takes no tensors; {method!r} came in {parts} parts",
-            )
             return
         wait = header.get("dl", PART_DEADLINE_S)
         if not isinstance(wait, int | float) or isinstance(wait, bool) or not wait > 0:

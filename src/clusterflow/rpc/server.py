@@ -326,6 +326,22 @@ class RpcServer(RequestsInParts):
             self._begin(identity, header, frames, oneway)
             return
         size = len(frames[1]) if len(frames) == 2 else sum(len(f) for f in frames[1:])
+        tensors = (
+            f"came with {len(frames) - 2} frames" if header.get("t") or len(frames) > 2 else None
+        )
+        entry = self._admit(identity, header, size, tensors)
+        if entry is None:
+            return
+        self._serve(identity, header, frames[2:], entry, frozenset())
+
+    def _admit(
+        self, identity: bytes, header: dict[str, Any], size: int, tensors: str | None
+    ) -> Entry | None:
+        """The handler of a request of ``size`` bytes, whole or in parts (``tensors``:
+        how its tensors came, None for none); None once the caller was answered with
+        why not (over the size limit, no such method, tensors to a server of none)."""
+        method, request_id = header["m"], header["id"]
+        oneway = header["k"] == codec.KIND_ONEWAY
         if size > self._max_message_bytes:
             self._reply_or_log(
                 identity,
@@ -335,24 +351,24 @@ class RpcServer(RequestsInParts):
                 "too_large",
                 f"message of {size} bytes exceeds the limit of {self._max_message_bytes} bytes",
             )
-            return
+            return None
         entry = self._handlers.get(method)
         if entry is None:
             self._reply_or_log(
                 identity, request_id, method, oneway, "not_found", f"no method {method!r} here"
             )
-            return
-        if not self._takes_tensors and (header.get("t") or len(frames) > 2):
+            return None
+        if not self._takes_tensors and tensors is not None:
             self._reply_or_log(
                 identity,
                 request_id,
                 method,
                 oneway,
                 "bad_request",
-                f"{self._name} takes no tensors; {method!r} came with {len(frames) - 2} frames",
+                f"{self._name} takes no tensors; {method!r} {tensors}",
             )
-            return
-        self._serve(identity, header, frames[2:], entry, frozenset())
+            return None
+        return entry
 
     def _serve(
         self,
