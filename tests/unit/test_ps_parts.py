@@ -25,11 +25,8 @@ import torch
 import zmq
 
 from clusterflow.ps.api import PSConfig
-from clusterflow.ps.rows import RowOptimizerSpec, TableSpec
-from clusterflow.ps.rows_protocol import RowsPullRequest, RowsPushRequest
 from clusterflow.ps.service import PSService
 from clusterflow.ps.store import VariableStore
-from clusterflow.ps.tables import RowStore
 from clusterflow.rpc import Credentials, RpcClient, codec, runtime
 from clusterflow.rpc.client import split_endpoint
 from clusterflow.server import Server, create_local_server
@@ -163,32 +160,6 @@ def test_a_push_in_parts_with_a_streamed_reply_equals_one_message_bit_for_bit(
     assert meta == meta2 and tensors.keys() == tensors2.keys()
     for key, value in tensors.items():
         assert _same(value, tensors2[key]), key
-
-
-def test_embedding_rows_pushed_in_parts_equal_the_rows_pushed_in_process(one: _PS) -> None:
-    rows, dim = 40_000, 64  # a push of 10 MiB of rows: 10 parts
-    table = TableSpec(name="t", rows=rows, dim=dim, num_shards=1, init="zeros")
-    config = PSConfig(mode="async", num_replicas=1)
-    optimizer = RowOptimizerSpec(name="Adagrad", hyper={"lr": 0.1, "eps": 1e-10})
-    local = RowStore(0)
-    local.create(config, [table])
-    local.set_optimizer({"t": optimizer})
-    client = one.client
-    client.call(
-        "ps.rows_create", {"config": config.to_dict(), "tables": [table.to_dict()], "shard": None}
-    )
-    client.call("ps.rows_optimizer", {"optimizers": {"t": optimizer.to_dict()}})
-    gen = torch.Generator().manual_seed(3)
-    for version in range(3):
-        ids = torch.randint(0, rows, (rows,), generator=gen)
-        grads = torch.randn(rows, dim, generator=gen)
-        push = RowsPushRequest(worker="w", version=version, ids={"t": ids}, grads={"t": grads})
-        reply = client.call("ps.rows_push", *push.to_wire(), part_bytes=PART)
-        assert reply.body["applied"]
-        local.push(worker="w", version=version, grads={"t": (ids, grads)})
-    every = torch.arange(rows)
-    remote = client.call("ps.rows_pull", *RowsPullRequest(ids={"t": every}).to_wire())
-    assert _same(remote.tensors["r/t"], local.pull({"t": every})[1]["t"])
 
 
 def _untouched(ps: _PS) -> None:

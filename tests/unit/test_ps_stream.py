@@ -161,9 +161,11 @@ def test_a_checkpoint_of_a_chunked_optimizer_resumes_as_the_whole_one() -> None:
     assert _same(restored.vars["w"], var)
 
 
+@pytest.mark.parametrize("part_bytes", [0, 1024 * 1024], ids=["one_message", "in_parts"])
 def test_embedding_rows_pushed_in_frames_equal_the_rows_pushed_in_process(
-    ps: tuple[PSService, RpcClient],
+    ps: tuple[PSService, RpcClient], part_bytes: int
 ) -> None:
+    """In one message of frames, and in parts of 1 MiB (``codec.encode_parts``: 10 parts)."""
     _, client = ps
     rows, dim = 40_000, 64  # a push of 10 MiB of rows: it travels in frames
     table = TableSpec(name="t", rows=rows, dim=dim, num_shards=1, init="zeros")
@@ -181,7 +183,7 @@ def test_embedding_rows_pushed_in_frames_equal_the_rows_pushed_in_process(
         ids = torch.randint(0, rows, (rows,), generator=gen)
         grads = torch.randn(rows, dim, generator=gen)
         push = RowsPushRequest(worker="w", version=version, ids={"t": ids}, grads={"t": grads})
-        reply = client.call("ps.rows_push", *push.to_wire())
+        reply = client.call("ps.rows_push", *push.to_wire(), part_bytes=part_bytes)
         assert reply.body["applied"]
         local.push(worker="w", version=version, grads={"t": (ids, grads)})
     every = torch.arange(rows)
