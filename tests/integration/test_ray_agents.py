@@ -137,7 +137,9 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     stopped = cf("ray-agents", "stop", "--address", ADDRESS)
     assert stopped.returncode == 0, stopped.stderr
     assert not [a for a in nodes.probe()["actors"] if a.startswith("clusterflow")]
-    assert "agents disabled" in cf("ray-agents", "status", "--address", ADDRESS).stdout
+    shown = cf("ray-agents", "status", "--address", ADDRESS).stdout
+    assert "agents disabled" in shown, shown
+    assert f"no agent port recorded in {_record(cf)}" in shown, shown  # stop removed it
 
 
 def _record(cf: Any) -> Path:
@@ -151,6 +153,9 @@ def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, c
     record = _record(cf)
     assert record.stat().st_mode & 0o777 == 0o600  # it holds the port's secret
     agents = _agents(cf)
+    shown = cf("ray-agents", "status", "--address", ADDRESS).stdout
+    port = json.loads(record.read_text())["address"]
+    assert f"agent port {port} answers (recorded in {record})" in shown, shown
 
     # The CLI cannot import Ray here: the launch, its output and its exit went through
     # the head agent's port; the tasks still ran under the nodes' agents.
@@ -178,6 +183,8 @@ def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, c
     assert f"{good['address'].split(':')[0]}:1: nothing listens there" in lines[0], lines
     assert str(record) in lines[0] and "joining Ray instead" in lines[0], lines
     assert lines[-1].startswith("error: --backend ray needs Ray"), lines
+    shown = cf("ray-agents", "status", "--address", ADDRESS).stdout
+    assert f"agent port recorded in {record} does not answer" in shown, shown
     # With Ray, the fallback launches and records the head agent's port anew.
     again = _on_ray(cf)
     assert _results(again.stdout) == _results(local.stdout)

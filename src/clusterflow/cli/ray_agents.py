@@ -45,10 +45,13 @@ def start(address: str | None) -> None:
 @ray_agents.command(context_settings=CONTEXT)
 @click.option("--address", help=ADDRESS_HELP)
 def status(address: str | None) -> None:
-    """Every agent of the Ray cluster and the tasks it hosts."""
+    """Every agent of the Ray cluster and the tasks it hosts, and the head agent's port
+    as recorded here (whether it answers: a launch uses it only then)."""
     from clusterflow.backends import ray_agent, ray_driver
+    from clusterflow.manager import agent_record
 
     ray_driver.join(address)
+    click.echo(agent_record.describe(address))
     click.echo(f"agents {'enabled' if ray_agent.enabled() else 'disabled'}")
     for info in ray_agent.running():
         if "error" in info:

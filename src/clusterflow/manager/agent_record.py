@@ -68,6 +68,22 @@ def remove(address: str | None) -> None:
         path(address).unlink()
 
 
+def describe(address: str | None) -> str:
+    """One line on the record of ``address`` for ``ray-agents status``: its port and
+    whether the agent answers there now (checked as a launch checks it, ``open_port``'s
+    deadlines), or that there is none, so launches join Ray."""
+    where = path(address)
+    if not where.exists():
+        return f"no agent port recorded in {where}: launches join Ray"
+    port = open_port(address)
+    if port is None:
+        return f"agent port recorded in {where} does not answer: launches join Ray"
+    try:
+        return f"agent port {port.address} answers (recorded in {where})"
+    finally:
+        port.close()
+
+
 def open_port(address: str | None) -> AgentPort | None:
     """The head agent's port of the Ray cluster at ``address``, checked to answer; None
     where there is no record, or the record is stale (logged, one line). Waits at most
