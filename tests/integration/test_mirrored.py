@@ -320,7 +320,65 @@ def scenario_replicas(out: Path, algorithm: str = "backend") -> dict[str, Any]:
     return result
 
 
+def scenario_shared_group(out: Path) -> dict[str, Any]:
+    """Two strategies over one group; the owner shuts down first, while a gloo thread
+    still needs the GIL: the other's shutdown must not hang.
+
+    After the owner's shutdown the group lives on only in the other strategy's DDP
+    reducer. A gloo worker thread that finishes a collective whose tensor Python let go
+    of must take the GIL to drop it. Rank 1 makes that so: it submits an all-reduce,
+    drops its tensor and Work, and only then lets rank 0 submit its half (through the
+    store), so the collective ends in gloo's thread, which alone holds the tensor. Rank 1
+    holds the GIL from then until its wrapper is dropped (a long switch interval, and a
+    loop that does not block): were the group freed by the reducer, with the GIL held,
+    its destructor would join that thread forever.
+    """
+    from clusterflow.strategies import MultiWorkerMirroredStrategy
+    from clusterflow.strategies.module_scope import replica_wrapper
+
+    owner = MultiWorkerMirroredStrategy()
+    sharer = MultiWorkerMirroredStrategy()  # adopts the owner's group
+    with sharer.scope():
+        model = _mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _global_batches(1)[0]
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    sharer.run(step)
+    owner.shutdown()
+    wrapper = replica_wrapper(model)
+    assert wrapper is not None
+    group = wrapper.process_group
+    del wrapper
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        datetime.timedelta(seconds=60),
+    )
+    landed = torch.ones(4)
+    seen = landed.view(4).numpy()  # the same memory, through another tensor object
+    if owner.rank == 0:
+        store.wait(["shared-group/rank-1-submitted"])
+    group.allreduce([landed])  # its Work dropped at once
+    del group, landed  # ``landed``'s Python object now lives on in C++ only
+    if owner.rank == 1:
+        sys.setswitchinterval(600.0)
+        store.set("shared-group/rank-1-submitted", "1")
+        while seen[0] == 1.0:  # holds the GIL: nothing here releases it
+            pass
+    sharer.shutdown()
+    sys.setswitchinterval(0.005)
+    return {"sum": float(seen[0])}
+
+
 SCENARIOS = {
+    "shared-group": scenario_shared_group,
     "train": scenario_train,
     "kill": scenario_kill,
     "kill-hierarchical": scenario_kill_hierarchical,
@@ -608,6 +666,20 @@ def test_a_hung_replica_makes_the_other_raise_within_the_timeout(
         # The 4 s timeout, plus the seconds naming the peer may wait for its heartbeats.
         _assert_names_lost_worker(result, within_s=4 + 10)
         assert "Timed out" in result["message"]  # the group's timeout fired, not a reset
+    finally:
+        replicas.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_strategy_shut_down_after_its_groups_owner_does_not_hang(
+    tmp_path: Path, agent_store: int, worker_addresses: list[str]
+) -> None:
+    replicas = Replicas("shared-group", tmp_path, _agent_envs(agent_store, worker_addresses))
+    try:
+        for rank in range(WORLD):
+            output = replicas.wait(rank, 90)
+            assert replicas.procs[rank].returncode == 0, output
+            assert replicas.result(rank, output) == {"sum": float(WORLD)}
     finally:
         replicas.close()
 

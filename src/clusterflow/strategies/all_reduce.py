@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import weakref
@@ -230,13 +231,30 @@ class CollectiveAllReduceStrategy(Resizing, Strategy):
 
     def _unwrap_all(self) -> list[nn.Module]:
         """Drops every DDP wrapper (and bucket worker) over the current group; returns
-        the prepared modules, each still marked as mirrored."""
+        the prepared modules, each still marked as mirrored.
+
+        Each wrapper's process group is held from Python until its wrappers are gone, and
+        let go last, here. A reducer may hold a group's last reference (another strategy
+        over the same group shut down first and destroyed it): freed by the reducer, the
+        group's destructor would run with the GIL held and join a gloo thread that waits
+        for the GIL to drop a finished collective's tensor, forever. Let go from Python,
+        it runs with the GIL released (``CollectiveGroup.shutdown`` says the same of the
+        group it owns). ``gc.collect`` frees a wrapper caught in a reference cycle now,
+        while its group is still held, not later from the collector.
+        """
         while self._bucket_workers:
             self._bucket_workers.pop().close()
         modules = self._modules()
+        groups = []
         for module in modules:
-            if replica_wrapper(module) is not None:
+            wrapper = replica_wrapper(module)
+            if wrapper is not None:
+                groups.append(getattr(wrapper, "process_group", None))
+                del wrapper
                 prepare_module(module, None)
+        if groups:
+            gc.collect()
+            groups.clear()  # the last references, perhaps: GIL released (see above)
         return modules
 
     def _bucket_cap_mb(self) -> float | None:
