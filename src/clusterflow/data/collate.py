@@ -85,7 +85,9 @@ def torch_batches(columns: Mapping[str, Any], lo: int, size: int) -> list[dict[s
         whole = torch.from_numpy(values[lo : lo + full * size])
         parts.append(whole.view(full, size, *values.shape[1:]).unbind(0))
     names = list(columns)
-    return [dict(zip(names, row, strict=True)) for row in zip(*parts, strict=True)]
+    # A row holds one tensor per column by construction; a strict zip would check that
+    # again, for a third of a batch's dict.
+    return [dict(zip(names, row, strict=False)) for row in zip(*parts, strict=True)]
 
 
 def _column(name: str, values: Any) -> Any:
