@@ -13,7 +13,10 @@ process), and reports the least CPU of each over the rounds, split by thread:
   read pays too) and ZeroMQ's I/O thread.
 
 ``direct / (service / 2)`` is what two workers, each reading half, could reach against
-one direct reader on two free cores if nothing else cost wall time.
+one direct reader on two free cores if nothing else cost wall time. Then two workers
+(``benchmarks.data``'s) pull the file together, as ``benchmarks.data``'s service side
+does: the least CPU of both together, from the signal to the end of their pass, and
+``direct / (pair / 2)``, the same bound with their shares as the splits fall.
 
     python -m benchmarks._data_cpu [--rounds N]
 """
@@ -30,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import one_thread_per_process, parser
-from benchmarks.data import BATCH, PREFETCH, SPLIT, _direct, _write
+from benchmarks.data import (
+    BATCH,
+    PREFETCH,
+    SPLIT,
+    _direct,
+    _start_worker,
+    _through_service,
+    _write,
+)
 
 
 def _worker(conn: Connection, address: str, secret: bytes, path: str) -> None:
@@ -107,14 +118,24 @@ def main() -> None:
         proc.start()
         direct: list[dict[str, float]] = []
         service: list[dict[str, float]] = []
+        pair: list[float] = []
+        pair_workers = [
+            _start_worker(server.address, credentials.secret, path, f"worker:{i}") for i in range(2)
+        ]
         try:
-            for _ in range(rounds + 1):  # the first round warms up
+            for r in range(rounds + 1):  # the first round warms up
                 parent.send("direct")
                 direct.append(parent.recv())
                 parent.send("service")
                 service.append(parent.recv())
+                conns = [conn for _, conn in pair_workers]
+                pair.append(_through_service(conns, f"pair-{r}")[2])
         finally:
             parent.send(None)
+            for pair_proc, conn in pair_workers:
+                conn.send(None)
+                pair_proc.join(10)
+                pair_proc.kill()
             proc.join(10)
             proc.kill()
             server.stop()
@@ -128,6 +149,11 @@ def main() -> None:
         f"{ms['reader']:.1f}, fetcher {ms['fetcher']:.1f}, rest {ms['rest']:.1f}"
     )
     print(f"direct / (service / 2): {best_direct / (best['total'] / 2):.2f}")
+    best_pair = min(pair[1:])
+    print(
+        f"two workers together: {best_pair * 1e3:.1f} ms a pass; "
+        f"direct / (pair / 2): {best_direct / (best_pair / 2):.2f}"
+    )
     print(f"load average: {os.getloadavg()[0]:.1f}")
 
 

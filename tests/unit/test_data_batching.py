@@ -16,7 +16,7 @@ from clusterflow.data import (
 )
 from clusterflow.data.api import Lease
 from clusterflow.data.batching import Batcher, ReadSplit
-from clusterflow.data.collate import numpy_collate, torch_collate
+from clusterflow.data.collate import numpy_collate, torch_batches, torch_collate
 from clusterflow.errors import ConfigError
 
 
@@ -83,6 +83,40 @@ def test_default_collate_cuts_other_columns_batch_by_batch() -> None:
     batch = batcher.cut(ReadSplit(Lease(1, 0, 0, 6), {"id": np.arange(6), "name": names}, None))
     assert batch is not None and batch.data["name"] == ["r0", "r1", "r2", "r3"]
     assert batch.data["id"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_strided_column_is_cut_at_once_into_the_same_tensors() -> None:
+    """Batches made at once from a strided column, a contiguous one and a 2-D one each
+    equal torch_collate of the batch's records, over the split's own memory."""
+    pairs = np.arange(40, dtype=np.int64).reshape(20, 2)
+    columns = {"strided": pairs[:, 1], "flat": pairs[:, 0].copy(), "xy": pairs}
+    assert not columns["strided"].flags.c_contiguous
+    batches = torch_batches(columns, 2, 4)
+    assert len(batches) == 4  # records 2..17; 18 and 19 are left for a smaller batch
+    for i, batch in enumerate(batches):
+        lo = 2 + 4 * i
+        expected = torch_collate({k: v[lo : lo + 4] for k, v in columns.items()})
+        for name, tensor in batch.items():
+            assert tensor.equal(expected[name]), name
+            assert tensor.data_ptr() == expected[name].data_ptr(), name
+    assert torch_batches(columns, 17, 4) == []  # not one full batch left
+
+
+def test_a_split_that_cannot_be_cut_at_once_is_collated_batch_by_batch() -> None:
+    """Columns torch_batches cannot take (strings) leave the split's batches to
+    torch_collate one by one, every batch of the split, not only the first."""
+    names = np.empty(10, dtype=object)
+    names[:] = [f"r{i}" for i in range(10)]
+    batcher = Batcher(4, torch_collate, "d")
+    whole = ReadSplit(Lease(1, 0, 0, 10), {"id": np.arange(10), "name": names}, None)
+    got = [batcher.cut(whole), batcher.cut(whole), batcher.cut(whole), batcher.flush()]
+    assert [b.data["name"] if b else None for b in got] == [
+        ["r0", "r1", "r2", "r3"],
+        ["r4", "r5", "r6", "r7"],
+        None,  # 8, 9 held back
+        ["r8", "r9"],
+    ]
+    assert [b.completes for b in got if b] == [(), (), (1,)]
 
 
 def test_collate_error_names_the_source_record_through_a_shuffle() -> None:

@@ -99,6 +99,33 @@ def test_fsspec_memory_url() -> None:
     fs.rm("/clusterflow-test", recursive=True)
 
 
+def test_only_a_remote_parquet_file_is_pre_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pre-buffering hands a row group's reads to pyarrow's I/O threads: worth it over a
+    network, a thread hand-off per row group from a local file (read in the reading
+    thread instead)."""
+    opened: list[bool] = []
+    real = pq.ParquetFile
+
+    def recording(source: object, **kwargs: object) -> object:
+        opened.append(bool(kwargs.get("pre_buffer", True)))  # pyarrow's default: True
+        return real(source, **kwargs)
+
+    pq.write_table(table(30), tmp_path / "t.parquet", row_group_size=8)
+    fs = fsspec.filesystem("memory")
+    with fs.open("/clusterflow-test-buffer/t.parquet", "wb") as f:
+        pq.write_table(table(30), f, row_group_size=8)
+    monkeypatch.setattr(pq, "ParquetFile", recording)
+    try:
+        local = ArrowSource(str(tmp_path / "t.parquet"))
+        remote = ArrowSource("memory://clusterflow-test-buffer/t.parquet")
+        assert local.read(5, 9)["id"].tolist() == remote.read(5, 9)["id"].tolist() == [5, 6, 7, 8]
+    finally:
+        fs.rm("/clusterflow-test-buffer", recursive=True)
+    assert opened == [False, True]
+
+
 def test_missing_and_unreadable_files_name_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "missing.parquet"
     with pytest.raises(SourceError, match=str(missing)):

@@ -37,10 +37,18 @@ class ReadSplit:
     collate function allows (``torch_batches``); None until the first is cut."""
     views_from: int = 0
     views_size: int = 0
+    size: int = field(init=False)
+    """Records in the split (``len(lease)``, kept: it is read for every batch)."""
+    ids: tuple[int, ...] = field(init=False)
+    """``(lease.lease_id,)``: the ``leases`` of a batch cut from this split alone."""
+
+    def __post_init__(self) -> None:
+        self.size = len(self.lease)
+        self.ids = (self.lease.lease_id,)
 
     @property
     def remaining(self) -> int:
-        return len(self.lease) - self.pos
+        return self.size - self.pos
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +109,16 @@ class Batcher:
         size = self.batch_size
         if self._carry_size >= size:  # the batch size shrank (set_batch_size) meanwhile
             return self.flush()
-        if not self._carry and split.remaining >= size:  # the common case, kept lean
-            lo = split.pos
-            split.pos += size
-            return self._single(split, lo, split.pos)
+        lo = split.pos
+        hi = lo + size
+        if hi <= split.size and not self._carry:  # the common case, kept lean
+            split.pos = hi
+            views = split.views
+            if views is not None and size == split.views_size:  # made at once
+                i, off = divmod(lo - split.views_from, size)
+                if not off and i < len(views):
+                    return self._of_split(views[i], split, lo, hi)
+            return self._single(split, lo, hi)
         while split.remaining:
             take = min(size - self._carry_size, split.remaining)
             self._carry.append(_Piece(split, split.pos, split.pos + take))
@@ -148,11 +162,18 @@ class Batcher:
         if data is None:
             columns = {name: values[lo:hi] for name, values in split.columns.items()}
             data = self._collate(columns, None, split, lo, hi)
-        lease_id = split.lease.lease_id
-        done = hi == len(split.lease)
-        completes = (lease_id,) if done else ()
-        keys = (split.key,) if done and split.key is not None else ()
-        return self._batch(data, (lease_id,), completes, split.lease.epoch, hi - lo, keys)
+        return self._of_split(data, split, lo, hi)
+
+    def _of_split(self, data: Any, split: ReadSplit, lo: int, hi: int) -> Batch:
+        """The batch of records ``[lo, hi)`` of ``split`` alone: it completes the split's
+        lease where it ends the split."""
+        index = self.next_index
+        self.next_index = index + 1
+        epoch = split.lease.epoch
+        if hi != split.size:
+            return Batch(data, split.ids, (), epoch, hi - lo, index)
+        keys = (split.key,) if split.key is not None else ()
+        return Batch(data, split.ids, split.ids, epoch, hi - lo, index, keys)
 
     def _view(self, split: ReadSplit, lo: int, size: int) -> Any:
         """Records ``[lo, lo + size)`` of ``split`` collated, from the split's batches

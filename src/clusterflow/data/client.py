@@ -172,11 +172,12 @@ class DataClient:
         """
         if self._closed:
             raise DataError(f"data client of {self.spec.name!r} is closed")
-        if self._auto:
+        if self._auto and self._delivered:
             self._mark_delivered_done()
         if self._done:
             raise StopIteration
-        self._start()
+        if self._reader is None:
+            self._start()
         try:
             batch = self._next_batch()
         except BaseException:
@@ -365,7 +366,7 @@ class DataClient:
         batcher = self._batcher
         while True:
             split = self._split
-            if split is not None and split.remaining:
+            if split is not None and split.pos < split.size:
                 batch = batcher.cut(split)
                 if batch is not None:
                     return batch
