@@ -1,15 +1,15 @@
-"""A supervisor's side of the warm fork server (``forkserver.py``): a job forked there.
+"""The manager's side of the warm fork server (``forkserver.py``): a process forked there.
 
-:func:`fork_job` asks the server named by ``CLUSTERFLOW_FORKSERVER`` to run the job and
-returns a :class:`ForkedJob`, which the supervisor keeps as it keeps a ``Popen``: its
-pid, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``. The job is the
-server's child, not the supervisor's, so its exit status comes over the connection
-(``exit STATUS``) and signals go through a pidfd the server sent (never to a pid the
-kernel may have reused). The connection stays open while the job runs: its closing
-(this supervisor died) is what tells the server to kill the job.
+:func:`fork_job` asks the server named ``NAME:PID`` to run a command (the local
+backend's: a task's supervisor) and returns a :class:`ForkedJob`, which the backend keeps
+as it keeps a ``Popen``: its pid, ``poll``, ``wait``, ``send_signal``, ``terminate``,
+``kill``. The process is the server's child, not the caller's, so its exit status comes
+over the connection (``exit STATUS``) and signals go through a pidfd the server sent
+(never to a pid the kernel may have reused). EOF without a status: the server died, and
+the process with it (``PR_SET_PDEATHSIG``), reported as killed.
 
-None means "start it as before": no server named, the server is gone or never came up,
-or it refused the request (a command it cannot run in-process). The caller logs why.
+:class:`Unavailable` means "start it as before": the server is gone or never came up, or
+it refused the request (a command it cannot run in-process); its message says why.
 """
 
 from __future__ import annotations

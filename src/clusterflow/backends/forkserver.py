@@ -65,8 +65,19 @@ from clusterflow.cluster.contract import (
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ("torch", "clusterflow.strategies", "clusterflow.strategies.parameter_server.strategy")
-"""What every job is spared: torch and clusterflow's training modules (imports only)."""
+PRELOAD = ("torch", "clusterflow.rpc", "clusterflow.server.manager_messages")
+"""Imported before the first fork: what every job and every supervisor needs (not the
+supervisor's module itself, which runs as ``__main__``: runpy warns of a module run
+after it was imported)."""
+PRELOAD_LATER = (
+    "clusterflow.strategies",
+    "clusterflow.strategies.parameter_server.strategy",
+    "torch.optim",
+    "torch._dynamo",
+)
+"""Imported one by one while no request waits: a launch's first forks do not wait for
+them (a job that needs them imports them itself), a restart's find them imported.
+``torch._dynamo`` is what an optimizer's first construction imports (seconds)."""
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "LD_", "TORCH_")
 """Variables read when the interpreter or a preloaded library starts: a job that sets
 one otherwise than this server's environment does is started cold."""
@@ -232,7 +243,8 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
 
 def serve(listener: socket.socket, own: Mapping[str, str], parent: int) -> Request | None:
     """Serves until its starter died and its children ended; returns a request only in a
-    forked child (the one it became), None in the server when it is done.
+    forked child (the one it became), None in the server when it is done. Imports
+    ``PRELOAD_LATER`` while nothing waits.
 
     One thread: reads a request, forks, answers; wakes for a new connection, a job's
     exit (reaped and reported) or its starter's death (``parent``: a pidfd). A starter
@@ -243,13 +255,17 @@ def serve(listener: socket.socket, own: Mapping[str, str], parent: int) -> Reque
     """
     jobs: dict[int, _Job] = {}  # by pidfd
     uid = os.getuid()
+    later = list(PRELOAD_LATER)
     while listener.fileno() >= 0 or jobs:
         conns = [j.conn for j in jobs.values() if j.conn is not None]
         starter = [parent] if listener.fileno() >= 0 else []
         waiting: list[socket.socket | int] = [*starter, *conns, *jobs]
         if listener.fileno() >= 0:
             waiting.append(listener)
-        ready, _, _ = select.select(waiting, [], [])
+        ready, _, _ = select.select(waiting, [], [], 0.0 if later else None)
+        if not ready and later:
+            with contextlib.suppress(Exception):  # a job that needs it will say why
+                __import__(later.pop(0))
         for item in ready:
             if item is listener and listener.fileno() >= 0:
                 child = _accept(listener, uid, own, jobs, parent)
