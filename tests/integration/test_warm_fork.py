@@ -190,3 +190,74 @@ def test_a_server_killed_before_the_launch_leaves_the_launch_as_before(
         assert len(warnings) == 1, caplog.records
     finally:
         forkserver.stop()
+
+
+ATTEMPTS = """
+import os, sys, time
+warm = "torch" in sys.modules
+print("job", os.environ["RANK"], "attempt", os.environ["CLUSTERFLOW_ATTEMPT"], warm, flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_server_killed_under_running_tasks_takes_them_down_and_the_restart_starts_cold(
+    cf: Clusterflow,
+) -> None:
+    script = cf.script("attempts.py", ATTEMPTS)
+    gate = cf.workdir / "gate"
+    cluster_id = cf.start_detached(
+        "--workers", "2", "--max-restarts", "1", "--", PY, str(script), str(gate)
+    )
+    cf.wait_output(
+        cluster_id, "[worker:0] job 0 attempt 0 True", "[worker:1] job 1 attempt 0 True", timeout=90
+    )
+    manager = cf.state(cluster_id)["manager"]["pid"]
+    (server,) = [p for p in cf.live(cluster_id) if p.ppid() == manager]
+    supervisors = [t["pid"] for t in cf.state(cluster_id)["tasks"]]
+
+    server.kill()
+
+    cf.wait_until(lambda: not cf.alive(supervisors), 30, "the supervisors to die with it")
+    # Restarted as before: each job its own Python, torch not imported ahead of it.
+    cf.wait_output(
+        cluster_id,
+        "[worker:0] job 0 attempt 1 False",
+        "[worker:1] job 1 attempt 1 False",
+        timeout=120,
+    )
+    gate.touch()
+    cf.wait_until(
+        lambda: cf.state(cluster_id).get("status") in ("succeeded", "failed"), 90, "the end"
+    )
+    assert cf.state(cluster_id)["status"] == "succeeded", cf.output(cluster_id)[-2000:]
+    cf.wait_until(lambda: not cf.alive([manager]), 60, "the manager to exit")
+    log = (cf.path(cluster_id) / "manager.log").read_text()
+    assert log.count("the warm fork server exited") == 1, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_foreground_managers_forked_tasks_carry_its_cluster_id(cf: Clusterflow) -> None:
+    script = cf.script("gated.py", GATED)
+    start = cf.popen("start", "--workers", "2", "--", PY, str(script), str(cf.workdir / "never"))
+
+    def both_running() -> bool:
+        ids = cf.ids()
+        output = cf.output(ids[0]) if ids else ""
+        return "[worker:0] job 0 " in output and "[worker:1] job 1 " in output
+
+    cf.wait_until(both_running, 90, "both jobs")
+    cluster_id = cf.only_id()
+    jobs = [_job_of(cf, cluster_id, f"worker:{i}")[1] for i in range(2)]
+
+    start.kill()  # the CLI is the manager: what `clusterflow stop` must find now
+    start.wait(30)
+
+    # The id is in the server's environment from the CLI's first instant on, before the
+    # cluster was made, so its forks show it in /proc/PID/environ.
+    found = {p.pid for p in cf.live(cluster_id)}
+    assert set(jobs) <= found, (jobs, found)
+    stopped = cf.run("stop", cluster_id, "--grace", "5")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not cf.alive(jobs)
