@@ -261,3 +261,36 @@ def test_a_dead_foreground_managers_forked_tasks_carry_its_cluster_id(cf: Cluste
     stopped = cf.run("stop", cluster_id, "--grace", "5")
     assert stopped.returncode == 0, stopped.stderr
     assert not cf.alive(jobs)
+
+
+DDP_GATED = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("joined", dist.get_rank(), flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_torch_store_is_forked_from_the_server_too(cf: Clusterflow) -> None:
+    script = cf.script("ddp.py", DDP_GATED)
+    gate = cf.workdir / "gate"
+    cluster_id = cf.start_detached("--workers", "2", "--", PY, str(script), str(gate))
+    cf.wait_output(cluster_id, "[worker:0] joined 0", "[worker:1] joined 1", timeout=120)
+    manager = cf.state(cluster_id)["manager"]["pid"]
+    (server,) = [p for p in cf.live(cluster_id) if p.ppid() == manager]
+    supervisors = {t["pid"] for t in cf.state(cluster_id)["tasks"]}
+
+    others = [p.pid for p in server.children() if p.pid not in supervisors]
+
+    # The store's helper: a fork, so the ranks waited for no `import torch` of its own.
+    assert len(others) == 1, (others, supervisors)
+    gate.touch()
+    cf.wait_until(
+        lambda: cf.state(cluster_id).get("status") in ("succeeded", "failed"), 90, "the end"
+    )
+    assert cf.state(cluster_id)["status"] == "succeeded", cf.output(cluster_id)[-2000:]
+    cf.wait_until(lambda: not cf.alive([manager]), 60, "the manager to exit")
