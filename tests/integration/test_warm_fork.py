@@ -120,13 +120,21 @@ def _job_of(cf: Clusterflow, cluster_id: str, task: str) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_the_job_dies_when_its_supervisor_is_killed(cf: Clusterflow) -> None:
+def test_the_job_dies_when_its_supervisor_is_killed_even_with_no_manager_left(
+    cf: Clusterflow,
+) -> None:
     script = cf.script("gated.py", GATED)
     never = str(cf.workdir / "never")
     cluster_id = cf.start_detached("--workers", "2", "--", PY, str(script), never)
     cf.wait_until(lambda: "[worker:1] job 1 " in cf.output(cluster_id), 90, "worker:1's job")
     supervisor, job = _job_of(cf, cluster_id, "worker:1")
     assert psutil.Process(job).ppid() == supervisor
+    # No manager to end the supervisor's process group: only the job's own tie to its
+    # supervisor (PR_SET_PDEATHSIG) can end it now (the manager timeout is 15 s, and
+    # worker:1's supervisor, which would act on it, is the one killed).
+    manager = cf.state(cluster_id)["manager"]["pid"]
+    os.kill(manager, signal.SIGKILL)
+    cf.wait_until(lambda: not cf.alive([manager]), 30, "the manager to die")
 
     os.kill(supervisor, signal.SIGKILL)
 
