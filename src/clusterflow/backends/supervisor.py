@@ -30,6 +30,13 @@ the zygote runs the job's command in-process, skipping the interpreter's start a
 torch's import, most of a replacement's start-up. A command the zygote cannot run
 in-process is started as usual.
 
+**Forked** (``backends/forkserver.py``): a local supervisor is usually forked from the
+cluster's warm fork server, torch already imported. ``main`` then binds the task's port
+and forks the job's zygote (``zygote.fork_zygote``) before this process starts any
+thread; the zygote runs the command in-process once registration brings it, as a
+standby's does, and is this supervisor's own child in its process group, so every
+step below is unchanged. A command it cannot run so starts as usual.
+
 SIGTERM or SIGINT before the command started (while the registration barrier holds)
 ends the supervisor at once with that signal; afterwards it is forwarded to the command.
 """

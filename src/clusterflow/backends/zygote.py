@@ -7,6 +7,10 @@ worker's start), then waits for one line on stdin: the JSON ``{"argv", "env", "c
 of the job a dead task ran. It then takes that environment and runs the command in this
 process, as ``python`` would have. EOF instead of a line ends it with status 0.
 
+``fork_zygote`` is the other kind: a zygote forked from a supervisor that was itself
+forked from the warm fork server (``forkserver.py``), so it costs no start and no
+import at all; ``become`` makes it look like a fresh interpreter to its job.
+
 Only commands this interpreter can run in-process qualify (:func:`runnable`):
 ``python SCRIPT ARGS``, ``python -m MODULE ARGS`` and ``python -c CODE ARGS``, with this
 very interpreter and at most ``-u`` before them. Variables read once at import (such as
