@@ -302,3 +302,14 @@ def test_the_torch_store_is_forked_from_the_server_too(cf: Clusterflow) -> None:
     )
     assert cf.state(cluster_id)["status"] == "succeeded", cf.output(cluster_id)[-2000:]
     cf.wait_until(lambda: not cf.alive([manager]), 60, "the manager to exit")
+
+
+@pytest.mark.timeout(120)
+def test_a_start_run_from_inside_a_task_makes_a_cluster_of_its_own(cf: Clusterflow) -> None:
+    outer = "0123456789"  # the cluster id a task's environment carries
+
+    done = cf.run("start", "--", PY, "-c", "print('inner')", env={ENV_CLUSTER_ID: outer})
+
+    assert done.returncode == 0, done.stderr
+    assert "[worker:0] inner" in done.stdout.splitlines()
+    assert cf.only_id() != outer

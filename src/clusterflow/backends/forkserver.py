@@ -127,14 +127,15 @@ def ensure(cluster_id: str | None = None) -> str | None:
     """This process's server's address (``NAME:PID``), starting it if none runs; None
     when ``CLUSTERFLOW_WARM_FORK=0`` or it could not be started.
 
-    ``cluster_id``: the cluster it serves (None: this environment's, else a new id,
-    which ``cluster_id()`` then gives to the cluster about to be made)."""
+    ``cluster_id``: the cluster it serves (None: a new id, which ``cluster_id()`` then
+    gives to the cluster about to be made)."""
     if os.environ.get(ENV_WARM_FORK, "1") == "0":
         return None
     if _STARTED.popen is not None and _STARTED.popen.poll() is None:
         return _STARTED.address
     name = f"clusterflow-fork-{os.getpid()}-{os.urandom(8).hex()}"
-    cid = cluster_id or os.environ.get(ENV_CLUSTER_ID) or os.urandom(5).hex()
+    # Never this environment's id: that is the cluster of whoever ran `start` (a task).
+    cid = cluster_id or os.urandom(5).hex()
     try:
         popen = subprocess.Popen(
             [sys.executable, "-m", "clusterflow.backends.forkserver", name, str(os.getpid())],

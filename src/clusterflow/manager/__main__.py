@@ -24,7 +24,8 @@ def main() -> int:
     cluster = ClusterDir(Path(sys.argv[1]))
     config = RunConfig.from_dict(cluster.read_config())
     if kinds.named(config.backend).name == kinds.LOCAL.name:
-        forkserver.ensure()  # each local task forked warm, restarts too (backends/local.py)
+        # Each local task forked warm, restarts too (backends/local.py).
+        forkserver.ensure(cluster.id)
     config, backend = task_backend(config)
     controller = Controller(cluster, config, backend, echo=False)
 
