@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from clusterflow.cluster.contract import ENV_WARM_FORK
+
 if TYPE_CHECKING:
     from conftest import Clusterflow
 
@@ -686,6 +688,10 @@ def test_ctrl_c_while_tasks_still_register(cf: Clusterflow) -> None:
         env={
             "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
             "TEST_RELEASE_FILE": str(release),
+            # A sitecustomize runs when an interpreter starts: a supervisor forked from
+            # the warm server (backends/forkserver.py) starts none, so it is held only
+            # when every supervisor starts its own Python.
+            ENV_WARM_FORK: "0",
         },
     )
     try:

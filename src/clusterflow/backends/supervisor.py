@@ -30,6 +30,13 @@ the zygote runs the job's command in-process, skipping the interpreter's start a
 torch's import, most of a replacement's start-up. A command the zygote cannot run
 in-process is started as usual.
 
+**Forked** (``backends/forkserver.py``): a local supervisor is usually forked from the
+cluster's warm fork server, torch already imported. ``main`` then binds the task's port
+and forks the job's zygote (``zygote.fork_zygote``) before this process starts any
+thread; the zygote runs the command in-process once registration brings it, as a
+standby's does, and is this supervisor's own child in its process group, so every
+step below is unchanged. A command it cannot run so starts as usual.
+
 SIGTERM or SIGINT before the command started (while the registration barrier holds)
 ends the supervisor at once with that signal; afterwards it is forwarded to the command.
 """
@@ -51,8 +58,9 @@ from types import FrameType
 from typing import IO, NoReturn
 
 from clusterflow.backends.api import REPLICA_TAG
+from clusterflow.backends.forkserver import refusal
 from clusterflow.backends.gpu_topology import read_topology, replica_devices
-from clusterflow.backends.zygote import runnable
+from clusterflow.backends.zygote import ForkedZygote, fork_zygote, run_command, runnable
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
     CUDA_VISIBLE_DEVICES,
@@ -84,6 +92,8 @@ ZYGOTE_WARM_S = 300.0
 STANDBY_ROUND_S = 20.0
 """A standby's wait at the manager is answered at least this often (a bounded call)."""
 GRACE_S = 10.0
+Zygote = subprocess.Popen[bytes] | ForkedZygote
+"""A standby's zygote (a process of its own) or one forked from a warm supervisor."""
 _OUTPUT_LOCK = threading.Lock()
 
 
@@ -134,16 +144,18 @@ class Supervisor:
         self.manager_timeout_s = _seconds(environ, ENV_MANAGER_TIMEOUT, 15.0)
         self.register_timeout_s = _seconds(environ, ENV_REGISTER_TIMEOUT, 180.0)
         self.environ = environ
-        self.children: list[subprocess.Popen[bytes]] = []
+        self.children: list[subprocess.Popen[bytes] | ForkedZygote] = []
         self.standby = environ.get(ENV_STANDBY) == "1"
-        self.zygote: subprocess.Popen[bytes] | None = None
+        self.zygote: subprocess.Popen[bytes] | ForkedZygote | None = None
         self._exited = threading.Event()
         self.terminating = False
         self.manager_lost = False
         """The last heartbeat went unanswered (the manager may be dead)."""
 
-    def run(self) -> int:
-        reserved = reserve_port(self.host)
+    def run(self, reserved: socket.socket | None = None) -> int:
+        """Registers, runs the job, reports; ``reserved``: the task's port, if bound
+        already (before ``main`` forked a zygote that inherits it)."""
+        reserved = reserved or reserve_port(self.host)
         address = f"{self.host}:{reserved.getsockname()[1]}"
         client = RpcClient(self.manager, self.credentials, deadline=10.0)
         try:
@@ -190,7 +202,7 @@ class Supervisor:
         """
         zygote, self.zygote = self.zygote, None
         if zygote is not None:
-            if not replicas and zygote.poll() is None and runnable(command):
+            if not replicas and zygote.poll() is None and self._in_process(zygote, command, env):
                 request = {"argv": command, "env": env, "cwd": os.getcwd()}
                 assert zygote.stdin is not None
                 zygote.stdin.write(json.dumps(request).encode() + b"\n")
@@ -224,6 +236,17 @@ class Supervisor:
             threading.Thread(
                 target=_relay, args=(index, child.stdout), name=f"replica-{index}", daemon=True
             ).start()
+
+    def _in_process(self, zygote: Zygote, command: list[str], env: dict[str, str]) -> bool:
+        """Whether ``zygote`` can run ``command`` as a fresh ``python`` would. A forked
+        one holds the imports made under this process's environment, so the job's may
+        not differ in a variable read at start-up (``forkserver.refusal``)."""
+        if not isinstance(zygote, ForkedZygote):
+            return runnable(command)
+        reason = refusal(command, env, self.environ)
+        if reason is not None:
+            log.info("%s: started as a new process: %s", self.task, reason)
+        return reason is None
 
     def _take_over(self, client: RpcClient, fd: int) -> bool:
         """Standby: warms a zygote, then waits to be given a task; False: not needed."""
@@ -263,7 +286,7 @@ class Supervisor:
             self.zygote = None
         return False
 
-    def _watch_exit(self, child: subprocess.Popen[bytes]) -> None:
+    def _watch_exit(self, child: Zygote) -> None:
         """Wakes ``_watch`` the moment ``child`` exits (the others are then stopped)."""
 
         def wait() -> None:
@@ -273,7 +296,7 @@ class Supervisor:
         threading.Thread(target=wait, name=f"wait-{child.pid}", daemon=True).start()
 
     @property
-    def child(self) -> subprocess.Popen[bytes] | None:
+    def child(self) -> subprocess.Popen[bytes] | ForkedZygote | None:
         """The job's first process (the only one unless the task runs replicas)."""
         return self.children[0] if self.children else None
 
@@ -348,7 +371,7 @@ class Supervisor:
                     child.send_signal(signum)
 
 
-def _dismiss(zygote: subprocess.Popen[bytes]) -> None:
+def _dismiss(zygote: subprocess.Popen[bytes] | ForkedZygote) -> None:
     """Ends an unused zygote: EOF on its stdin makes it exit 0."""
     with contextlib.suppress(OSError, ValueError):
         if zygote.stdin is not None:
@@ -384,16 +407,26 @@ def _exit_like(code: int) -> NoReturn:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="clusterflow: %(message)s")
     try:
         supervisor = Supervisor(dict(os.environ))
     except ClusterflowError as exc:
         say(str(exc))
         sys.exit(2)
+    reserved = None
+    if "torch" in sys.modules and not supervisor.standby:
+        # Forked from the warm server (backends/local.py): fork the job's zygote now,
+        # while this process has no thread (and no logging set up: the job sets its
+        # own), with the task's port bound for it to inherit.
+        reserved = reserve_port(supervisor.host)
+        supervisor.zygote, request = fork_zygote()
+        if request is not None:  # the zygote, given its job: run it and end as it ends
+            run_command(list(request["argv"]))  # type: ignore[call-overload]
+            return
+    logging.basicConfig(level=logging.WARNING, format="clusterflow: %(message)s")
     signal.signal(signal.SIGTERM, supervisor.on_signal)
     signal.signal(signal.SIGINT, supervisor.on_signal)
     try:
-        code = supervisor.run()
+        code = supervisor.run(reserved)
     except RpcError as exc:
         say(f"{supervisor.task}: {exc}")
         supervisor.stop_child()

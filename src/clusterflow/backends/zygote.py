@@ -7,6 +7,10 @@ worker's start), then waits for one line on stdin: the JSON ``{"argv", "env", "c
 of the job a dead task ran. It then takes that environment and runs the command in this
 process, as ``python`` would have. EOF instead of a line ends it with status 0.
 
+``fork_zygote`` is the other kind: a zygote forked from a supervisor that was itself
+forked from the warm fork server (``forkserver.py``), so it costs no start and no
+import at all; ``become`` makes it look like a fresh interpreter to its job.
+
 Only commands this interpreter can run in-process qualify (:func:`runnable`):
 ``python SCRIPT ARGS``, ``python -m MODULE ARGS`` and ``python -c CODE ARGS``, with this
 very interpreter and at most ``-u`` before them. Variables read once at import (such as
@@ -16,16 +20,27 @@ same cluster environment.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import json
 import os
 import runpy
+import select
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO
 
-from clusterflow.cluster.contract import ENV_ZYGOTE_READY_FD
+from clusterflow.cluster.contract import ENV_ZYGOTE_READY_FD, PYTHONUNBUFFERED
 
 PRELOAD = ("torch", "clusterflow.strategies", "clusterflow.strategies.parameter_server.strategy")
 FLAGS_OK = frozenset({"-u"})
+PR_SET_PDEATHSIG = 1
+_KEEP: list[object] = []
+"""Std streams replaced by ``become``, kept: collecting one would close fds 0-2."""
 
 
 def runnable(command: Sequence[str], executable: str = sys.executable) -> bool:
@@ -51,7 +66,8 @@ def _same_interpreter(program: str, executable: str) -> bool:
         return False
 
 
-def _run(argv: list[str]) -> None:
+def run_command(argv: list[str]) -> None:
+    """Runs ``argv`` (a :func:`runnable` command) in this process, as ``python`` would."""
     rest = argv[1:]
     while rest and rest[0] in FLAGS_OK:
         rest.pop(0)
@@ -68,6 +84,126 @@ def _run(argv: list[str]) -> None:
         sys.argv = list(rest)
         sys.path[0] = os.path.dirname(os.path.abspath(rest[0]))
         runpy.run_path(rest[0], run_name="__main__")
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL to this process when ``parent`` dies (``PR_SET_PDEATHSIG``; it follows
+    the parent's thread that forked us, so fork only from a thread that lives as long
+    as its process); ends now if it already died (the race before ``prctl``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(137)
+
+
+def become(env: Mapping[str, str], cwd: str, argv: Sequence[str]) -> None:
+    """Makes this forked process look like a fresh ``python`` for ``argv``: its
+    environment, folder, std streams (buffered as ``-u``/``PYTHONUNBUFFERED`` say) and
+    its own random state (``random`` reseeds itself after a fork; numpy's does not)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    _streams(bool(env.get(PYTHONUNBUFFERED)) or "-u" in argv[1:2])
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()  # type: ignore[attr-defined]
+
+
+def _streams(unbuffered: bool) -> None:
+    """Fresh ``sys.stdin``/``stdout``/``stderr`` on fds 0-2, buffered as a new Python's."""
+    _KEEP.extend([sys.stdin, sys.stdout, sys.stderr])
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+
+    def writer(fd: int, errors: str, line: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        buffer: io.RawIOBase | io.BufferedWriter = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(
+            buffer,  # type: ignore[arg-type]
+            encoding=encoding,
+            errors=errors,
+            line_buffering=line,
+            write_through=unbuffered,
+        )
+
+    sys.stdin = open(0, encoding=encoding, closefd=False)  # noqa: SIM115
+    sys.stdout = writer(1, "strict", os.isatty(1))
+    sys.stderr = writer(2, "backslashreplace", True)
+    # The originals too: a job (faulthandler, a logger) may write to them.
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+
+
+class ForkedZygote:
+    """A zygote forked from this (warm, still single-threaded) process: a direct child
+    waiting for its command on a pipe, seen as a ``Popen`` (``stdin``: that pipe)."""
+
+    def __init__(self, pid: int, command: int) -> None:
+        self.pid = pid
+        self.stdin: IO[bytes] | None = os.fdopen(command, "wb")
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                    os.close(self._pidfd)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Woken by the exit (the pidfd turns readable); ``TimeoutExpired`` as Popen's."""
+        with self._lock:
+            fd = -1 if self.returncode is not None else os.dup(self._pidfd)
+        if fd >= 0:
+            try:
+                exited, _, _ = select.select([fd], [], [], timeout)
+            finally:
+                os.close(fd)
+            if not exited:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+        code = self.poll()
+        assert code is not None
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        with self._lock:
+            if self.returncode is None:  # not reaped: the pid is still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_zygote() -> tuple[ForkedZygote | None, dict[str, object] | None]:
+    """Forks a zygote of this process; call before this process starts any thread.
+
+    In the parent: ``(zygote, None)``. In the child: ``(None, request)`` once the parent
+    wrote the job's ``{"argv", "env", "cwd"}`` and closed the pipe, already
+    ``become`` that job (the caller then runs ``request["argv"]`` and returns, so
+    the interpreter ends as the job's would); EOF alone ends the child with status 0.
+    The child dies with its parent (``die_with``).
+    """
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(read_end)
+        return ForkedZygote(pid, write_end), None
+    os.close(write_end)
+    die_with(parent)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    if not data:
+        os._exit(0)
+    request = json.loads(data)
+    become(request["env"], request["cwd"], request["argv"])
+    return None, request
 
 
 def _warm_up() -> None:
@@ -101,7 +237,7 @@ def main() -> None:
     os.environ.update(request["env"])
     sys.stdin.close()
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the job's stdin, as the supervisor gives it
-    _run(list(request["argv"]))
+    run_command(list(request["argv"]))
 
 
 if __name__ == "__main__":

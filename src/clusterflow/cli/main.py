@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from clusterflow import __version__
-from clusterflow.backends import kinds
+from clusterflow.backends import forkserver, kinds
 from clusterflow.cli import follow, interrupts, show
 from clusterflow.cli.cache import cache_group, cache_placement
 from clusterflow.cli.context import CONTEXT
@@ -206,10 +206,12 @@ def start(
     config = RunConfig.merge(*layers, spellings=spellings)
     config = cache_placement(config) if config.cache else config  # cli/cache.py
     kind = kinds.named(config.backend)
+    if kind.name != kinds.LOCAL.name or detach:
+        forkserver.stop()  # its tasks are not this process's to fork (backends/local.py)
     if not kind.manager_in_ray:  # what its tasks need here, checked before anything starts
         kind.launcher().check(config)
 
-    cluster = registry.create()
+    cluster = registry.create(forkserver.cluster_id() if kind.name == kinds.LOCAL.name else None)
     Credentials.generate().to_file(cluster.secret_file)
     registry.write_json_atomic(cluster.config_file, config.to_dict())
     if kind.manager_in_ray:
@@ -237,7 +239,10 @@ def _run_foreground(cluster: Any, config: Any) -> int:
     # A closed terminal stops the cluster in order too; left at its default, SIGHUP
     # would kill this manager and orphan the tasks (they run in their own sessions).
     signal.signal(signal.SIGHUP, _interrupt)
-    code = controller.run()
+    try:
+        code = controller.run()
+    finally:
+        forkserver.stop()
     if controller.failure:
         click.echo(f"error: {_one_line(controller.failure)}", err=True)
     return code

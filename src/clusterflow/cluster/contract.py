@@ -33,6 +33,8 @@ ENV_REGISTER_TIMEOUT: Final = "CLUSTERFLOW_REGISTER_TIMEOUT"
 ENV_MANAGER_TIMEOUT: Final = "CLUSTERFLOW_MANAGER_TIMEOUT"
 ENV_STANDBY: Final = "CLUSTERFLOW_STANDBY"
 ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
+ENV_FORKSERVER: Final = "CLUSTERFLOW_FORKSERVER"
+ENV_WARM_FORK: Final = "CLUSTERFLOW_WARM_FORK"
 ENV_HOME: Final = "CLUSTERFLOW_HOME"
 ENV_UI_TOKEN: Final = "CLUSTERFLOW_UI_TOKEN"
 ENV_HOSTS: Final = "CLUSTERFLOW_HOSTS"
@@ -124,6 +126,8 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_MANAGER_TIMEOUT: EnvVar("user", "seconds without the manager before a job stops"),
         ENV_STANDBY: EnvVar("supervisor", "1: a warm standby, waiting for a task"),
         ENV_ZYGOTE_READY_FD: EnvVar("supervisor", "the pipe a zygote says it is warm on"),
+        ENV_FORKSERVER: EnvVar("supervisor", "the warm fork server's socket and pid: NAME:PID"),
+        ENV_WARM_FORK: EnvVar("user", "0: no warm fork server; every job starts its own Python"),
         ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
         ENV_UI_TOKEN: EnvVar("user", "`clusterflow ui`: its token, instead of a fresh one"),
         ENV_HOSTS: EnvVar("user", "`--backend hosts`: the emulated hosts' placement file"),

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from clusterflow.backends import forkserver, kinds
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
 from clusterflow.manager.handle import task_backend
@@ -22,6 +23,9 @@ def main() -> int:
     )
     cluster = ClusterDir(Path(sys.argv[1]))
     config = RunConfig.from_dict(cluster.read_config())
+    if kinds.named(config.backend).name == kinds.LOCAL.name:
+        # Each local task forked warm, restarts too (backends/local.py).
+        forkserver.ensure(cluster.id)
     config, backend = task_backend(config)
     controller = Controller(cluster, config, backend, echo=False)
 

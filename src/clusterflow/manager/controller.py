@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 
+from clusterflow.backends import forkserver
 from clusterflow.backends.api import Backend, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import (
@@ -327,6 +328,7 @@ class Controller(Recovery, Elastic):
         for store in (self._store, self._spare_store):
             if store is not None:
                 store.close()
+        forkserver.stop()  # no launch is left: the warm server (if this process has one)
         self._sweep()
         self.output.join()
 

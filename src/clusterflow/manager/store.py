@@ -11,12 +11,16 @@ closes, so it never outlives the manager.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import sys
 
+from clusterflow.cluster.contract import ENV_LISTEN_FD
+
 
 def main() -> int:
-    fd = int(sys.argv[1])
+    # "env": forked from the warm server, which gave the socket its own number there.
+    fd = int(os.environ[ENV_LISTEN_FD] if sys.argv[1] == "env" else sys.argv[1])
     sock = socket.socket(fileno=fd)  # already listening: StoreHost made it so
     host, port = sock.getsockname()[:2]
     from torch.distributed import TCPStore  # type: ignore[attr-defined]

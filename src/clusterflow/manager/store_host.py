@@ -11,18 +11,25 @@ manager's RPC loop while tasks register. That process is started only when the f
 rank connects (a job that never calls ``init_process_group`` never pays for the
 import); the ranks that connect before it is up wait in the socket's accept queue,
 which the store inherits with the socket. The helper exits when its stdin (a pipe from
-the manager) closes, so it never outlives the manager.
+the manager) closes, so it never outlives the manager. Where this process runs the
+warm fork server (``backends/forkserver.py``), the helper is forked from it, torch
+already imported: a restart's ranks then wait for no store's import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import selectors
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from typing import IO
+
+from clusterflow.backends import forkserver
+from clusterflow.backends.forked import ForkedJob, Unavailable, fork_job
 
 STORE_MODULE = "clusterflow.manager.store"
 """Not imported here: ``python -m`` of a module its package already imported warns."""
@@ -56,7 +63,9 @@ class StoreHost:
         self._wake_r, self._wake_w = socket.socketpair()
         self._lock = threading.Lock()
         self._closed = False
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | ForkedJob | None = None
+        self._stdin: IO[bytes] | None = None
+        """The helper's stdin: it exits when this closes."""
         self._thread = threading.Thread(target=self._start_on_demand, name="torch-store")
         self._thread.daemon = True
         self._thread.start()
@@ -81,8 +90,8 @@ class StoreHost:
         # Nothing in the store is worth a clean shutdown once the tasks are gone; do not
         # wait for a store process that may still be importing torch.
         with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
+            assert self._stdin is not None
+            self._stdin.close()
         proc.terminate()
         try:
             proc.wait(timeout)
@@ -102,11 +111,37 @@ class StoreHost:
             if self._closed:
                 return
             fd = self._sock.fileno()
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", STORE_MODULE, str(fd)],
-                stdin=subprocess.PIPE,
-                pass_fds=(fd,),
-                env=self._env,
-                start_new_session=True,
-            )
+            self._proc = self._fork(fd)
+            if self._proc is None:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", STORE_MODULE, str(fd)],
+                    stdin=subprocess.PIPE,
+                    pass_fds=(fd,),
+                    env=self._env,
+                    start_new_session=True,
+                )
+                self._proc, self._stdin = popen, popen.stdin
             self._sock.close()  # the store holds the port from now on
+
+    def _fork(self, fd: int) -> ForkedJob | None:
+        """The helper forked from the warm server, or None (start it as before)."""
+        server = forkserver.address()
+        if server is None:
+            return None
+        read_end, write_end = os.pipe()
+        try:
+            job = fork_job(
+                server,
+                [sys.executable, "-m", STORE_MODULE, "env"],
+                self._env,
+                os.getcwd(),
+                stdio=(read_end, 1, 2),
+                listen_fd=fd,
+            )
+        except Unavailable:
+            os.close(write_end)
+            return None
+        finally:
+            os.close(read_end)
+        self._stdin = os.fdopen(write_end, "wb")
+        return job
