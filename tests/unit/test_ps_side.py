@@ -412,6 +412,21 @@ def test_a_refused_push_is_read_to_its_end_and_the_connection_serves_on(one: _PS
     sock.close()
 
 
+def test_a_request_for_no_such_method_is_read_to_its_end_and_the_connection_serves_on(
+    one: _PS,
+) -> None:
+    grad = torch.ones(N)
+    sock = _side_socket(one)
+    _send(sock, {**_push_header(grad), "m": "ps.nothing"}, _raw(grad))
+    answer = _answer(sock)
+    assert answer["k"] == "err" and answer["c"] == "not_found" and "ps.nothing" in answer["b"]
+    good = torch.full((N,), 1e-3)
+    _send(sock, _push_header(good, request_id=2), _raw(good))
+    answer = _answer(sock)
+    assert answer["k"] == "rep" and answer["b"]["applied"]
+    sock.close()
+
+
 # -- deadlines and fallback ------------------------------------------------------------
 
 
@@ -434,6 +449,31 @@ def test_a_call_past_its_deadline_fails_and_the_next_is_served(
     _wait(lambda: one.server.partials() == 0)
     version = one.service.store.version
     assert one.push(version, {"w": grad}, side=True).body["applied"]
+
+
+def test_every_send_and_receive_has_a_deadline() -> None:
+    writer, idle = socket.socketpair()  # a peer that never reads, nor writes
+    try:
+        with pytest.raises(DeadlineExceeded):
+            end = time.monotonic() + 0.2
+            side_module.send_message(writer, b"h", [bytes(64 * 1024 * 1024)], end, "a send")
+        with pytest.raises(DeadlineExceeded):
+            end = time.monotonic() + 0.2
+            side_module.recv_into(writer, memoryview(bytearray(16)), end, "a receive")
+    finally:
+        writer.close()
+        idle.close()
+
+
+def test_a_connection_that_never_says_hello_is_cut(
+    one: _PS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(side_module, "HELLO_S", 0.2)
+    offer = one.client.call("rpc.side").body
+    host, _ = split_endpoint(one.server.target)
+    with socket.create_connection((host, offer["port"]), timeout=30) as sock:
+        assert _cut(sock)
+    _serves_on(one)
 
 
 def _body(grad: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -461,12 +501,17 @@ def _echo(request: Any) -> Any:
     return Response(None, {"x": request.tensors["x"].clone()})
 
 
-def test_under_curve_the_ps_keeps_its_tensors_on_zeromq(received: list[int]) -> None:
+def test_under_curve_the_ps_keeps_its_tensors_on_zeromq(
+    received: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
     ps = _PS(Credentials.generate(mode="curve"))
     try:
         ps.setup(OPTIMIZERS["sgd"])
-        assert ps.push(0, _grads(1)[0], side=True).body["applied"]
+        with caplog.at_level(logging.INFO):
+            assert ps.push(0, _grads(1)[0], side=True).body["applied"]
         assert received == []
+        # The client never even asks: its bytes must stay encrypted whatever a server offers.
+        assert not [r for r in caplog.records if "no side channel" in r.getMessage()]
         with pytest.raises(RemoteError) as refused:
             ps.client.call("rpc.side")
         assert refused.value.code == "not_found"
