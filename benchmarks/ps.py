@@ -108,6 +108,11 @@ def _ps_task(conn: Connection, secret: bytes) -> None:
     conn.recv()
 
 
+def _cpu(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
 def _start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection, Any]:
     """A daemon process running ``target(pipe, *args)``; it sends one greeting first."""
     ctx = mp.get_context("spawn")
@@ -182,14 +187,33 @@ def bandwidth(rounds: int, verbose: bool) -> dict[str, Spread]:
 
         # A round trip takes about 0.1 s: the best of a few per turn leaves out the
         # moments a neighbour held the core, which alone moved a round's ratio 2x.
+        # CPU per round trip, both ends (this process and the server's): a figure the
+        # neighbours' load moves far less than the wall time on a busy 2-core host.
+        me = psutil.Process()
+        servers = {"raw": psutil.Process(raw_proc.pid), "side": psutil.Process(ps_proc.pid)}
+        servers["zmq"] = servers["side"]
+        cpu = {name: [0.0, 0] for name in servers}
+
+        def burst(name: str, once: Callable[[], float]) -> float:
+            before = _cpu(me) + _cpu(servers[name])
+            best = best_of(once, BURST)
+            cpu[name][0] += _cpu(me) + _cpu(servers[name]) - before
+            cpu[name][1] += BURST
+            return best
+
         times = alternate(
             {
-                "raw": lambda: best_of(raw_once, BURST),
-                "side": lambda: best_of(lambda: ours_once(client, True), BURST),
-                "zmq": lambda: best_of(lambda: ours_once(zmq_client, False), BURST),
+                "raw": lambda: burst("raw", raw_once),
+                "side": lambda: burst("side", lambda: ours_once(client, True)),
+                "zmq": lambda: burst("zmq", lambda: ours_once(zmq_client, False)),
             },
             rounds,
             verbose=verbose,
+        )
+        per_trip = {name: 1e3 * total / max(1, count) for name, (total, count) in cpu.items()}
+        print(
+            "CPU per round trip, both ends: "
+            + ", ".join(f"{name} {ms:.1f} ms" for name, ms in per_trip.items())
         )
         # Replies send the ps's live values (ps/loans.py); a push that met the previous
         # reply still in flight paid a copy instead. Here each push waits for its reply.
