@@ -226,10 +226,12 @@ class RpcClient:
         end = time.monotonic() + timeout
         with self._lock:
             sock = self._socket()
-            if side and self._side is not None and self._side_ready(sock, end, timeout):
-                return self._side.call(
-                    method, body, tensors, end, timeout, framed=framed, streamed=streamed
-                )
+            if side and self._side is not None:
+                if self._side_ready(sock, end, timeout):
+                    return self._side.call(
+                        method, body, tensors, end, timeout, framed=framed, streamed=streamed
+                    )
+                sock = self._socket()  # a failed offer may have reset it
             request_id = next(_ids)
             extra = {"sr": 1} if streamed else {}
             if part_bytes:

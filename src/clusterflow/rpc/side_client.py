@@ -92,8 +92,13 @@ class SideLink:
         log.info("%s: no side channel (%s); tensors go over ZeroMQ", self._what, why)
 
     def is_open(self) -> bool:
-        if self._sock is not None and time.monotonic() - self._used > CLIENT_IDLE_S:
-            self.close()  # the server may cut it soon: never send into that
+        """Whether a call may go out on the link now. One unused for ``CLIENT_IDLE_S``
+        is dropped (the server may cut it soon), and one the server closed meanwhile
+        (it restarted, or cut the link) too: a call never goes into a dead socket, so
+        a restarted server's first call is served over a new link, not lost."""
+        sock = self._sock
+        if sock is not None and (time.monotonic() - self._used > CLIENT_IDLE_S or _closed(sock)):
+            self.close()
         return self._sock is not None
 
     def close(self) -> None:
@@ -199,6 +204,20 @@ class SideLink:
             if framed:
                 out = {n: _framed(t) for n, t in out.items()}
             return Response(header.get("b"), out)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed an idle link: between calls nothing may arrive, so any
+    readable byte, an end of stream or a reset says the link is dead (one syscall)."""
+    # Non-blocking for the peek: with a timeout set, Python waits for readiness first.
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: alive
+    except OSError:
+        return True
+    return True  # an end of stream, or a byte no call asked for
 
 
 class _Streamed:
