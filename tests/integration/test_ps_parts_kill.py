@@ -47,8 +47,8 @@ mode = sys.argv[2].removeprefix("side-")
 if mode == "request":  # parks the receive while the second push's parts arrive
     check = service.store.check_piece
     # ZeroMQ: the first push's 17 frames, then 3 of the second's. The side channel
-    # checks 8 MiB pieces: the first push's 2, then 1 of the second's.
-    at = 2 + 1 if sys.argv[2].startswith("side-") else 17 + 3
+    # checks 1 MiB pieces: the first push's 9, then 3 of the second's.
+    at = 9 + 3 if sys.argv[2].startswith("side-") else 17 + 3
 
     def parked(name, piece):
         seen.append(1)

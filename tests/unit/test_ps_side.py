@@ -37,7 +37,7 @@ from clusterflow.server import Server, create_local_server
 pytestmark = pytest.mark.timeout(120)
 
 N = 2 * 1024 * 1024 + 12_345
-"""8 MiB of float32 and some: 17 chunks on the ps, two pieces on the side channel."""
+"""8 MiB of float32 and some: 17 chunks on the ps, 9 pieces on the side channel."""
 OPTIMIZERS = {
     "sgd": {"name": "SGD", "groups": [{"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}]},
     "adam": {"name": "Adam", "groups": [{"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}]},

@@ -62,6 +62,10 @@ IDLE_S = 120.0
 CLIENT_IDLE_S = 60.0
 """A client drops its link after this long unused, before the server would cut it: it
 never sends a request into a connection the server closed."""
+PIECE_BYTES = 1024 * 1024
+"""A request's bytes are received, and checked, in pieces of this: the check of each
+runs while the next arrives, so only the last piece's check follows the last byte
+(about 0.1 ms for 1 MiB of float32 here; 0.7 ms for 8 MiB)."""
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_CONNECTIONS = 256
 DRAIN_BYTES = 1024 * 1024
@@ -188,7 +192,7 @@ def recv_tensors(
     check: Callable[[str, Any], None] | None = None,
 ) -> dict[str, Any]:
     """The tensors ``descriptors`` name, received into buffers of their own
-    (``allocate``), in pieces of ``codec.PART_BYTES``; ``check(name, flat)`` sees each
+    (``allocate``), in pieces of ``PIECE_BYTES``; ``check(name, flat)`` sees each
     piece (whole elements, a flat tensor of its dtype) as it lands, while the next is
     on the wire.
 
@@ -201,7 +205,7 @@ def recv_tensors(
         view, nbytes, done = memoryview(flat.numpy()), flat.numel(), 0
         itemsize = tensor.element_size()
         while done < nbytes:
-            stop = min(nbytes, done + codec.PART_BYTES)
+            stop = min(nbytes, done + PIECE_BYTES)
             recv_into(sock, view[done:stop], end, what)
             if check is not None:
                 check(name, tensor.view(-1)[done // itemsize : stop // itemsize])
