@@ -43,17 +43,21 @@ def park():
     print("between", flush=True)
     threading.Event().wait()
 
-if sys.argv[2] == "request":  # parks the loop while the second push's parts arrive
+mode = sys.argv[2].removeprefix("side-")
+if mode == "request":  # parks the receive while the second push's parts arrive
     check = service.store.check_piece
+    # ZeroMQ: the first push's 17 frames, then 3 of the second's. The side channel
+    # checks 1 MiB pieces: the first push's 9, then 3 of the second's.
+    at = 9 + 3 if sys.argv[2].startswith("side-") else 17 + 3
 
     def parked(name, piece):
         seen.append(1)
-        if len(seen) == 17 + 3:  # the first push's 17 frames, then 3 of the second's
+        if len(seen) == at:
             park()
         check(name, piece)
 
     service.store.check_piece = parked
-elif sys.argv[2] == "reply":  # parks the second push's step after its first group left
+elif mode == "reply":  # parks the second push's step after its first group left
     group = VariableStore._step_group
 
     def parked(opt, stream, params, frames):
@@ -68,13 +72,23 @@ threading.Event().wait()
 """
 
 
-def _push(client: RpcClient, version: int, grad: torch.Tensor, split: int) -> Any:
-    body = {"worker": "w", "version": version, "keys": [["d", 0, split]], "want_values": True}
-    return client.call(
-        "ps.push", body, {"g/w": grad}, framed=True, part_bytes=PART, streamed=True
-    ).body
+def _pusher(side: bool) -> checks.Push:
+    def push(client: RpcClient, version: int, grad: torch.Tensor, split: int) -> Any:
+        body = {"worker": "w", "version": version, "keys": [["d", 0, split]], "want_values": True}
+        return client.call(
+            "ps.push", body, {"g/w": grad}, framed=True, part_bytes=PART, streamed=True, side=side
+        ).body
+
+    return push
 
 
 @pytest.mark.parametrize("where", ["request", "reply"])
 def test_a_ps_killed_between_two_parts_of_a_push_recovers_all_of_it_or_none(where: str) -> None:
-    checks.killed_mid_push_then_recovered(PS, where, _push)
+    checks.killed_mid_push_then_recovered(PS, where, _pusher(side=False))
+
+
+@pytest.mark.parametrize("where", ["request", "reply"])
+def test_a_ps_killed_mid_push_on_the_side_channel_recovers_all_of_it_or_none(where: str) -> None:
+    """The same over the ps's side channel (``rpc/side.py``): killed while the push's
+    bytes are received (after its first checked piece), or while its reply streams."""
+    checks.killed_mid_push_then_recovered(PS, f"side-{where}", _pusher(side=True))

@@ -132,6 +132,7 @@ class RemotePS:
                 framed=framed,
                 part_bytes=parts,
                 streamed=method == "push",  # its values may leave as the ps steps them
+                side=framed,  # pushes and pulls: over the ps's side channel where it has one
             )
         except RemoteError as exc:
             raise_if_fenced(exc)  # TaskFenced: this worker was replaced; it stops here

@@ -66,6 +66,10 @@ class PSService:
             push = name == "push"
             check = self._check_piece if push else None
             server.register(f"ps.{name}", handler, blocking=True, framed=push, check=check)
+        # Pushes and pulls move their tensors over a plain TCP socket where ZeroMQ would
+        # carry them in clear anyway (rpc/side.py): received straight into tensor memory,
+        # sent from it, without ZeroMQ's copy in series with the socket (issue 28).
+        server.enable_side_channel()
         self.fences.register_on(server, "ps")  # ps.fence: the manager's relaunches
         self.fences.on_raise(self._release_a_replaced_holder)
         self.fences.on_raise(self._drop_partial_pushes)

@@ -42,9 +42,11 @@ from clusterflow.rpc.errors import (
     DeadlineExceeded,
     ProtocolError,
     RemoteError,
+    RpcError,
     remote_error,
 )
 from clusterflow.rpc.message import Response
+from clusterflow.rpc.side_client import SideLink
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +136,11 @@ class RpcClient:
         self._probe: ReconnectProbe | None = None
         self._down = False
         """A disconnect was seen and no handshake since (only watched with a probe)."""
+        self._side: SideLink | None = None
+        if credentials.resolve_mode(self._host) == "plain":
+            self._side = SideLink(self._host, self.endpoint)
+        """The side channel (``rpc/side_client.py``) for ``call(side=True)``; none under
+        CURVE, where the bytes stay encrypted on ZeroMQ."""
         runtime.track_client(self)
 
     def probe_on_reconnect(self, probe: ReconnectProbe | None) -> None:
@@ -155,6 +162,8 @@ class RpcClient:
         with self._lock:
             self._closed = True
             self._reset()
+            if self._side is not None:
+                self._side.close()
 
     def _close_at_exit(self, timeout: float) -> bool:
         """``close`` unless another thread is inside a call past ``timeout``; True if closed."""
@@ -163,6 +172,8 @@ class RpcClient:
         try:
             self._closed = True
             self._reset()
+            if self._side is not None:
+                self._side.close()
             return True
         finally:
             self._lock.release()
@@ -177,6 +188,7 @@ class RpcClient:
         framed: bool = False,
         part_bytes: int = 0,
         streamed: bool = False,
+        side: bool = False,
     ) -> Response:
         """Sends a request and waits for its reply.
 
@@ -193,6 +205,11 @@ class RpcClient:
         (``Request.stream``: the ps sends each chunk of a variable once stepped); they
         arrive as parts and join the reply's tensors.
 
+        ``side``: the call goes over the server's side channel where it offers one
+        (``rpc/side.py``: a plain TCP socket, for large tensors; loopback, ``plain``
+        auth), else over ZeroMQ as without. ``part_bytes`` does not apply there: the
+        server checks each piece of the bytes as it lands.
+
         Blocks until the reply arrives or ``deadline`` seconds pass. The tensors are sent
         without a copy, straight from their memory: do not modify them in place from
         another thread while the call runs.
@@ -202,12 +219,19 @@ class RpcClient:
             AuthenticationError: the peer refused our credentials.
             RemoteError: the peer answered with an error (its code says why).
             ProtocolError: the reply was malformed or of another protocol version.
+            PeerLost: the side channel's connection broke mid-call (the server died).
             ClientClosed: ``close()`` was called.
         """
         timeout = self.deadline if deadline is None else deadline
         end = time.monotonic() + timeout
         with self._lock:
             sock = self._socket()
+            if side and self._side is not None:
+                if self._side_ready(sock, end, timeout):
+                    return self._side.call(
+                        method, body, tensors, end, timeout, framed=framed, streamed=streamed
+                    )
+                sock = self._socket()  # a failed offer may have reset it
             request_id = next(_ids)
             extra = {"sr": 1} if streamed else {}
             if part_bytes:
@@ -236,6 +260,34 @@ class RpcClient:
                 # a new socket guarantees its late reply is never read as another's.
                 self._reset()
                 raise
+
+    def _side_ready(self, sock: zmq.Socket[bytes], end: float, timeout: float) -> bool:
+        """Whether the side channel is open, opening it when it may be (the lock is
+        held): ``rpc.side`` over ZeroMQ, then its port. Where that fails the call keeps
+        to ZeroMQ (one line logged) and the channel is tried again later."""
+        link = self._side
+        assert link is not None
+        if link.is_open():
+            return True
+        if not link.usable():
+            return False
+        request_id = next(_ids)
+        try:
+            frames = codec.encode(codec.KIND_REQUEST, request_id, "rpc.side")
+            self._send_before(sock, frames, "rpc.side", end, timeout)
+            offer = self._await_reply(sock, request_id, "rpc.side", end, timeout)
+            link.open(offer.body, end)
+        except RemoteError as exc:
+            link.failed(exc)  # a server without one: not_found
+            return False
+        except (OSError, RpcError) as exc:
+            if not isinstance(exc, RemoteError | AuthenticationError | ClientClosed):
+                self._reset()  # as call's: a request of ours may be in flight
+            link.failed(exc)
+            if isinstance(exc, AuthenticationError | ClientClosed):
+                raise
+            return False
+        return True
 
     def send(
         self, method: str, body: Any = None, tensors: Mapping[str, torch.Tensor] | None = None

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 
-from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.errors import CodedError, ProtocolError
 from clusterflow.rpc.pool import RECEIVE_POOL
 
 if TYPE_CHECKING:
@@ -222,6 +222,16 @@ def encode_parts(
         more = {"v": PROTOCOL_VERSION, "k": KIND_MORE, "id": request_id, "m": method, "s": seq}
         messages.append([_pack(more), *group])
     return messages
+
+
+def encode_error(request_id: int, method: str, code: str, error: object) -> list[Any]:
+    """An error reply: ``c`` the reason, ``e`` the class name (for messages), and for a
+    ``CodedError`` ``w`` its wire code, by which the client raises the typed error."""
+    error_type = type(error).__name__ if isinstance(error, BaseException) else ""
+    extra = {"c": code, "e": error_type}
+    if isinstance(error, CodedError) and error.wire_code:
+        extra["w"] = error.wire_code
+    return encode(KIND_ERROR, request_id, method, str(error), None, **extra)
 
 
 def _message(

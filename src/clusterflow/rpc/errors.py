@@ -34,6 +34,11 @@ class DeadlineExceeded(RpcError, TimeoutError):
     """The peer did not answer within the call's deadline (dead, hung or unreachable)."""
 
 
+class PeerLost(RpcError, ConnectionError):
+    """The connection broke in the middle of a call (the peer died or cut it): on the
+    side channel (``rpc/side.py``), where a TCP connection's end is seen at once."""
+
+
 class AuthenticationError(RpcError):
     """The peer refused our credentials (another cluster's secret, or none)."""
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from clusterflow.rpc.message import Handler
+from clusterflow.errors import ClusterflowError
+from clusterflow.rpc.message import Handler, Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,22 @@ class Entry:
     blocking: bool
     framed: bool = False
     check: Check | None = None
+
+
+def run_handler(name: str, entry: Entry, request: Request) -> Response | tuple[str, Exception]:
+    """Runs ``entry``'s handler: its ``Response``, or the error code (``app`` for a
+    ``ClusterflowError``, logged briefly; ``internal`` for anything else, a bug, logged
+    with its traceback) and the exception. The ZeroMQ loop and the side channel
+    (``rpc/side.py``) answer alike through it."""
+    try:
+        result = entry.handler(request)
+    except Exception as exc:
+        if isinstance(exc, ClusterflowError):
+            log.info("%s: %s failed: %s", name, request.method, exc)
+            return "app", exc
+        log.exception("%s: handler of %s raised", name, request.method)
+        return "internal", exc
+    return result if isinstance(result, Response) else Response(body=result)
 
 
 class HandlerThreads:

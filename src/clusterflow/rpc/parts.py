@@ -24,6 +24,7 @@ from clusterflow.rpc.handlers import Check, Entry
 
 if TYPE_CHECKING:
     from clusterflow.rpc.server import RpcServer
+    from clusterflow.rpc.side import SideServer
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class RequestsInParts:
     _name: str
     _partials: dict[bytes, Partial]
     _partials_lock: threading.Lock
+    _side: SideServer | None
 
     if TYPE_CHECKING:
 
@@ -149,12 +151,15 @@ class RequestsInParts:
             gone = [k for k, p in self._partials.items() if match(p.method, p.header.get("b"))]
             for key in gone:
                 del self._partials[key]
-        return len(gone)
+        side = self._side.drop(match) if self._side is not None else 0
+        return len(gone) + side
 
     def partials(self) -> int:
-        """Requests sent in parts whose last part has not come (tests, stats)."""
+        """Requests sent in parts whose last part has not come, and side-channel
+        requests whose bytes are arriving (tests, stats)."""
         with self._partials_lock:
-            return len(self._partials)
+            zmq_parts = len(self._partials)
+        return zmq_parts + (self._side.in_flight() if self._side is not None else 0)
 
     def _begin(
         self, identity: bytes, header: dict[str, Any], frames: list[Any], oneway: bool

@@ -30,13 +30,13 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
-from clusterflow.errors import ClusterflowError
 from clusterflow.rpc import codec, runtime
 from clusterflow.rpc.auth import AuthMode, Credentials
-from clusterflow.rpc.errors import CodedError, ProtocolError
-from clusterflow.rpc.handlers import Check, Entry, HandlerThreads
+from clusterflow.rpc.errors import ProtocolError
+from clusterflow.rpc.handlers import Check, Entry, HandlerThreads, run_handler
 from clusterflow.rpc.message import Request, Response
 from clusterflow.rpc.parts import Partial, ReplyStream, RequestsInParts
+from clusterflow.rpc.side import SideServer
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class RpcServer(RequestsInParts):
         other (``RpcClient`` serialises them), so it has one at most."""
         self._partials_lock = threading.Lock()
         """The loop thread and ``drop_partials`` (a handler's thread) share the table."""
+        self._side: SideServer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._sockets_closed = False
@@ -185,6 +186,30 @@ class RpcServer(RequestsInParts):
             raise ValueError(f"method {method!r} is already registered")
         self._handlers[method] = Entry(handler, blocking, framed, check)
 
+    def enable_side_channel(self) -> bool:
+        """Serves large requests and replies over a TCP socket of their own as well
+        (``rpc/side.py``), opened by ``rpc.side``; whether it was. Only with ``plain``
+        auth (loopback), where ZeroMQ carries the bytes in clear too: with CURVE they
+        stay on ZeroMQ, encrypted. Idempotent."""
+        if self.auth_mode != "plain":
+            mode = self.auth_mode
+            log.info("%s: no side channel under %s auth; tensors stay on ZeroMQ", self._name, mode)
+            return False
+        if self._side is None:
+            self._side = SideServer(self.host, self._handlers.get, self._side_refusal, self._name)
+            side = self._side
+            self.register("rpc.side", lambda request: side.issue())
+        return True
+
+    def _side_refusal(self, method: str, size: int, tensors: bool) -> tuple[str, str] | None:
+        """``_admit``'s rules for a side-channel request (size limit, tensors at all)."""
+        if size > self._max_message_bytes:
+            limit = self._max_message_bytes
+            return "too_large", f"message of {size} bytes exceeds the limit of {limit} bytes"
+        if not self._takes_tensors and tensors:
+            return "bad_request", f"{self._name} takes no tensors; {method!r} came with some"
+        return None
+
     def reserve_workers(self, count: int) -> None:
         """Room for ``count`` blocking handlers at once (threads start only as needed).
 
@@ -211,6 +236,8 @@ class RpcServer(RequestsInParts):
             return
         self._stopped.set()
         self._workers.close()
+        if self._side is not None:
+            self._side.close()
         if self._thread is not None and self._thread.is_alive():
             self._push([_STOP])
             if self._thread is not threading.current_thread():
@@ -398,21 +425,11 @@ class RpcServer(RequestsInParts):
 
     def _invoke(self, entry: Entry, request: Request, request_id: int) -> list[Any] | None:
         """Runs a handler; returns the reply frames, or None for a one-way message."""
-        try:
-            result = entry.handler(request)
-        except Exception as exc:
-            if isinstance(exc, ClusterflowError):
-                log.info("%s: %s failed: %s", self._name, request.method, exc)
-                code = "app"
-            else:
-                log.exception("%s: handler of %s raised", self._name, request.method)
-                code = "internal"
-            if request.oneway:
-                return None
-            return _error_frames(request_id, request.method, code, exc)
+        response = run_handler(self._name, entry, request)
         if request.oneway:
             return None
-        response = result if isinstance(result, Response) else Response(body=result)
+        if not isinstance(response, Response):
+            return codec.encode_error(request_id, request.method, *response)
         try:
             frames = codec.encode(
                 codec.KIND_REPLY, request_id, request.method, response.body, response.tensors
@@ -425,7 +442,7 @@ class RpcServer(RequestsInParts):
             # The handler returned what cannot travel (a set, a complex tensor, a list
             # where a tensor belongs): a fault of this side, not the caller's.
             log.error("%s: reply of %s cannot be sent: %s", self._name, request.method, exc)
-            return _error_frames(request_id, request.method, "internal", exc)
+            return codec.encode_error(request_id, request.method, "internal", exc)
 
     def _run_blocking(self, entry: Entry, request: Request, request_id: int) -> None:
         reply = self._invoke(entry, request, request_id)
@@ -452,7 +469,8 @@ class RpcServer(RequestsInParts):
         log.warning(
             "%s: %s request %s rejected (%s): %s", self._name, method, request_id, code, error
         )
-        self._router.send_multipart([identity, *_error_frames(request_id, method, code, error)])
+        frames = codec.encode_error(request_id, method, code, error)
+        self._router.send_multipart([identity, *frames])
 
 
 def _advertised_host(host: str) -> str:
@@ -463,16 +481,6 @@ def _advertised_host(host: str) -> str:
     if bare in ("*", "0.0.0.0", "::"):
         return socket.gethostname()
     return bare
-
-
-def _error_frames(request_id: int, method: str, code: str, error: object) -> list[Any]:
-    """An error reply: ``c`` the reason, ``e`` the class name (for messages), and for a
-    ``CodedError`` ``w`` its wire code, by which the client raises the typed error."""
-    error_type = type(error).__name__ if isinstance(error, BaseException) else ""
-    extra = {"c": code, "e": error_type}
-    if isinstance(error, CodedError) and error.wire_code:
-        extra["w"] = error.wire_code
-    return codec.encode(codec.KIND_ERROR, request_id, method, str(error), None, **extra)
 
 
 def _tracked(

@@ -129,6 +129,11 @@ class Server:
         """Drops requests sent in parts not all arrived (``RpcServer.drop_partials``)."""
         return self._rpc.drop_partials(match)
 
+    def enable_side_channel(self) -> bool:
+        """Large requests and replies over a TCP socket of their own where auth is
+        ``plain`` (``RpcServer.enable_side_channel``); whether it was."""
+        return self._rpc.enable_side_channel()
+
     def partials(self) -> int:
         """Requests sent in parts whose last part has not come (``RpcServer.partials``)."""
         return self._rpc.partials()
