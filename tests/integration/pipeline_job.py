@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import clusterflow as cf
@@ -141,7 +143,49 @@ def pipedream(out: Path, rank: int) -> dict[str, Any]:
     result["2bw"] = _pipedream(two_bw=True)
     result["device_bounds"] = device_blocks()
     result["loop"] = custom_loop(out)
+    result["outputs_early"] = outputs_early(out)
     return result
+
+
+def outputs_early(out: Path, steps: int = 2) -> dict[str, Any]:
+    """PipeDream, 2 micro-batches on 2 stages: stage 0's step returns (with the batch's
+    outputs) while the last stage has yet to run its last micro-batch's backward.
+
+    The last stage's loss function, called in that backward, waits until stage 0 has
+    said (in a FileStore) that its step returned; a step that made stage 0 wait for the
+    last stage's whole step would keep it from ever saying so, and the wait runs out
+    (recorded, not raised, so both stages finish the run)."""
+    strategy = cf.PipelineStrategy("pipedream", microbatches=2, stages=2)
+    with strategy.scope():
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    store = dist.FileStore(str(out / f"outputs-early-{strategy.layout.pipeline}"), 2)
+    waits: list[bool] = []
+    calls = [0]
+    criterion = nn.CrossEntropyLoss()
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The last stage calls it per micro-batch in its backward, then once for the
+        # step's loss: 3 calls a step; the second is the last micro-batch's backward.
+        if strategy.stage == 1 and calls[0] % 3 == 1:
+            try:
+                store.wait([f"returned-{calls[0] // 3}"], timedelta(seconds=15))
+                waits.append(True)
+            except RuntimeError:  # FileStore: "Wait timeout"
+                waits.append(False)
+        calls[0] += 1
+        return criterion(outputs, targets)
+
+    step = strategy.train_step(model, loss_fn, optimizer)
+    x, y = data()
+    losses = []
+    for k in range(steps):
+        loss, outputs = step(x[:16], y[:16], 1.0)
+        losses.append(loss.item())
+        if strategy.stage == 0:
+            store.set(f"returned-{k}", "1")
+    strategy.refresh_model()
+    return {"stage": strategy.stage, "waits": waits, "losses": losses, "rows": len(outputs)}
 
 
 def _pipedream(two_bw: bool) -> dict[str, Any]:
