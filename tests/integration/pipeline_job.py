@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import clusterflow as cf
 from clusterflow.train.cut import load_module
@@ -56,6 +57,16 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
         raise AssertionError("the overlap ran where torch's own schedule should have")
 
     batch_p2p = overlap._batch_p2p  # the plain loop's own name for it (torch's has its own)
+    # Every pass torch makes over a stage's gradients to divide them (sync.py's loss
+    # carries the 1/m instead).
+    divided: list[int] = []
+    scale_grads = _PipelineStageBase.scale_grads
+
+    def recorded(stage: Any, factor: int) -> None:
+        divided.append(factor)
+        scale_grads(stage, factor)
+
+    _PipelineStageBase.scale_grads = recorded  # type: ignore[method-assign]
     runs = (("gpipe", 4), ("1f1b", 2), ("interleaved", 2), ("1f1b-runtime", 2))
     for name, stages in runs:
         schedule = name.removesuffix("-runtime")
@@ -89,7 +100,9 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             "loss": history.history["loss"],
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
             "actions": strategy.engine.actions(),  # type: ignore[union-attr]
+            "grads_divided": list(divided),
         }
+        divided.clear()
         if name == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
             result["joined"] = {"params": flat(joined), "step": step}

@@ -131,6 +131,9 @@ def test_sync_schedules_equal_one_process(results: dict[str, list[Any]]) -> None
             diff = (got["params"] - expected).abs().max().item()
             assert diff < 1e-5, f"{schedule} rank {rank}: parameters differ by {diff}"
             assert got["loss"] == pytest.approx(history.history["loss"], abs=1e-5)
+            # The 1/m of the batch mean rode on each micro-batch's loss: torch made no
+            # pass over the gradients to divide them (sync.py).
+            assert got["grads_divided"] == [], f"{schedule} rank {rank}: {got['grads_divided']}"
     assert results["sync"][0]["gpipe"]["bounds"] == [(0, 2), (2, 3), (3, 5), (5, 7)]
 
 

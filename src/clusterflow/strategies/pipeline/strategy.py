@@ -321,7 +321,7 @@ class PipelineStrategy(Strategy):
             outputs = engine.step(inputs, targets, scaled, self.config.microbatches, ready)
         else:
             self._optimizer.zero_grad(set_to_none=True)
-            _, outputs = engine.step(inputs, targets, scaled)
+            outputs = engine.step(inputs, targets, scaled)
             if share is not None and outputs is not None:
                 share.send(outputs)
             self._average_gradients()
