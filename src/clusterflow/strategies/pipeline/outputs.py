@@ -46,7 +46,10 @@ class OutputShare:
     before the process group goes away (waits for the sends).
     """
 
-    def __init__(self, layout: Layout, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, layout: Layout, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
+        self._device = device
         self._last = layout.last
         self._group = group
         self._is_last = layout.rank == layout.last
@@ -61,7 +64,7 @@ class OutputShare:
         self._outputs = None
         if self._is_last:
             return
-        buffer = torch.empty(shape, dtype=dtype)
+        buffer = torch.empty(shape, dtype=dtype, device=self._device)
         self._posted = (dist.irecv(buffer, src=self._last, group=self._group, tag=TAG), buffer)
 
     def send(self, outputs: torch.Tensor) -> None:

@@ -153,7 +153,11 @@ class PipelineStrategy(Strategy):
         self._loss_fn: LossFn | None = None
         self._engine: SyncEngine | PipeDreamEngine | None = None
         self._shapes: dict[tuple[int, ...], list[tuple[torch.Size, torch.dtype]]] = {}
-        self._share = OutputShare(self.layout, self._pipe_group) if self.layout.stages > 1 else None
+        self._share = (
+            OutputShare(self.layout, self._pipe_group, self._device)
+            if self.layout.stages > 1
+            else None
+        )
         self._scope_open = False
         _log.info(
             "pipeline %s: stage %d of %d in pipeline %d of %d, %d micro-batches",
