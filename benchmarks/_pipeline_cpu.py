@@ -11,7 +11,7 @@ warm-up, in the benchmark's setting (2 stages, the same MLP, batch and micro-bat
 * ``schedule``: the rest of the schedule's step (the runtime's actions: posting and
   waiting for sends and receives, the loss, the gradient scaling);
 * ``outside``: the rest of the training step (``zero_grad``, the optimizer step, the
-  last stage's outputs broadcast, the loss for the loop);
+  last stage's outputs sent or received, the loss for the loop);
 * ``threads``: every other thread of the process (gloo's).
 
     python -m benchmarks._pipeline_cpu [--schedule 1f1b] [--steps N]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import clusterflow as cf
 from clusterflow.train.cut import load_module
@@ -54,6 +57,16 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
         raise AssertionError("the overlap ran where torch's own schedule should have")
 
     batch_p2p = overlap._batch_p2p  # the plain loop's own name for it (torch's has its own)
+    # Every pass torch makes over a stage's gradients to divide them (sync.py's loss
+    # carries the 1/m instead).
+    divided: list[int] = []
+    scale_grads = _PipelineStageBase.scale_grads
+
+    def recorded(stage: Any, factor: int) -> None:
+        divided.append(factor)
+        scale_grads(stage, factor)
+
+    _PipelineStageBase.scale_grads = recorded  # type: ignore[method-assign]
     runs = (("gpipe", 4), ("1f1b", 2), ("interleaved", 2), ("1f1b-runtime", 2))
     for name, stages in runs:
         schedule = name.removesuffix("-runtime")
@@ -87,7 +100,9 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             "loss": history.history["loss"],
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
             "actions": strategy.engine.actions(),  # type: ignore[union-attr]
+            "grads_divided": list(divided),
         }
+        divided.clear()
         if name == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
             result["joined"] = {"params": flat(joined), "step": step}
@@ -141,7 +156,49 @@ def pipedream(out: Path, rank: int) -> dict[str, Any]:
     result["2bw"] = _pipedream(two_bw=True)
     result["device_bounds"] = device_blocks()
     result["loop"] = custom_loop(out)
+    result["outputs_early"] = outputs_early(out)
     return result
+
+
+def outputs_early(out: Path, steps: int = 2) -> dict[str, Any]:
+    """PipeDream, 2 micro-batches on 2 stages: stage 0's step returns (with the batch's
+    outputs) while the last stage has yet to run its last micro-batch's backward.
+
+    The last stage's loss function, called in that backward, waits until stage 0 has
+    said (in a FileStore) that its step returned; a step that made stage 0 wait for the
+    last stage's whole step would keep it from ever saying so, and the wait runs out
+    (recorded, not raised, so both stages finish the run)."""
+    strategy = cf.PipelineStrategy("pipedream", microbatches=2, stages=2)
+    with strategy.scope():
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    store = dist.FileStore(str(out / f"outputs-early-{strategy.layout.pipeline}"), 2)
+    waits: list[bool] = []
+    calls = [0]
+    criterion = nn.CrossEntropyLoss()
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The last stage calls it per micro-batch in its backward, then once for the
+        # step's loss: 3 calls a step; the second is the last micro-batch's backward.
+        if strategy.stage == 1 and calls[0] % 3 == 1:
+            try:
+                store.wait([f"returned-{calls[0] // 3}"], timedelta(seconds=15))
+                waits.append(True)
+            except RuntimeError:  # FileStore: "Wait timeout"
+                waits.append(False)
+        calls[0] += 1
+        return criterion(outputs, targets)
+
+    step = strategy.train_step(model, loss_fn, optimizer)
+    x, y = data()
+    losses = []
+    for k in range(steps):
+        loss, outputs = step(x[:16], y[:16], 1.0)
+        losses.append(loss.item())
+        if strategy.stage == 0:
+            store.set(f"returned-{k}", "1")
+    strategy.refresh_model()
+    return {"stage": strategy.stage, "waits": waits, "losses": losses, "rows": len(outputs)}
 
 
 def _pipedream(two_bw: bool) -> dict[str, Any]:

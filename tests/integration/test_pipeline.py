@@ -131,6 +131,9 @@ def test_sync_schedules_equal_one_process(results: dict[str, list[Any]]) -> None
             diff = (got["params"] - expected).abs().max().item()
             assert diff < 1e-5, f"{schedule} rank {rank}: parameters differ by {diff}"
             assert got["loss"] == pytest.approx(history.history["loss"], abs=1e-5)
+            # The 1/m of the batch mean rode on each micro-batch's loss: torch made no
+            # pass over the gradients to divide them (sync.py).
+            assert got["grads_divided"] == [], f"{schedule} rank {rank}: {got['grads_divided']}"
     assert results["sync"][0]["gpipe"]["bounds"] == [(0, 2), (2, 3), (3, 5), (5, 7)]
 
 
@@ -180,6 +183,24 @@ def test_a_training_session_loop_trains_and_checkpoints_the_stages(
     manifest = CheckpointStorage(str(results["out"][0] / "ckpt-loop")).latest()
     assert manifest is not None and manifest.step == 6
     assert {"stage-0", "stage-1", "worker-3"} <= set(manifest.parts)
+
+
+def test_pipedream_stages_get_the_outputs_before_the_last_backward(
+    results: dict[str, list[Any]],
+) -> None:
+    """The last stage sends a step's outputs as soon as its last forward ran
+    (``pipeline/outputs.py``): stage 0 returns from its step, outputs in hand, while the
+    last stage's loss function in its last backward waits for stage 0 to say so. A
+    step that ended with a barrier on the last stage's whole step (its last backward
+    and its update) would leave that wait to run out."""
+    by_stage: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for result in results["pipedream"]:
+        by_stage[result["outputs_early"]["stage"]].append(result["outputs_early"])
+    for last in by_stage[1]:
+        assert last["waits"] == [True, True], last["waits"]
+    for first, last in zip(by_stage[0], by_stage[1], strict=True):
+        # Stage 0's loss is the last stage's own, from the outputs it received.
+        assert first["losses"] == last["losses"] and first["rows"] == last["rows"] == 16
 
 
 def test_pipedream_backward_uses_the_weights_its_forward_used(

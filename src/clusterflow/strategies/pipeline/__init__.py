@@ -2,7 +2,8 @@
 
 See docs/pipeline.md: ``strategy.py`` (the ``Strategy``), ``sync.py`` (GPipe, 1F1B and
 interleaved 1F1B on ``torch.distributed.pipelining``), ``pipedream.py`` (asynchronous
-1F1B with weight stashing), ``split.py`` (cutting a model), ``layout.py`` (ranks to
+1F1B with weight stashing), ``outputs.py`` (the last stage's outputs to every stage),
+``split.py`` (cutting a model), ``layout.py`` (ranks to
 pipelines and stages), ``groups.py`` (their process groups), ``state.py`` (a stage's
 checkpoint part), ``placed.py`` / ``placed_service.py`` / ``placed_protocol.py``
 (in-graph placement with ``cf.device`` over RPC).

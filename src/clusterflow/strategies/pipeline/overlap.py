@@ -165,9 +165,15 @@ class OverlappedSingle(_ReceivesFirst):
     """GPipe or 1F1B over one stage per rank, receives posted ahead (module docstring)."""
 
     def __init__(
-        self, stage: PipelineStage, microbatches: int, loss_fn: Callable[..., Any], *, gpipe: bool
+        self,
+        stage: PipelineStage,
+        microbatches: int,
+        loss_fn: Callable[..., Any],
+        *,
+        gpipe: bool,
+        scale_grads: bool = True,
     ) -> None:
-        super().__init__([stage], microbatches, loss_fn=loss_fn)  # type: ignore[no-untyped-call]
+        super().__init__([stage], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)  # type: ignore[no-untyped-call]
         stages = stage.num_stages
         self.pipeline_order = {
             rank: list(

@@ -140,9 +140,19 @@ class PipeDreamEngine:
         self._next_grad: tuple[Any, torch.Tensor] | None = None
 
     def step(
-        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn, microbatches: int
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        loss_fn: LossFn,
+        microbatches: int,
+        outputs_ready: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Feeds the batch's micro-batches in; runs forwards and the backwards due.
+
+        ``outputs_ready``: on the last stage, called with the batch's outputs (merged)
+        as soon as its last forward has run, before that micro-batch's backward, so
+        the other stages can have them without waiting for that backward and its
+        update (outputs.py).
 
         Returns:
             on the last stage, the outputs of this batch's micro-batches (merged);
@@ -153,6 +163,7 @@ class PipeDreamEngine:
         rows = inputs.shape[0] // microbatches
         shapes = self._shapes((rows, *inputs.shape[1:]))
         outputs: list[torch.Tensor] = []
+        merged: torch.Tensor | None = None
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             if not self._last and len(self._inflight) + 1 > self.warmup:
                 # A backward follows this forward: its gradient may arrive meanwhile.
@@ -161,11 +172,15 @@ class PipeDreamEngine:
             out = self._forward(x, shapes, more=i + 1 < microbatches)
             if self._last:
                 outputs.append(out.detach())
+                if i + 1 == microbatches:
+                    merged = torch.cat(outputs)
+                    if outputs_ready is not None:
+                        outputs_ready(merged)
                 self._backward(loss_fn, y)
             elif len(self._inflight) > self.warmup:
                 self._backward(loss_fn, None)
             self._reap()
-        return torch.cat(outputs) if self._last else None
+        return merged
 
     def drain(self) -> None:
         """Runs the backward of every micro-batch in flight and waits for every send.

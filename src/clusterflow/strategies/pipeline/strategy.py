@@ -58,6 +58,7 @@ from clusterflow.strategies.pipeline.api import (
 )
 from clusterflow.strategies.pipeline.groups import subgroups
 from clusterflow.strategies.pipeline.layout import Layout
+from clusterflow.strategies.pipeline.outputs import OutputShare
 from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
 from clusterflow.strategies.pipeline.state import join_names, load_optimizer_part, optimizer_part
 from clusterflow.strategies.pipeline.sync import LocalEngine, SyncEngine
@@ -152,6 +153,11 @@ class PipelineStrategy(Strategy):
         self._loss_fn: LossFn | None = None
         self._engine: SyncEngine | PipeDreamEngine | None = None
         self._shapes: dict[tuple[int, ...], list[tuple[torch.Size, torch.dtype]]] = {}
+        self._share = (
+            OutputShare(self.layout, self._pipe_group, self._device)
+            if self.layout.stages > 1
+            else None
+        )
         self._scope_open = False
         _log.info(
             "pipeline %s: stage %d of %d in pipeline %d of %d, %d micro-batches",
@@ -309,19 +315,25 @@ class PipelineStrategy(Strategy):
         scaled = loss_fn if scale == 1.0 else (lambda o, t: loss_fn(o, t) * scale)
         shapes = self._boundary_shapes((per, *inputs.shape[1:]), inputs.dtype)
         engine = self._ensure_engine()
+        share = self._share
+        if share is not None:
+            shape, dtype = shapes[-1]
+            share.expect((rows, *shape[1:]), dtype)
         if isinstance(engine, PipeDreamEngine):
-            outputs = engine.step(inputs, targets, scaled, self.config.microbatches)
+            # The last stage sends the outputs before its last backward (outputs.py).
+            ready = share.send if share is not None else None
+            outputs = engine.step(inputs, targets, scaled, self.config.microbatches, ready)
         else:
             self._optimizer.zero_grad(set_to_none=True)
-            _, outputs = engine.step(inputs, targets, scaled)
+            outputs = engine.step(inputs, targets, scaled)
+            if share is not None and outputs is not None:
+                share.send(outputs)
             self._average_gradients()
             self._optimizer.step()
-        if self.layout.stages > 1:
-            shape, dtype = shapes[-1]
-            if outputs is None:
-                outputs = torch.empty((rows, *shape[1:]), dtype=dtype)
+        if share is not None:
             with self._group.guard("sharing the last stage's outputs"):
-                dist.broadcast(outputs, src=self.layout.last, group=self._pipe_group)
+                outputs = share.result()
+        assert outputs is not None
         with torch.no_grad():
             loss = loss_fn(outputs, targets).reshape(())
         return loss.detach(), outputs
@@ -486,9 +498,11 @@ class PipelineStrategy(Strategy):
                     dist.broadcast(tensor, src=self.layout.owner(c), group=self._pipe_group)
 
     def _drain(self) -> None:
-        if isinstance(self._engine, PipeDreamEngine):
-            with self._group.guard("draining the pipeline"):
+        with self._group.guard("draining the pipeline"):
+            if isinstance(self._engine, PipeDreamEngine):
                 self._engine.drain()
+            if self._share is not None:
+                self._share.drain()
 
     def finish(self, error: BaseException | None, leave: bool) -> None:
         """At the end every task gets the whole trained model; on error this task leaves

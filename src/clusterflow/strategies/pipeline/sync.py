@@ -1,11 +1,21 @@
 """The synchronous schedules: torch's ``PipelineStage`` and its GPipe, 1F1B and
 interleaved 1F1B schedules, over this rank's chunks of the model.
 
-Nothing of the schedules is written here: torch orders the micro-batches, sends the
-activations and gradients between stages and scales the gradients to the batch mean.
-This module builds the stages and schedules for a micro-batch shape (a new shape, a
-final partial batch, gets its own, since a stage sizes its buffers on first use) and
-translates torch's configuration errors into one line.
+Nothing of the schedules is written here: torch orders the micro-batches and sends the
+activations and gradients between stages. This module builds the stages and schedules
+for a micro-batch shape (a new shape, a final partial batch, gets its own, since a stage
+sizes its buffers on first use) and translates torch's configuration errors into one
+line.
+
+The batch-mean gradient is each micro-batch's mean loss divided by ``m`` (the number of
+micro-batches) before its backward, with the schedules' own scaling off
+(``scale_grads=False``, the configuration torch documents for a loss that already
+carries it), not torch's default of dividing every accumulated gradient by ``m`` after
+the last backward: that was a pass over all of a stage's gradients in every step, on
+the first stage between its last backward and the next step's first forward, where the
+other stages wait for it. Only for ``m`` a power of two, where the gradients are the
+same bits either way (scaling by a power of two commutes with every rounding); for other
+``m`` torch divides as before, since the two orders may differ in the last place.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ class SyncEngine:
         self._device = device
         self._overlap = overlap
         self._built: dict[tuple[int, ...], Any] = {}
+        self._loss_scale = _loss_scale(microbatches)
 
     def _build(self, shape: tuple[int, ...], loss_fn: LossFn) -> Any:
         layout = self._layout
@@ -72,13 +83,16 @@ class SyncEngine:
         # torch releases take differently (overlap.OVERLAP_FITS).
         overlap = self._overlap and overlapping.OVERLAP_FITS
         try:
+            # torch divides the gradients only where the loss does not (module docstring).
+            scale = self._loss_scale is None
+            m = self._microbatches
             if self._schedule is Schedule.INTERLEAVED:
                 kind = OverlappedInterleaved1F1B if overlap else ScheduleInterleaved1F1B
-                return kind(stages, self._microbatches, loss_fn=loss_fn)
+                return kind(stages, m, loss_fn=loss_fn, scale_grads=scale)
             if overlap:
-                return OverlappedSingle(stages[0], self._microbatches, loss_fn, gpipe=gpipe)
+                return OverlappedSingle(stages[0], m, loss_fn, gpipe=gpipe, scale_grads=scale)
             single = ScheduleGPipe if gpipe else Schedule1F1B
-            return single(stages[0], self._microbatches, loss_fn=loss_fn)
+            return single(stages[0], m, loss_fn=loss_fn, scale_grads=scale)
         except ValueError as exc:  # torch's own rule, e.g. micro-batches per round
             raise PipelineError(
                 f"the {self._schedule.value} schedule cannot run {self._microbatches} "
@@ -97,16 +111,16 @@ class SyncEngine:
         return out
 
     def _call_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self._loss_fn(outputs, targets)
+        """A micro-batch's share of the batch-mean loss (module docstring)."""
+        loss = self._loss_fn(outputs, targets)
+        return loss if self._loss_scale is None else loss * self._loss_scale
 
-    def step(
-        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def step(self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``inputs``.
 
         Returns:
-            on the rank of the last chunk: the batch's mean loss and its outputs
-            (micro-batches merged); elsewhere ``(None, None)``.
+            on the rank of the last chunk: the batch's outputs (micro-batches merged);
+            elsewhere None.
         """
         # The loss function is looked up at call time, so one schedule serves a run.
         self._loss_fn = loss_fn
@@ -118,12 +132,14 @@ class SyncEngine:
         mine = layout.my_chunks()
         args = (inputs,) if 0 in mine else ()
         if layout.chunks - 1 in mine:
-            losses: list[torch.Tensor] = []
-            outputs = schedule.step(*args, target=targets, losses=losses)
-            loss = torch.stack([loss.detach() for loss in losses]).mean()
-            return loss, outputs.detach()
+            return schedule.step(*args, target=targets).detach()  # type: ignore[no-any-return]
         schedule.step(*args)
-        return None, None
+        return None
+
+
+def _loss_scale(microbatches: int) -> float | None:
+    """``1/m`` where the loss can carry it for the same bits (``m`` a power of two)."""
+    return 1.0 / microbatches if microbatches & (microbatches - 1) == 0 else None
 
 
 class LocalEngine:
@@ -133,16 +149,13 @@ class LocalEngine:
         self._chunk = chunk
         self._microbatches = microbatches
 
-    def step(
-        self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        outputs, losses = [], []
+    def step(self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Every micro-batch's forward and backward; returns the outputs, merged."""
+        outputs = []
         for x, y in zip(
             inputs.chunk(self._microbatches), targets.chunk(self._microbatches), strict=True
         ):
             out = self._chunk(x)
-            loss = loss_fn(out, y) / self._microbatches
-            torch.autograd.backward(loss)
+            torch.autograd.backward(loss_fn(out, y) / self._microbatches)
             outputs.append(out.detach())
-            losses.append(loss.detach())
-        return torch.stack(losses).sum(), torch.cat(outputs)
+        return torch.cat(outputs)
