@@ -119,11 +119,11 @@ def test_a_hung_evaluator_holds_neither_training_nor_the_end_of_the_run(cf: Clus
     reader = cf.LineReader(proc.stdout)
     reader.wait_for("[evaluator:0] evaluating while training runs", timeout=120)
     cluster_id = cf.only_id()
-    evaluator = [
-        p for p in cf.live(cluster_id) if p.environ().get("CLUSTERFLOW_TASK") == "evaluator:0"
-    ]
     # The evaluator's job process (its supervisor is its parent): hang it mid-evaluation.
-    (job,) = [p for p in evaluator if any(str(script) == a for a in p.cmdline())]
+    # Found by its supervisor's pid: a process forked from the warm server keeps the
+    # server's first environment in /proc (docs/architecture.md section 3).
+    supervisor = _task(cf.state(cluster_id), "evaluator:0")["pid"]
+    (job,) = psutil.Process(supervisor).children()
     job.send_signal(signal.SIGSTOP)
     go.touch()  # the worker trains on past its first epoch only now
     try:

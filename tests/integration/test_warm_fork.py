@@ -43,6 +43,9 @@ record = {
     "fd_open": os.path.exists(f"/proc/self/fd/{os.environ.get('CLUSTERFLOW_LISTEN_FD')}"),
     "argv": sys.argv[1:],
 }
+for who, pid in (("cmdline", "self"), ("parent_cmdline", os.getppid())):  # as ps shows
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        record[who] = [a.decode() for a in f.read().rstrip(b"\\0").split(b"\\0")]
 print("probe " + json.dumps(record), flush=True)
 sys.exit(int(os.environ["RANK"]) + 3)  # worker:0 exits 3, worker:1 exits 4
 """
@@ -83,6 +86,9 @@ def test_a_job_is_its_supervisors_child_with_torch_already_imported(cf: Clusterf
         assert probe["pgid"] == probe["ppid"]  # in its supervisor's group, as before
         assert probe["stdin"] == "" and probe["cwd"] == str(cf.workdir)
         assert probe["fd_open"] is True and probe["argv"] == ["a b"]
+        # ps shows each process's own command, not the server's it was forked from.
+        assert probe["cmdline"] == [PY, str(script), "a b"], probe
+        assert probe["parent_cmdline"] == [PY, "-m", "clusterflow.backends.supervisor"], probe
     # Exit codes as before: the first failure is the run's.
     assert done.returncode in (3, 4), done.stderr
     tasks = {t["task"]: t for t in state["tasks"]}

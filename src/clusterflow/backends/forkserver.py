@@ -55,7 +55,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from clusterflow.backends.zygote import become, die_with, run_command, runnable
+from clusterflow.backends.zygote import TITLE_ROOM, become, die_with, run_command, runnable
 from clusterflow.cluster.contract import (
     ENV_CLUSTER_ID,
     ENV_LISTEN_FD,
@@ -138,7 +138,10 @@ def ensure(cluster_id: str | None = None) -> str | None:
     cid = cluster_id or os.urandom(5).hex()
     try:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "clusterflow.backends.forkserver", name, str(os.getpid())],
+            [
+                *(sys.executable, "-m", "clusterflow.backends.forkserver"),
+                *(name, str(os.getpid()), TITLE_ROOM),  # the room: zygote.show_as
+            ],
             env={**os.environ, ENV_CLUSTER_ID: cid},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -103,10 +103,41 @@ def become(env: Mapping[str, str], cwd: str, argv: Sequence[str]) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    show_as(argv)
     _streams(bool(env.get(PYTHONUNBUFFERED)) or "-u" in argv[1:2])
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()  # type: ignore[attr-defined]
+
+
+TITLE_ROOM = " " * 4096
+"""The warm server's last argument: room in its command line's memory, which every
+process forked from it rewrites with its own command (:func:`show_as`)."""
+
+
+def show_as(argv: Sequence[str]) -> None:
+    """Makes ``ps``, ``pgrep -f`` and ``/proc/PID/cmdline`` show ``argv`` for this forked
+    process, not the command of the process it was forked from: the job's own command,
+    arguments apart (NUL between them), as a fresh ``python`` would show.
+
+    The kernel shows the memory that held this process's arguments at its start (the
+    ``arg_start``-``arg_end`` range of ``/proc/self/stat``); Python copied them out long
+    ago, so that memory is free to rewrite (as ``setproctitle`` does). A command longer
+    than the room (the warm server's, ``TITLE_ROOM`` included) is cut to fit; where the
+    range cannot be read, the title stays the parent's.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+    except (OSError, ValueError, IndexError):
+        return
+    room = end - start
+    if room < 2:
+        return
+    title = b"\0".join(os.fsencode(a) for a in argv)[: room - 1]
+    ctypes.memmove(start, title.ljust(room, b"\0"), room)
 
 
 def _streams(unbuffered: bool) -> None:
