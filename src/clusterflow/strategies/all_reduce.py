@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import logging
 import os
 import weakref
@@ -239,8 +238,9 @@ class CollectiveAllReduceStrategy(Resizing, Strategy):
         group's destructor would run with the GIL held and join a gloo thread that waits
         for the GIL to drop a finished collective's tensor, forever. Let go from Python,
         it runs with the GIL released (``CollectiveGroup.shutdown`` says the same of the
-        group it owns). ``gc.collect`` frees a wrapper caught in a reference cycle now,
-        while its group is still held, not later from the collector.
+        group it owns). No ``gc.collect`` here: a resize re-forms the group through this,
+        and a full collection with torch loaded held every resize long enough that a
+        second leaver's step came first (``test_ray_elastic``'s 2 -> 4 -> 2 never ran at 4).
         """
         while self._bucket_workers:
             self._bucket_workers.pop().close()
@@ -252,9 +252,7 @@ class CollectiveAllReduceStrategy(Resizing, Strategy):
                 groups.append(getattr(wrapper, "process_group", None))
                 del wrapper
                 prepare_module(module, None)
-        if groups:
-            gc.collect()
-            groups.clear()  # the last references, perhaps: GIL released (see above)
+        groups.clear()  # the last references, perhaps: GIL released (see above)
         return modules
 
     def _bucket_cap_mb(self) -> float | None:
