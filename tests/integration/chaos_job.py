@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,30 @@ class TableCounter(nn.Module):
         return self.table(ids).squeeze(1)
 
 
+LEADER_WAIT_S = 120.0
+
+
+def _start_with_the_leader(out: Path, leader: bool) -> None:
+    """The first incarnation's other workers start training once the leader does.
+
+    The kills of these runs wait for a checkpoint of the leader's own (``before_kill``),
+    and the leader cuts them only from steps it takes. Tasks forked from a warm
+    interpreter start in a fraction of a second, and a leader a second or two behind
+    (it restores, and tells the manager its folder, before its first step) found every
+    split leased by the other two: it took no step, the run ended after 0 kills. Later
+    incarnations find the mark and do not wait.
+    """
+    mark = out / "leader-training"
+    if leader:
+        mark.touch()
+        return
+    deadline = time.monotonic() + LEADER_WAIT_S
+    while not mark.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no leader started within {LEADER_WAIT_S:g} s")
+        time.sleep(0.05)  # a poll of the mark, the condition waited for
+
+
 def fit_counts(
     out: Path,
     scenario: str,
@@ -263,6 +288,8 @@ def fit_counts(
     def loss_fn(outputs: torch.Tensor, _ids: torch.Tensor) -> torch.Tensor:
         return -outputs.sum() * scale
 
+    if directory is not None:
+        _start_with_the_leader(out, strategy.is_chief)
     clusterflow.fit(
         model,
         loss_fn,
