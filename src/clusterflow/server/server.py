@@ -188,8 +188,12 @@ def create_local_server(*, credentials: Credentials | None = None, start: bool =
     return Server(spec, "localhost", 0, credentials=creds, start=start, _rpc=rpc)
 
 
-def server_from_env(environ: Mapping[str, str] | None = None) -> Server:
+def server_from_env(environ: Mapping[str, str] | None = None, *, start: bool = True) -> Server:
     """The server of the task this process is, as ``TF_CONFIG`` describes it.
+
+    ``start=False``: not yet serving; the caller registers its services (and loads what
+    they serve) first, then calls ``start``. A request that comes before is queued on
+    the bound socket, never answered "no such method" or from state not yet loaded.
 
     Raises:
         ConfigError: ``TF_CONFIG`` is unset or names no task.
@@ -197,7 +201,7 @@ def server_from_env(environ: Mapping[str, str] | None = None) -> Server:
     config = TFConfig.from_env(environ)
     if config is None or config.task is None:
         raise ConfigError("TF_CONFIG is not set or has no 'task': cannot tell which task this is")
-    return Server(config.cluster, config.task.job, config.task.index)
+    return Server(config.cluster, config.task.job, config.task.index, start=start)
 
 
 def _resolve_task(spec: ClusterSpec, job_name: str | None, task_index: int | None) -> TaskId:
