@@ -64,9 +64,14 @@ def test_start_only_for_a_foreground_start_and_not_when_turned_off(
     forkserver.start_early(["clusterflow", "ps"])
     forkserver.start_early(["clusterflow", "start", "--detach", "--", "python", "x.py"])
     forkserver.start_early(["clusterflow", "start", "-h"])
-    assert started == []
+    forkserver.start_early(["clusterflow", "start", "--backend", "ray", "--", "python"])
+    forkserver.start_early(["clusterflow", "start", "--backend=hosts", "--", "python"])
+    assert started == []  # nothing of this machine's to fork, or not yet
     forkserver.start_early(["clusterflow", "start", "--", "python", "x.py", "--detach"])
     assert started == ["yes"]  # a --detach after -- is the job's, not start's
+    forkserver.start_early(["clusterflow", "start", "--backend", "local", "--", "python"])
+    forkserver.start_early(["clusterflow", "start", "--", "python", "--backend", "ray"])
+    assert started == ["yes"] * 3
     monkeypatch.undo()
     monkeypatch.setenv(ENV_WARM_FORK, "0")
     assert forkserver.ensure() is None

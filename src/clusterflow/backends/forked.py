@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+import psutil
+
 from clusterflow.backends.forkserver import HEADER
 
 CONNECT_S = 300.0
@@ -139,16 +141,6 @@ def _connect(name: str, pid: int) -> socket.socket:
             return conn
         except OSError as exc:
             conn.close()
-            if not (pid and _alive(pid) and time.monotonic() < deadline):
+            if not (pid and psutil.pid_exists(pid) and time.monotonic() < deadline):
                 raise Unavailable(f"no warm process at {name} ({exc.strerror or exc})") from exc
         time.sleep(0.01)  # its socket is bound in its first milliseconds: a short retry
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

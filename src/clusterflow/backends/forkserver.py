@@ -111,12 +111,29 @@ _STARTED = _Started()
 def start_early(argv: Sequence[str]) -> None:
     """Starts the server at ``clusterflow start``'s first instant, before the CLI's own
     imports; any other command (or ``--detach``, whose manager starts its own) starts
-    none. Later, ``start`` ends it if the cluster's tasks are not this machine's."""
+    none, nor does a ``--backend`` other than ``local`` named on the command line (a Ray
+    launch would pay torch's import here for nothing). Later, ``start`` ends it if the
+    cluster's tasks are not this machine's after all (a backend set in a cluster file).
+    """
     if len(argv) < 2 or argv[1] != "start":
         return
-    if any(a in ("--detach", "-h", "--help") for a in argv[2 : _dashdash(argv)]):
+    options = list(argv[2 : _dashdash(argv)])
+    if any(a in ("--detach", "-h", "--help") for a in options):
+        return
+    if _backend(options) not in (None, "local"):
         return
     ensure()
+
+
+def _backend(options: Sequence[str]) -> str | None:
+    """The ``--backend`` that ``start``'s options name, if any (the last one counts)."""
+    named = None
+    for i, option in enumerate(options):
+        if option == "--backend" and i + 1 < len(options):
+            named = options[i + 1]
+        elif option.startswith("--backend="):
+            named = option.split("=", 1)[1]
+    return named
 
 
 def _dashdash(argv: Sequence[str]) -> int:
