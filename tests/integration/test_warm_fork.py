@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,7 @@ import pytest
 
 from clusterflow.backends import forkserver
 from clusterflow.backends.api import TaskLaunch
+from clusterflow.backends.forked import fork_job
 from clusterflow.backends.local import LocalBackend
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ENV_CLUSTER_ID, ENV_WARM_FORK
@@ -34,14 +37,16 @@ PY = sys.executable
 pytestmark = pytest.mark.integration
 
 PROBE = """
-import json, os, sys
+import gc, json, os, sys
 warm = "torch" in sys.modules  # before this script imports anything of its own
+later = [m for m in sys.argv[2:] if m in sys.modules]
 record = {
-    "rank": os.environ["RANK"], "warm": warm, "pid": os.getpid(), "ppid": os.getppid(),
+    "rank": os.environ["RANK"], "warm": warm, "later": later, "gc": gc.isenabled(),
+    "frozen": gc.get_freeze_count(), "pid": os.getpid(), "ppid": os.getppid(),
     "pgid": os.getpgid(0), "stdin": sys.stdin.read(), "cwd": os.getcwd(),
     "listen_fd": os.environ.get("CLUSTERFLOW_LISTEN_FD"),
     "fd_open": os.path.exists(f"/proc/self/fd/{os.environ.get('CLUSTERFLOW_LISTEN_FD')}"),
-    "argv": sys.argv[1:],
+    "argv": sys.argv[1:2],
 }
 for who, pid in (("cmdline", "self"), ("parent_cmdline", os.getppid())):  # as ps shows
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -74,7 +79,8 @@ def _probes(stdout: str) -> dict[str, dict[str, object]]:
 def test_a_job_is_its_supervisors_child_with_torch_already_imported(cf: Clusterflow) -> None:
     script = cf.script("probe.py", PROBE)
 
-    done = cf.run("start", "--workers", "2", "--grace", "5", "--", PY, str(script), "a b")
+    later = forkserver.PRELOAD_LATER
+    done = cf.run("start", "--workers", "2", "--grace", "5", "--", PY, str(script), "a b", *later)
 
     probes = _probes(done.stdout)
     assert set(probes) == {"0", "1"}, done.stdout + done.stderr
@@ -82,12 +88,17 @@ def test_a_job_is_its_supervisors_child_with_torch_already_imported(cf: Clusterf
     supervisors = {t["task"]: t["pid"] for t in state["tasks"]}
     for rank, probe in probes.items():
         assert probe["warm"] is True, probe  # the import was paid once, in the server
+        # Collected here, but never the server's imports (frozen before the fork).
+        assert probe["gc"] is True and probe["frozen"] > 10_000, probe
+        # A cluster that never restarts has the server import nothing more: not even
+        # while it launched (the second supervisor's request waited for that import).
+        assert probe["later"] == [], probe
         assert probe["ppid"] == supervisors[f"worker:{rank}"], (probe, supervisors)
         assert probe["pgid"] == probe["ppid"]  # in its supervisor's group, as before
         assert probe["stdin"] == "" and probe["cwd"] == str(cf.workdir)
         assert probe["fd_open"] is True and probe["argv"] == ["a b"]
         # ps shows each process's own command, not the server's it was forked from.
-        assert probe["cmdline"] == [PY, str(script), "a b"], probe
+        assert probe["cmdline"] == [PY, str(script), "a b", *later], probe
         assert probe["parent_cmdline"] == [PY, "-m", "clusterflow.backends.supervisor"], probe
     # Exit codes as before: the first failure is the run's.
     assert done.returncode in (3, 4), done.stderr
@@ -319,3 +330,74 @@ def test_a_start_run_from_inside_a_task_makes_a_cluster_of_its_own(cf: Clusterfl
     assert done.returncode == 0, done.stderr
     assert "[worker:0] inner" in done.stdout.splitlines()
     assert cf.only_id() != outer
+
+
+LATER_PROBE = "import json, sys; print(json.dumps([m for m in sys.argv[1:] if m in sys.modules]))"
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    """A warm server of this test's own process (as `clusterflow start` has one)."""
+    address = forkserver.ensure()
+    assert address is not None
+    try:
+        yield address
+    finally:
+        forkserver.stop()
+
+
+def _imported_later(server: str, env: dict[str, str] | None = None) -> list[str]:
+    """Which of ``PRELOAD_LATER`` a job forked now by ``server`` finds imported (it
+    waits for an import the server is in the middle of)."""
+    read, write = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    env = dict(os.environ) if env is None else env
+    try:
+        argv = [PY, "-c", LATER_PROBE, *forkserver.PRELOAD_LATER]
+        job = fork_job(server, argv, env, os.getcwd(), stdio=(null, write, write))
+    finally:
+        os.close(null)
+        os.close(write)
+    with os.fdopen(read) as out:
+        text = out.read()
+    assert job.wait(60) == 0, text
+    return list(json.loads(text))
+
+
+@pytest.mark.timeout(240)
+def test_the_server_imports_more_only_once_asked_and_then_all_of_it(server: str) -> None:
+    # Between these the server idles: before it is asked, it imports nothing more.
+    assert _imported_later(server) == []
+    assert _imported_later(server) == []
+
+    forkserver.preload_later()
+
+    # Then one module at a time, between requests: a job forked later finds them all.
+    deadline = time.monotonic() + 200
+    seen: list[str] = []
+    while seen != list(forkserver.PRELOAD_LATER):
+        assert time.monotonic() < deadline, seen
+        seen = _imported_later(server)
+
+
+@pytest.mark.timeout(240)
+def test_a_cluster_that_may_restart_has_its_server_import_what_a_restart_needs(
+    cf: Clusterflow,
+) -> None:
+    script = cf.script("gated.py", GATED)
+    gate = cf.workdir / "gate"
+    cluster_id = cf.start_detached("--max-restarts", "1", "--", PY, str(script), str(gate))
+    cf.wait_until(lambda: "[worker:0] job 0 " in cf.output(cluster_id), 120, "the job")
+    manager = cf.state(cluster_id)["manager"]["pid"]
+    (server,) = [p for p in cf.live(cluster_id) if p.ppid() == manager]
+    address = f"{server.cmdline()[3]}:{server.pid}"  # python -m MODULE NAME STARTER ROOM
+
+    # Asked by the manager once the cluster ran: its jobs' next forks find them all.
+    deadline = time.monotonic() + 200
+    seen: list[str] = []
+    while seen != list(forkserver.PRELOAD_LATER):
+        assert time.monotonic() < deadline, seen
+        seen = _imported_later(address, server.environ())
+
+    gate.touch()
+    cf.wait_until(lambda: cf.state(cluster_id).get("status") == "succeeded", 90, "the end")

@@ -43,6 +43,7 @@ whose own environment differs so from its zygote (``supervisor._in_process``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -72,19 +73,25 @@ after it was imported)."""
 PRELOAD_LATER = (
     "clusterflow.strategies",
     "clusterflow.strategies.parameter_server.strategy",
-    "torch.optim",
     "torch._dynamo",
 )
-"""Imported one by one while no request waits: a launch's first forks do not wait for
-them (a job that needs them imports them itself), a restart's find them imported.
-``torch._dynamo`` is what an optimizer's first construction imports (seconds)."""
+"""Imported one by one while no request waits, once the manager asks for them
+(:func:`preload_later`: the cluster runs and a restart, respawn or grow may still fork
+from here). Not before: on a machine with no core to spare, seconds of imports here
+(``torch._dynamo``, what an optimizer's first construction imports) slowed the launch
+they overlapped by a tenth (the second supervisor's request waited behind the first
+import; docs/benchmarks.md, "Launch by phase"), and a cluster that never restarts
+would pay them for nothing. A job that needs them sooner imports them itself."""
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "LD_", "TORCH_")
 """Variables read when the interpreter or a preloaded library starts: a job that sets
 one otherwise than this server's environment does is started cold."""
 STARTUP_EXEMPT = frozenset({PYTHONUNBUFFERED})
 """Read when the job's streams are made, which the child does again (``_streams``)."""
 HEADER = struct.Struct("!Q")
-"""A request: its JSON's length (with the fds), then the JSON."""
+"""A request: its JSON's length (with the fds), then the JSON: a command to fork
+(``argv``, ``env``, ``cwd``), or ``{"preload": true}`` (:func:`preload_later`)."""
+PRELOAD_S = 2.0
+"""The most :func:`preload_later`'s request may take (the server reads it at once)."""
 REQUEST_S = 10.0
 """The most a request's bytes may take to arrive (a client that stalls is dropped)."""
 MAX_REQUEST = 64 << 20
@@ -96,6 +103,8 @@ class _Started:
 
     popen: subprocess.Popen[bytes] | None = None
     address: str | None = None
+    preloading: bool = False
+    """Whether it was asked for ``PRELOAD_LATER`` (once is enough)."""
     cluster_id: str | None = None
     """The id its cluster will have: in the server's environment from its start, so
     every process forked from it carries it where ``clusterflow stop`` looks for a
@@ -189,10 +198,31 @@ def address() -> str | None:
     return _STARTED.address
 
 
+def preload_later() -> None:
+    """Asks this process's server, if it runs, to import ``PRELOAD_LATER`` while it
+    idles, so a restart's or a grow's forks find them imported; once per server.
+
+    The manager asks once its cluster runs and a fork may still come (a restart left, a
+    respawn or grow possible: ``manager/recovery.py``). A server that cannot be reached
+    is left alone: a job that needs the modules imports them itself."""
+    server = address()
+    if server is None or _STARTED.preloading:
+        return
+    _STARTED.preloading = True
+    body = json.dumps({"preload": True}).encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(PRELOAD_S)
+            conn.connect("\0" + server.rpartition(":")[0])
+            conn.sendall(HEADER.pack(len(body)) + body)
+    except OSError as exc:
+        log.info("the warm fork server was not asked to preload: %s", exc)
+
+
 def stop() -> None:
     """Ends this process's server (and any job it still holds: they die with it)."""
     popen, _STARTED.popen, _STARTED.address = _STARTED.popen, None, None
-    _STARTED.cluster_id = None
+    _STARTED.cluster_id, _STARTED.preloading = None, False
     if popen is not None and popen.poll() is None:
         popen.kill()
         popen.wait()
@@ -230,7 +260,12 @@ def refusal(argv: Sequence[str], env: Mapping[str, str], own: Mapping[str, str])
     return None
 
 
-def _receive(conn: socket.socket) -> Request:
+@dataclass(frozen=True, slots=True)
+class Preload:
+    """The manager's ``{"preload": true}``: import ``PRELOAD_LATER`` while idle."""
+
+
+def _receive(conn: socket.socket) -> Request | Preload:
     conn.settimeout(REQUEST_S)
     head, fds, _, _ = socket.recv_fds(conn, HEADER.size, 8)
     try:
@@ -240,6 +275,8 @@ def _receive(conn: socket.socket) -> Request:
         if length > MAX_REQUEST:
             raise ValueError(f"request of {length} bytes")
         body = json.loads(_exactly(conn, length))
+        if body.get("preload") is True and not fds:
+            return Preload()
         return Request(
             argv=[str(a) for a in body["argv"]],
             env={str(k): str(v) for k, v in body["env"].items()},
@@ -265,7 +302,7 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
 def serve(listener: socket.socket, own: Mapping[str, str], parent: int) -> Request | None:
     """Serves until its starter died and its children ended; returns a request only in a
     forked child (the one it became), None in the server when it is done. Imports
-    ``PRELOAD_LATER`` while nothing waits.
+    ``PRELOAD_LATER`` while nothing waits, once asked to (:class:`Preload`).
 
     One thread: reads a request, forks, answers; wakes for a new connection, a job's
     exit (reaped and reported) or its starter's death (``parent``: a pidfd). A starter
@@ -276,7 +313,8 @@ def serve(listener: socket.socket, own: Mapping[str, str], parent: int) -> Reque
     """
     jobs: dict[int, _Job] = {}  # by pidfd
     uid = os.getuid()
-    later = list(PRELOAD_LATER)
+    later: list[str] = []
+    asked = False
     while listener.fileno() >= 0 or jobs:
         conns = [j.conn for j in jobs.values() if j.conn is not None]
         starter = [parent] if listener.fileno() >= 0 else []
@@ -290,7 +328,10 @@ def serve(listener: socket.socket, own: Mapping[str, str], parent: int) -> Reque
         for item in ready:
             if item is listener and listener.fileno() >= 0:
                 child = _accept(listener, uid, own, jobs, parent)
-                if child is not None:
+                if isinstance(child, Preload):
+                    if not asked:
+                        later, asked = list(PRELOAD_LATER), True
+                elif child is not None:
                     return child
             elif isinstance(item, socket.socket):
                 job = next((j for j in jobs.values() if j.conn is item), None)
@@ -320,7 +361,9 @@ def _closed(conn: socket.socket) -> bool:
 
 def _accept(
     listener: socket.socket, uid: int, own: Mapping[str, str], jobs: dict[int, _Job], parent: int
-) -> Request | None:
+) -> Request | Preload | None:
+    """Serves one connection: forks for a request (the child returns it), answers a
+    refusal, or returns a :class:`Preload` (in the server)."""
     conn, _ = listener.accept()
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, peer_uid, _ = struct.unpack("3i", creds)
@@ -332,6 +375,9 @@ def _accept(
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         conn.close()
         return None
+    if isinstance(request, Preload):
+        conn.close()
+        return request
     reason = refusal(request.argv, request.env, own)
     if reason is None and len(request.fds) < 3:
         reason = "stdin, stdout and stderr not sent"
@@ -342,8 +388,10 @@ def _accept(
         conn.close()
         return None
     server = os.getpid()
+    gc.freeze()  # what is here now stays out of the child's collections (see main)
     pid = os.fork()
     if pid == 0:
+        gc.enable()
         conn.close()
         listener.close()
         os.close(parent)
@@ -397,6 +445,12 @@ def main() -> None:
     listener.bind("\0" + name)  # abstract: nothing on disk to leave behind
     listener.listen(64)  # bound before the imports: early clients wait in the backlog
     own = dict(os.environ)
+    # Python's recipe for a process that forks without exec (the gc module's docs): no
+    # collection here, so none runs during the imports (a seventh of torch's import time
+    # on the machine of docs/benchmarks.md) and no freed holes dirty shared pages;
+    # ``gc.freeze()`` before each fork, so a child's collections never walk (and copy)
+    # the imported objects; ``gc.enable()`` in the child.
+    gc.disable()
     for module in PRELOAD:
         __import__(module)
     request = serve(listener, own, parent)

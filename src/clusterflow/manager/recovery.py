@@ -16,7 +16,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from clusterflow.backends import kinds
+from clusterflow.backends import forkserver, kinds
 from clusterflow.backends.api import Backend, TaskLaunch, TaskProcess
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ENV_STANDBY
@@ -91,7 +91,9 @@ class Recovery:
     def _keep_standby(self) -> None:
         """Keeps warm standby supervisors: one while a respawn may still be needed, one
         per task while a whole restart may (``--warm-restarts``), and those an elastic
-        cluster's next grow may take (``Elastic._growth_standbys``).
+        cluster's next grow may take (``Elastic._growth_standbys``); and, while any of
+        them may come, has the warm fork server import what their jobs will
+        (``forkserver.preload_later``).
 
         A respawn's only once a job declared a task respawnable (so runs that restart
         everything pay nothing) and only while restarts remain; a restart's once the
@@ -108,6 +110,11 @@ class Recovery:
         respawn = first is not None and restarts_left
         restart = len(self.tasks) if restarts_left and self._warm_restarts() else 0
         count = max(int(respawn), restart) + self._growth_standbys()
+        grows = self.rendezvous.spec is not None and self.config.workers_max is not None
+        if restarts_left or grows or count:
+            # A restart's, respawn's or grow's forks may come: the warm server imports
+            # what their jobs will (seconds of CPU), now that the launch is done.
+            forkserver.preload_later()
         # a standby registers as a task of the job it may replace (its command, its env)
         task = first.id if first is not None else next(iter(self.tasks.workers()), None)
         task = task if task is not None else next(iter(self.tasks), None)
