@@ -205,8 +205,10 @@ def preload_later() -> None:
     The manager asks once its cluster runs and a fork may still come (a restart left, a
     respawn or grow possible: ``manager/recovery.py``). A server that cannot be reached
     is left alone: a job that needs the modules imports them itself."""
+    if _STARTED.preloading:
+        return
     server = address()
-    if server is None or _STARTED.preloading:
+    if server is None:
         return
     _STARTED.preloading = True
     body = json.dumps({"preload": True}).encode()
