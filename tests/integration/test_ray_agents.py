@@ -93,6 +93,11 @@ def _hosts(out: str) -> set[int]:
     return {int(pid) for pid in re.findall(r"hosted_by=(\d+)", out)}
 
 
+def _warm(out: str) -> list[str]:
+    """Each rank's ``warm=`` (1: forked from its agent's server, torch imported)."""
+    return re.findall(r"hosted_by=\d+ rank=\d+ warm=(\d)", out)
+
+
 def _results(out: str) -> list[str]:
     return [line for line in out.splitlines() if "test_accuracy" in line]
 
@@ -109,6 +114,9 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     # Each task's supervisor is a child of its node's agent: no Ray worker was started
     # for it. Two workers, spread over the two nodes: both agents host one.
     assert _hosts(first.stdout) == set(agents.values()), first.stdout
+    # Each forked from its node's warm fork server (the agent's): the job found torch
+    # imported, as a local cluster's do (no interpreter start, no import per launch).
+    assert _warm(first.stdout) == ["1", "1"], first.stdout
     # The manager ran in the head's agent too (no Ray worker started for it either).
     (cluster,) = (cf.home / "clusters").iterdir()
     described = cf("describe", cluster.name, "--json")
@@ -201,3 +209,42 @@ def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, c
     assert stopped.stdout.strip() == f"{cluster_id}: stopped", stopped.stdout
     state = json.loads(cf("describe", cluster_id, "--json", no_ray=True).stdout)
     assert state["status"] == "stopped", state
+
+
+HOLD = """
+import pathlib, sys, time
+data = b"\\1" * (150 << 20)  # touched, so resident: the job's own pages
+print("holding", flush=True)
+flag = pathlib.Path(sys.argv[1])
+while not flag.exists():  # held until the test saw the agent measure it
+    time.sleep(0.05)
+"""
+
+
+def test_a_forked_tasks_memory_is_its_own_pages_not_its_warm_servers(
+    nodes: RayNodes, cf: Any, tmp_path: Path
+) -> None:
+    started = cf("ray-agents", "start", "--address", ADDRESS)
+    assert started.returncode == 0, started.stderr
+    flag = tmp_path / "measured"
+    ray = ["--backend", "ray", "--address", ADDRESS, "--workers", "1", "--detach"]
+    out = cf("start", *ray, "--", sys.executable, "-c", HOLD, str(flag))
+    assert out.returncode == 0, out.stderr
+    cluster_id = out.stdout.strip()
+
+    def task() -> dict[str, Any]:
+        described = cf("describe", cluster_id, "--json")
+        assert described.returncode == 0, described.stderr
+        tasks = json.loads(described.stdout)["tasks"]
+        return dict(tasks[0]) if tasks else {}
+
+    try:
+        wait_until(lambda: (task().get("memory_peak") or 0) > 150 << 20, 120, "the measure")
+    finally:
+        flag.touch()
+    # Forked warm, the supervisor and its job share torch's import with the agent's
+    # server (hundreds of MB, resident in each): counted per process, as RSS would, the
+    # tree would read several times that; its own pages are the 150 MiB and a little.
+    peak = task()["memory_peak"]
+    assert 150 << 20 < peak < 260 << 20, peak / 2**20
+    wait_until(lambda: task().get("exit_code") == 0, 120, "the job's end")

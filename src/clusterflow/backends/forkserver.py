@@ -97,21 +97,104 @@ REQUEST_S = 10.0
 MAX_REQUEST = 64 << 20
 
 
-@dataclass(slots=True)
-class _Started:
-    """The server this process started, if any (one per process: the manager's)."""
+class WarmServer:
+    """A warm fork server this process started and owns: the manager's (one per
+    cluster, the module's functions below) or a Ray node agent's (``ray_agent``: one
+    per node, started with the agent, serving every cluster's tasks there)."""
 
-    popen: subprocess.Popen[bytes] | None = None
-    address: str | None = None
-    preloading: bool = False
-    """Whether it was asked for ``PRELOAD_LATER`` (once is enough)."""
-    cluster_id: str | None = None
-    """The id its cluster will have: in the server's environment from its start, so
-    every process forked from it carries it where ``clusterflow stop`` looks for a
-    stale cluster's processes (``/proc/PID/environ``: a fork cannot change it)."""
+    def __init__(self) -> None:
+        self.popen: subprocess.Popen[bytes] | None = None
+        self._address: str | None = None
+        self.cluster_id: str | None = None
+        """The id its cluster will have: in the server's environment from its start, so
+        every process forked from it carries it where ``clusterflow stop`` looks for a
+        stale cluster's processes (``/proc/PID/environ``: a fork cannot change it).
+        None for an agent's, which serves many clusters."""
+        self.preloading = False
+        """Whether it was asked for ``PRELOAD_LATER`` (once is enough)."""
+
+    def ensure(self, cluster_id: str | None = None, *, tagged: bool = True) -> str | None:
+        """Its address (``NAME:PID``), starting it if none runs; None when
+        ``CLUSTERFLOW_WARM_FORK=0`` or it could not be started.
+
+        ``cluster_id``: the cluster it serves (None: a new id, which ``cluster_id`` then
+        gives to the cluster about to be made); ``tagged`` False: no cluster's (an
+        agent's)."""
+        if os.environ.get(ENV_WARM_FORK, "1") == "0":
+            return None
+        if self.popen is not None and self.popen.poll() is None:
+            return self._address
+        name = f"clusterflow-fork-{os.getpid()}-{os.urandom(8).hex()}"
+        env = dict(os.environ)
+        # Never this environment's id: that is the cluster of whoever ran `start` (a task).
+        cid = (cluster_id or os.urandom(5).hex()) if tagged else None
+        if cid is not None:
+            env[ENV_CLUSTER_ID] = cid
+        else:
+            env.pop(ENV_CLUSTER_ID, None)
+        try:
+            popen = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "clusterflow.backends.forkserver"),
+                    *(name, str(os.getpid()), TITLE_ROOM),  # the room: zygote.show_as
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            return None
+        self.popen, self._address, self.cluster_id = popen, f"{name}:{popen.pid}", cid
+        self.preloading = False
+        return self._address
+
+    def address(self) -> str | None:
+        """The running server's ``NAME:PID``, or None; one warning when it has died."""
+        if self.popen is None:
+            return None
+        code = self.popen.poll()
+        if code is not None:
+            log.warning("the warm fork server exited (%s); tasks start their own Python", code)
+            self.popen = self._address = self.cluster_id = None
+            return None
+        return self._address
+
+    def preload_later(self) -> None:
+        """Asks the server, if it runs, to import ``PRELOAD_LATER`` while it idles, so
+        a restart's or a grow's forks find them imported; once per server.
+
+        The manager asks once its cluster runs and a fork may still come (a restart
+        left, a respawn or grow possible: ``manager/recovery.py``). A server that cannot
+        be reached is left alone: a job that needs the modules imports them itself."""
+        if self.preloading:
+            return
+        server = self.address()
+        if server is None:
+            return
+        self.preloading = True
+        body = json.dumps({"preload": True}).encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(PRELOAD_S)
+                conn.connect("\0" + server.rpartition(":")[0])
+                conn.sendall(HEADER.pack(len(body)) + body)
+        except OSError as exc:
+            log.info("the warm fork server was not asked to preload: %s", exc)
+
+    def stop(self) -> None:
+        """Ends the server (and any job it still holds: they die with it)."""
+        popen, self.popen, self._address = self.popen, None, None
+        self.cluster_id, self.preloading = None, False
+        if popen is not None and popen.poll() is None:
+            popen.kill()
+            popen.wait()
 
 
-_STARTED = _Started()
+_STARTED = WarmServer()
+"""This process's server as the manager of one cluster (``clusterflow start``'s, a
+detached manager's); a Ray agent keeps its own ``WarmServer``."""
 
 
 # The side that starts it ------------------------------------------------------------
@@ -150,35 +233,8 @@ def _dashdash(argv: Sequence[str]) -> int:
 
 
 def ensure(cluster_id: str | None = None) -> str | None:
-    """This process's server's address (``NAME:PID``), starting it if none runs; None
-    when ``CLUSTERFLOW_WARM_FORK=0`` or it could not be started.
-
-    ``cluster_id``: the cluster it serves (None: a new id, which ``cluster_id()`` then
-    gives to the cluster about to be made)."""
-    if os.environ.get(ENV_WARM_FORK, "1") == "0":
-        return None
-    if _STARTED.popen is not None and _STARTED.popen.poll() is None:
-        return _STARTED.address
-    name = f"clusterflow-fork-{os.getpid()}-{os.urandom(8).hex()}"
-    # Never this environment's id: that is the cluster of whoever ran `start` (a task).
-    cid = cluster_id or os.urandom(5).hex()
-    try:
-        popen = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "clusterflow.backends.forkserver"),
-                *(name, str(os.getpid()), TITLE_ROOM),  # the room: zygote.show_as
-            ],
-            env={**os.environ, ENV_CLUSTER_ID: cid},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    except OSError:
-        return None
-    _STARTED.popen, _STARTED.address = popen, f"{name}:{popen.pid}"
-    _STARTED.cluster_id = cid
-    return _STARTED.address
+    """This process's server's address, starting it if none runs (``WarmServer.ensure``)."""
+    return _STARTED.ensure(cluster_id)
 
 
 def cluster_id() -> str | None:
@@ -187,47 +243,18 @@ def cluster_id() -> str | None:
 
 
 def address() -> str | None:
-    """The running server's ``NAME:PID``, or None; one warning when it has died."""
-    if _STARTED.popen is None:
-        return None
-    code = _STARTED.popen.poll()
-    if code is not None:
-        log.warning("the warm fork server exited (%s); tasks start their own Python", code)
-        _STARTED.popen = _STARTED.address = _STARTED.cluster_id = None
-        return None
-    return _STARTED.address
+    """The running server's ``NAME:PID``, or None (``WarmServer.address``)."""
+    return _STARTED.address()
 
 
 def preload_later() -> None:
-    """Asks this process's server, if it runs, to import ``PRELOAD_LATER`` while it
-    idles, so a restart's or a grow's forks find them imported; once per server.
-
-    The manager asks once its cluster runs and a fork may still come (a restart left, a
-    respawn or grow possible: ``manager/recovery.py``). A server that cannot be reached
-    is left alone: a job that needs the modules imports them itself."""
-    if _STARTED.preloading:
-        return
-    server = address()
-    if server is None:
-        return
-    _STARTED.preloading = True
-    body = json.dumps({"preload": True}).encode()
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(PRELOAD_S)
-            conn.connect("\0" + server.rpartition(":")[0])
-            conn.sendall(HEADER.pack(len(body)) + body)
-    except OSError as exc:
-        log.info("the warm fork server was not asked to preload: %s", exc)
+    """``WarmServer.preload_later`` for this process's server."""
+    _STARTED.preload_later()
 
 
 def stop() -> None:
     """Ends this process's server (and any job it still holds: they die with it)."""
-    popen, _STARTED.popen, _STARTED.address = _STARTED.popen, None, None
-    _STARTED.cluster_id, _STARTED.preloading = None, False
-    if popen is not None and popen.poll() is None:
-        popen.kill()
-        popen.wait()
+    _STARTED.stop()
 
 
 # The server ---------------------------------------------------------------------------

@@ -29,13 +29,18 @@ FLOOR = float(256 << 20)
 """Never ask for less: the interpreter, torch and the supervisor need about this much."""
 
 
-def tree_rss(root: psutil.Process) -> int:
-    """Resident bytes of ``root`` and every process below it (0 once it is gone)."""
+def tree_rss(root: psutil.Process, *, private: bool = False) -> int:
+    """Resident bytes of ``root`` and every process below it (0 once it is gone).
+
+    ``private``: only the pages each holds alone (its USS), for a tree forked from a
+    warm server (``forkserver``): the pages it still shares with the server (torch's
+    import, hundreds of MB) would otherwise count once per process, and they are the
+    server's, not the task's."""
     total = 0
     with contextlib.suppress(psutil.Error):
         for proc in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
-                total += proc.memory_info().rss
+                total += proc.memory_full_info().uss if private else proc.memory_info().rss
     return total
 
 

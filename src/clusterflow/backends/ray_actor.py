@@ -37,6 +37,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any, Final
 
+from clusterflow.backends.forked import ForkedJob, Unavailable, fork_job
 from clusterflow.backends.memory_watch import MemoryWatch, tree_rss
 from clusterflow.backends.ray_placement import TaskRequest
 from clusterflow.cluster import TaskId
@@ -45,6 +46,7 @@ from clusterflow.cluster.contract import (
     ENV_BIND_HOST,
     ENV_NODE,
     ENV_SECRET_FILE,
+    ENV_TASK,
     GLOO_IFNAME,
 )
 from clusterflow.errors import ClusterflowError
@@ -79,7 +81,10 @@ class SupervisorHost:
         secret: str,
         memory_limit: float | None = None,
         assigned: Mapping[str, float] | None = None,
+        warm: str | None = None,
     ) -> None:
+        """``warm``: the node's warm fork server (``NAME:PID``, its agent's), which
+        forks the supervisor when it can; otherwise, or when it cannot, a fresh one."""
         import ray
 
         self.task = task
@@ -99,14 +104,8 @@ class SupervisorHost:
         iface = interface_of(self.node_ip)
         if iface and GLOO_IFNAME not in env:
             full[GLOO_IFNAME] = iface  # gloo's peers on other nodes reach it there
-        self._popen = subprocess.Popen(
-            [sys.executable, "-m", SUPERVISOR_MODULE],
-            env=full,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self._popen, self._out = _start(full, warm)
+        self._forked = isinstance(self._popen, ForkedJob)
         self._buffer = bytearray()
         self._eof = False
         self._cond = threading.Condition()
@@ -124,7 +123,7 @@ class SupervisorHost:
         except psutil.Error:
             return
         while self._popen.poll() is None:
-            total = tree_rss(root)
+            total = tree_rss(root, private=self._forked)
             if self._memory.sample(total):
                 log.warning(
                     "%s uses %d bytes, over its %d: killed", self.task, total, self._memory.limit
@@ -133,8 +132,7 @@ class SupervisorHost:
             time.sleep(SAMPLE_S)
 
     def _read_pipe(self) -> None:
-        assert self._popen.stdout is not None
-        fd = self._popen.stdout.fileno()
+        fd = self._out.fileno()
         while True:
             try:
                 chunk = os.read(fd, 1 << 16)
@@ -200,6 +198,40 @@ class SupervisorHost:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(EXIT_DRAIN_S)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _start(
+    env: Mapping[str, str], warm: str | None
+) -> tuple[ForkedJob | subprocess.Popen[bytes], IO[bytes]]:
+    """The supervisor, forked by the node's warm server (``warm``) or started fresh
+    (no server, or one that cannot fork it: one log line says why); and its output.
+
+    Forked, it leads a session of its own and is the server's child, not this
+    process's: its exit status comes over the server's socket (``forked.ForkedJob``),
+    as a ``Popen``'s would, and ``signal`` reaches its group as before."""
+    if warm is not None:
+        read_end, write_end = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            argv = [sys.executable, "-m", SUPERVISOR_MODULE]
+            job = fork_job(warm, argv, env, os.getcwd(), stdio=(null, write_end, write_end))
+            return job, os.fdopen(read_end, "rb")
+        except Unavailable as exc:
+            os.close(read_end)
+            log.warning("%s starts its own Python (%s)", env.get(ENV_TASK, "a task"), exc)
+        finally:
+            os.close(null)
+            os.close(write_end)
+    popen = subprocess.Popen(
+        [sys.executable, "-m", SUPERVISOR_MODULE],
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert popen.stdout is not None
+    return popen, popen.stdout
 
 
 @functools.cache

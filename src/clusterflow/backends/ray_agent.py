@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from clusterflow.backends import agent_port
+from clusterflow.backends import agent_port, forkserver
 from clusterflow.backends.ray_actor import SupervisorHost
 from clusterflow.backends.ray_driver import NAMESPACE
 from clusterflow.errors import ClusterflowError, ConfigError
@@ -69,7 +69,8 @@ def fingerprint() -> str:
     it makes): an agent whose code differs is replaced, not reused."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in ("ray_agent.py", "ray_actor.py", "memory_watch.py", "agent_port.py"):
+    code = ("ray_agent.py", "ray_actor.py", "memory_watch.py", "agent_port.py", "forked.py")
+    for name in (*code, "forkserver.py", "zygote.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -88,6 +89,13 @@ class NodeAgent:
         (``manager/ray_host.py``: ``ManagerHost``, which this layer may not import)."""
         self._lock = threading.Lock()
         self._port: list[agent_port.PortServer] = []
+        self._warm = forkserver.WarmServer()
+        """This node's warm fork server (torch imported once, as the agent starts): the
+        supervisors of the tasks this agent hosts are forked from it, as a local
+        cluster's are from its manager's, so a launch here pays no interpreter and no
+        ``import torch`` either. It serves every cluster's tasks on this node, so it
+        carries no cluster's id."""
+        self._warm.ensure(tagged=False)
 
     def port(self) -> dict[str, Any]:
         """Its own port (``agent_port``: what a launch calls without joining Ray), started
@@ -128,7 +136,9 @@ class NodeAgent:
     ) -> None:
         """Starts a task's supervisor under ``key`` (as ``SupervisorHost`` does in an
         actor of its own); ``assigned``: its bundle's resources, which ``info`` reports."""
-        host = SupervisorHost(task, env, secret, limit, assigned=assigned)
+        host = SupervisorHost(
+            task, env, secret, limit, assigned=assigned, warm=self._warm.address()
+        )
         with self._lock:
             old = self._hosts.pop(key, None)
             self._hosts[key] = host
