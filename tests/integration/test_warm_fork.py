@@ -401,3 +401,4 @@ def test_a_cluster_that_may_restart_has_its_server_import_what_a_restart_needs(
 
     gate.touch()
     cf.wait_until(lambda: cf.state(cluster_id).get("status") == "succeeded", 90, "the end")
+    cf.wait_until(lambda: not cf.alive([manager]), 60, "the manager to exit")
