@@ -373,6 +373,32 @@ def test_acks_of_the_simple_mode_go_alone_when_no_lease_call_is_due(
         assert dispatcher.service.status("default")["workers"]["w"] >= 8 + 2
 
 
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_worker_that_stops_when_nothing_is_left_asks_nothing_after_the_last_grant(
+    dispatcher: Dispatcher, parquet: Path, monkeypatch: pytest.MonkeyPatch, waits: bool
+) -> None:
+    """The grant that lends the last pending split says so (``last``): the simple mode
+    stops after those splits without another ask (it could only be told to stop), while
+    a worker that waits for every ack asks on, since a peer's splits may come back."""
+    statuses: list[tuple[str, bool]] = []
+    lease = dispatcher.service.lease
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        grant = lease(*args, **kwargs)
+        statuses.append((grant.status.value, grant.last))
+        return grant
+
+    monkeypatch.setattr(dispatcher.service, "lease", counted)
+    client = dispatcher.client(ArrowSource(str(parquet)), "w", wait_for_all_acks=waits)
+    assert ids_of(consume(client)) == Counter(range(RECORDS))
+    leases = [s for s in statuses if s[0] == "lease"]
+    assert leases[-1] == ("lease", True) and not any(last for _, last in leases[:-1])
+    if waits:
+        assert statuses[-1][0] == "end"
+    else:
+        assert statuses == leases
+
+
 def lease_orders(parquet: Path, seed: int) -> list[list[int]]:
     d = host_dispatcher()
     try:

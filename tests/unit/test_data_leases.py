@@ -219,3 +219,20 @@ def test_a_grant_of_several_gives_what_is_pending_then_waits() -> None:
     assert b.grant("c", None, 0, count=5).status == GrantStatus.WAIT
     b.ack([lease.lease_id for lease in (*two.leases, *last.leases)], 0)
     assert b.grant("c", None, 0, count=5).status == GrantStatus.END
+
+
+def test_a_grant_says_when_nothing_is_left_to_lend_after_it() -> None:
+    """``last``: no split pending and no epoch left to open once this grant is made; a
+    split that comes back later (a release) is pending again, and endless data never
+    has a last grant."""
+    b = book(n=10, split=2, epochs=2)  # 5 splits an epoch
+    assert not b.grant("a", None, 0, count=4).last
+    assert not b.grant("a", None, 0, count=4).last  # epoch 1 still to open
+    final = b.grant("b", None, 0, count=4)
+    assert final.last and len(final.leases) == 2
+    assert b.release_worker("b") == 2
+    one = b.grant("c", None, 0)
+    assert not one.last  # one of the two returned splits is still pending
+    assert b.grant("c", None, 0).last
+    endless = book(n=4, split=2, epochs=None)
+    assert not any(endless.grant("a", None, 0, count=2).last for _ in range(3))

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from clusterflow.data.api import DatasetSpec, Lease
+from clusterflow.data.api import DataError, DatasetSpec, Lease
 from clusterflow.data.messages import (
     AckRequest,
     LeaseReply,
@@ -48,6 +48,14 @@ def test_a_lease_reply_comes_back_as_it_went_and_a_one_lease_reader_sees_the_fir
     assert LeaseReply.from_wire(body) == reply
     assert body["lease"] == [1, 0, 0, 2]
     assert LeaseReply.from_wire(LeaseReply("wait", retry_s=0.5).to_wire()).retry_s == 0.5
+    assert "last" not in body  # sent only when true
+    last = LeaseReply("lease", (Lease(3, 0, 4, 6),), last=True)
+    assert LeaseReply.from_wire(last.to_wire()) == last
+
+
+def test_a_lease_reply_whose_last_is_not_a_bool_is_refused() -> None:
+    with pytest.raises(DataError, match="'last' must be true or false, got 'yes'"):
+        LeaseReply.from_wire({"status": "lease", "lease": [1, 0, 0, 2], "last": "yes"})
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,53 @@ def test_a_whole_row_group_is_read_writable_in_place_and_never_handed_out_again(
     assert not part["x"].flags.writeable and source.read(200, 300)["x"][0] == 100
 
 
+NUMBER_TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+NUMBER_TYPES += ["float16", "float32", "float64"]
+
+
+def test_an_owned_row_group_of_numbers_is_converted_in_one_pass_as_the_general_path_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row group of number columns decoded for one read (``owned``) is converted in one
+    pass over its record batch, never column by column, into the arrays the general
+    path gives: same values and types, writable over Arrow's memory. A table it does not
+    fit (a null, booleans, lists, several chunks, immutable memory) goes the
+    general way."""
+    from clusterflow.data import columns as columns_module
+
+    n = 300
+    numbers = pa.table({t: pa.array(np.arange(n) % 100, type=t) for t in NUMBER_TYPES})
+    path = tmp_path / "numbers.parquet"
+    pq.write_table(numbers, path, row_group_size=n)
+    general = columns_module.arrow_columns(pq.read_table(path))
+
+    def column_by_column(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted column by column")
+
+    with monkeypatch.context() as m:
+        m.setattr(columns_module, "_writable_view", column_by_column)
+        decoded = pq.ParquetFile(path).read_row_group(0, use_threads=False)
+        owned = columns_module.arrow_columns(decoded, owned=True)
+    assert list(owned) == NUMBER_TYPES
+    for name, values in owned.items():
+        assert values.dtype == general[name].dtype and values.tolist() == general[name].tolist()
+        assert values.flags.writeable and isinstance(values.base, pa.Buffer), name
+    others = {
+        "null": pa.table({"v": pa.array([1, None, 3])}),
+        "bool": pa.table({"v": [True, False]}),
+        "list": pa.table({"v": pa.array([[1, 2]], pa.list_(pa.int32(), 2))}),
+        "chunks": pa.concat_tables([pa.table({"v": [1.0, 2.0]}), pa.table({"v": [3.0]})]),
+        "immutable": pa.table(  # over bytes, which Arrow may not write
+            {"v": pa.Array.from_buffers(pa.float64(), 4, [None, pa.py_buffer(bytes(32))])}
+        ),
+    }
+    for what, other in others.items():
+        got = columns_module.arrow_columns(other, owned=True)["v"]
+        want = columns_module.arrow_columns(other)["v"]
+        assert got.tolist() == want.tolist() and got.dtype == want.dtype, what
+    assert not columns_module.arrow_columns(others["immutable"], owned=True)["v"].flags.writeable
+
+
 def test_directory_of_files_in_name_order(tmp_path: Path) -> None:
     for i in range(3):
         pq.write_table(table(10).slice(0, 10), tmp_path / f"part-{i}.parquet")

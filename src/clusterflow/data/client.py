@@ -510,6 +510,11 @@ class DataClient:
                         self._ahead += len(reply.leases)
                     for lease in reply.leases:
                         self._leases.put(lease)
+                    if reply.last and not self.config.waits_for_all_acks:
+                        # Nothing is left to lend: the next ask could only be told to
+                        # stop (a call on the dispatcher and on this process per pass).
+                        self._leases.put(_END)
+                        return
                     wait_s, waiting = 0.0, False
                     continue
                 if status == "end" or not self.config.waits_for_all_acks:

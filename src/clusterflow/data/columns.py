@@ -28,6 +28,10 @@ def arrow_columns(table: Any, *, owned: bool = False) -> dict[str, Any]:
     """
     import pyarrow.types as pat  # type: ignore[import-untyped]
 
+    if owned:
+        numbers = _owned_numbers(table)
+        if numbers is not None:
+            return numbers
     out: dict[str, Any] = {}
     for name, column in zip(table.column_names, table.columns, strict=True):
         kind = column.type
@@ -71,3 +75,42 @@ def _writable_view(column: Any, *, values: bool = False) -> np.ndarray | None:
         return None
     dtype = np.dtype(kind.to_pandas_dtype())
     return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+_NUMBER_DTYPES: dict[int, np.dtype[Any]] = {}
+"""Arrow type id -> NumPy dtype of the integer and floating types (``_number_dtype``)."""
+
+
+def _number_dtype(kind: Any) -> np.dtype[Any] | None:
+    """The NumPy dtype of an Arrow integer or floating type; None for any other type."""
+    if not _NUMBER_DTYPES:
+        import pyarrow as pa  # type: ignore[import-untyped]
+
+        names = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+        for t in (getattr(pa, n)() for n in [*names, "float16", "float32", "float64"]):
+            _NUMBER_DTYPES[t.id] = np.dtype(t.to_pandas_dtype())
+    return _NUMBER_DTYPES.get(kind.id)
+
+
+def _owned_numbers(table: Any) -> dict[str, Any] | None:
+    """``arrow_columns(table, owned=True)`` in one pass where every column is one chunk
+    of integers or floats without nulls (a Parquet row group of such columns, the data
+    service's common split); None otherwise, for the general path. Equal to what that
+    path gives, at about half its cost: the record batch's arrays instead of the table's
+    chunked columns and a chunk of each, one dtype lookup instead of the type checks and
+    ``to_pandas_dtype``: 28-30 us a split of 16 columns against 51 (the reading thread's
+    CPU; docs/benchmarks.md, "Data service: fewer calls")."""
+    batches = table.to_batches()
+    if len(batches) != 1:  # columns chunked apart, or no rows
+        return None
+    out: dict[str, Any] = {}
+    for name, array in zip(table.schema.names, batches[0].columns, strict=True):
+        dtype = _number_dtype(array.type)
+        if dtype is None or array.null_count:
+            return None
+        # A batch has rows, so its number arrays have a data buffer. Over memory Arrow
+        # marks immutable, frombuffer's array is read-only, as the general path's is.
+        out[name] = np.frombuffer(
+            array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
+        )
+    return out

@@ -10,11 +10,12 @@ Methods (all take and give msgpack bodies):
 
 * ``data.register``: ``{spec, locations}`` -> ``{name, num_splits, epoch}``
 * ``data.lease``: ``{name, worker, host, incarnation, acks?, count?}`` ->
-  ``{status: lease|wait|end, lease, leases?, retry_s}``; ``acks`` are acked first (the
+  ``{status: lease|wait|end, lease, leases?, retry_s, last?}``; ``acks`` are acked first (the
   simple mode's acks ride on the next ask); ``wait`` only comes at the end of the data.
   With ``count`` (1 to ``MAX_LEASES_PER_CALL``), up to that many splits are lent, each
   under its own lease, all listed in ``leases`` (``lease`` is the first): one round
-  trip for a worker that reads several splits ahead
+  trip for a worker that reads several splits ahead; ``last`` (true) says nothing is
+  left to lend after them, so a worker that stops then need not ask again
 * ``data.ack``: ``{name, leases, worker?}`` -> ``{acked, duplicates}``
 * ``data.release``: ``{name?, worker, leases?}`` -> ``{released}``
 * ``data.status``: ``{name}`` -> counts per epoch and worker
@@ -290,7 +291,7 @@ class DispatcherService:
             acks=list(ask.acks) or None,
         )
         retry = self.config.retry_s if grant.status == GrantStatus.WAIT else 0.0
-        return LeaseReply(grant.status.value, tuple(grant.leases), retry).to_wire()
+        return LeaseReply(grant.status.value, tuple(grant.leases), retry, grant.last).to_wire()
 
     def _on_ack(self, request: Request) -> dict[str, int]:
         ack = AckRequest.from_wire(request.body)

@@ -52,6 +52,10 @@ class Grant:
     """The first split lent (None unless ``status`` is ``lease``)."""
     more: tuple[Lease, ...] = ()
     """Further splits lent by the same call (``grant(count=...)``), in queue order."""
+    last: bool = False
+    """Nothing is left to lend after this grant: no split pending and no epoch left to
+    open. A worker that stops once nothing is left to lend (the simple mode) stops after
+    these splits without asking again: that ask could only be told to wait or stop."""
 
     @property
     def leases(self) -> list[Lease]:
@@ -197,7 +201,8 @@ class LeaseBook:
                     break
                 self._open_next()
         if lent:
-            return Grant(GrantStatus.LEASE, lent[0], tuple(lent[1:]))
+            last = self._exhausted() and not any(ep.queue for ep in self._live.values())
+            return Grant(GrantStatus.LEASE, lent[0], tuple(lent[1:]), last)
         if self._live:
             return Grant(GrantStatus.WAIT)
         return Grant(GrantStatus.END)

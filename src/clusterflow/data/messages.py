@@ -137,6 +137,10 @@ class LeaseReply:
     status: str
     leases: tuple[Lease, ...] = ()
     retry_s: float = 0.0
+    last: bool = False
+    """With ``lease``: nothing is left to lend after these splits (``Grant.last``), so
+    a worker that stops once nothing is left need not ask again. Sent only when true;
+    a dispatcher that never sends it costs such a worker one more ask."""
 
     def to_wire(self) -> dict[str, Any]:
         """The first lease as ``lease`` too, for a reader of one split per call."""
@@ -146,6 +150,8 @@ class LeaseReply:
             body["leases"] = [lease.to_wire() for lease in self.leases]
         if self.status == "wait":
             body["retry_s"] = self.retry_s
+        if self.last:
+            body["last"] = True
         return body
 
     @classmethod
@@ -161,10 +167,14 @@ class LeaseReply:
         items = body.get("leases") or ([body["lease"]] if body.get("lease") else [])
         if status == "lease" and not items:
             raise DataError(f"data.lease reply lends nothing: {body!r}")
+        last = body.get("last", False)
+        if not isinstance(last, bool):
+            raise DataError(f"data.lease reply's 'last' must be true or false, got {last!r:.80}")
         return cls(
             status,
             tuple(Lease.from_wire(item) for item in items),
             float(body.get("retry_s", 0.0)),
+            last,
         )
 
 
