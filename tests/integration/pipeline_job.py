@@ -67,6 +67,16 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
         scale_grads(stage, factor)
 
     _PipelineStageBase.scale_grads = recorded  # type: ignore[method-assign]
+    # Each forward ("F", micro-batch) and each zeroing of the gradients ("Z", -1), in
+    # order: when the step's own preparation ran (overlap.OverlappedSingle.step).
+    events: list[tuple[str, int]] = []
+    forward_one_chunk = _PipelineStageBase.forward_one_chunk
+
+    def forward(stage: Any, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        events.append(("F", chunk))
+        return forward_one_chunk(stage, chunk, *args, **kwargs)
+
+    _PipelineStageBase.forward_one_chunk = forward  # type: ignore[method-assign]
     runs = (("gpipe", 4), ("1f1b", 2), ("interleaved", 2), ("1f1b-runtime", 2))
     for name, stages in runs:
         schedule = name.removesuffix("-runtime")
@@ -79,6 +89,13 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
         with strategy.scope():
             model = mlp()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        zero_grad = optimizer.zero_grad
+
+        def zeroed(set_to_none: bool = True, zero_grad: Any = zero_grad) -> None:
+            events.append(("Z", -1))
+            zero_grad(set_to_none)
+
+        optimizer.zero_grad = zeroed  # type: ignore[method-assign]
         hooks = []
         ckpt = out / f"ckpt-{schedule}"
         if name == "1f1b":
@@ -101,8 +118,11 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
             "actions": strategy.engine.actions(),  # type: ignore[union-attr]
             "grads_divided": list(divided),
+            "events": list(events),
+            "stage": strategy.stage,
         }
         divided.clear()
+        events.clear()
         if name == "1f1b" and rank == 0:
             joined, step = load_module(str(ckpt), mlp)  # type: ignore[misc]
             result["joined"] = {"params": flat(joined), "step": step}

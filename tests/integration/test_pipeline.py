@@ -147,11 +147,40 @@ def test_each_stage_posts_every_receive_before_it_computes(
     run above, which equals one process, ran these very schedules."""
     for rank, result in enumerate(results["sync"]):
         assert result[schedule]["actions"], f"{schedule} rank {rank} built no schedule"
-        for actions in result[schedule]["actions"]:
+        first = result[schedule]["stage"] == 0 and schedule != "interleaved"
+        for order in result[schedule]["actions"]:
+            # The shard actions (no-ops without FSDP) aside.
+            actions = [a for a in order if not a.endswith(("SHARD", "REDUCE_GRAD"))]
             receives = [i for i, a in enumerate(actions) if "RECV" in a]
-            others = [i for i, a in enumerate(actions) if "RECV" not in a]
             assert receives, f"{schedule} rank {rank} received nothing: {actions}"
-            assert max(receives) < min(others), f"{schedule} rank {rank}: {actions}"
+            start = 0
+            if first:
+                # The first stage sends its first forward before anything else: every
+                # other stage waits for it (overlap.receives_after_first_send).
+                assert actions[:2] == ["0F0", "0SEND_F0"], f"{schedule} rank {rank}: {actions}"
+                start = 2
+            assert receives == list(range(start, start + len(receives))), (
+                f"{schedule} rank {rank}: {actions}"
+            )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_first_stage_zeroes_its_gradients_after_its_first_forward(
+    results: dict[str, list[Any]], schedule: str
+) -> None:
+    """The step's own preparation (zeroing the gradients, posting the outputs' receive)
+    waits on the first stage until its first forward is on its way, and runs before
+    anything else on the other stages (SyncEngine.step). Each step's zeroing is
+    therefore preceded, on the first stage, by its forward of micro-batch 0, and
+    elsewhere never is."""
+    for rank, result in enumerate(results["sync"]):
+        events = result[schedule]["events"]
+        before = [events[i - 1] if i else None for i, e in enumerate(events) if e[0] == "Z"]
+        assert before, f"{schedule} rank {rank} zeroed nothing"
+        if result[schedule]["stage"] == 0:
+            assert set(before) == {("F", 0)}, f"{schedule} rank {rank}: {before}"
+        else:
+            assert ("F", 0) not in before, f"{schedule} rank {rank}: {before}"
     assert results["sync"][0]["1f1b"]["bounds"] == [(0, 3), (3, 7)]
 
 

@@ -18,6 +18,16 @@ interleaved: torch's own), lowered to communication actions by torch's own
 So while a stage computes micro-batch ``i``, the activations of ``i + 1`` (and the
 gradients the next stage sends back) arrive into buffers already posted.
 
+One exception, in GPipe and 1F1B: the first stage computes and sends its first forward
+before it posts anything (``receives_after_first_send``), and the caller's own work for
+the step (``OverlappedSingle.step``'s ``prepare``: zeroing the gradients, posting the
+outputs' receive) runs there too, not before. Every other stage waits for that first
+forward, and the first stage receives nothing (gradients, outputs) before its warm-up
+forwards are done; so that work, and the split of the batch into micro-batches
+(``OverlappedSingle._split_inputs``, torch's own ``_split_tensor`` without its generic
+walk), no longer sits between the first stage's last backward and the next step's
+first forward, where the whole pipeline waits.
+
 GPipe and 1F1B (one stage per rank) run that lowered order in a plain loop of torch's
 own stage calls (``OverlappedSingle._step_microbatches``) rather than through
 ``_PipelineScheduleRuntime``'s, which wraps every action (a send, a receive, a no-op
@@ -44,12 +54,15 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleInterleaved1F1B,
+    microbatch,
 )
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.pipelining.schedules import (
     RECV_B,
     RECV_F,
@@ -69,6 +82,7 @@ __all__ = [
     "OverlappedSingle",
     "gpipe_order",
     "one_f_one_b_order",
+    "receives_after_first_send",
     "receives_first",
 ]
 
@@ -80,6 +94,26 @@ def receives_first(actions: list[_Action]) -> list[_Action]:
     """One rank's actions with every receive moved to the front, in its own order."""
     receives = [a for a in actions if a.computation_type in (RECV_F, RECV_B)]
     return receives + [a for a in actions if a.computation_type not in (RECV_F, RECV_B)]
+
+
+def receives_after_first_send(actions: list[_Action]) -> list[_Action]:
+    """The first stage's actions: its first forward and that forward's send, then every
+    receive in its own order, then the rest.
+
+    The first stage receives only gradients (and the outputs), none of them before its
+    warm-up forwards end, and every other stage waits for its first forward: posting
+    the step's receives (about 20 us of CPU each, on a core the stages share) before
+    that forward kept the whole pipeline waiting that long. The first gradient comes
+    back only after the next stage's forward and backward of micro-batch 0, long after
+    the receives are posted, so no send finds its receive missing.
+    """
+    first_send = next((i for i, a in enumerate(actions) if a.computation_type == SEND_F), None)
+    if first_send is None:  # nothing sent before it receives: post them first
+        return receives_first(actions)
+    head, tail = actions[: first_send + 1], actions[first_send + 1 :]
+    if any(a.computation_type in (RECV_F, RECV_B) for a in head):
+        return receives_first(actions)
+    return head + receives_first(tail)
 
 
 def gpipe_order(stage: int, microbatches: int) -> list[_Action]:
@@ -123,6 +157,9 @@ PLAIN_LOOP_CALLS: dict[str, tuple[str, ...]] = {
     "PipelineStage.forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
     "PipelineStage.backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
     "PipelineStage.perform_reduce_grad": ("grad_scale_factor",),
+    "_PipelineScheduleRuntime._split_inputs": ("args", "kwargs"),
+    "_PipelineScheduleRuntime._prepare_schedule_with_comms": ("actions", "format"),
+    "microbatch._split_tensor": ("tensor", "spec", "num_chunks"),
 }
 """The private torch calls ``OverlappedSingle._step_microbatches`` makes, with the
 parameters it passes them (torch 2.13's, the torch the overlap was built and tested on)."""
@@ -132,9 +169,11 @@ def overlap_fits(owners: dict[str, Any] | None = None) -> bool:
     """Whether this torch's private calls take the parameters the plain loop passes
     (``PLAIN_LOOP_CALLS``): where not, the overlapped schedules are not used (module
     docstring). ``owners`` maps the class names to classes (tests)."""
-    found = owners or {
+    found = {
         "_PipelineScheduleRuntime": _PipelineScheduleRuntime,
         "PipelineStage": PipelineStage,
+        "microbatch": microbatch,
+        **(owners or {}),
     }
     for call, wanted in PLAIN_LOOP_CALLS.items():
         owner, _, name = call.partition(".")
@@ -142,7 +181,9 @@ def overlap_fits(owners: dict[str, Any] | None = None) -> bool:
             params = tuple(inspect.signature(getattr(found[owner], name)).parameters)
         except (AttributeError, TypeError, ValueError):
             return False
-        if params[1:] != wanted:  # [0] is self
+        if not inspect.ismodule(found[owner]):
+            params = params[1:]  # [0] is self
+        if params != wanted:
             log.info("torch's %s takes %s: the pipeline runs without the overlap", call, params)
             return False
     return True
@@ -183,7 +224,54 @@ class OverlappedSingle(_ReceivesFirst):
             )
             for rank in range(stages)
         }
+        self._prepare: Callable[[], None] | None = None
         self._prepare_schedule_with_comms(self.pipeline_order)
+
+    def _prepare_schedule_with_comms(self, actions: Any, format: Any = "compute_only") -> None:
+        _PipelineScheduleRuntime._prepare_schedule_with_comms(self, actions, format)
+        self.pipeline_order_with_comms = {
+            rank: receives_after_first_send(order)
+            for rank, order in self.pipeline_order_with_comms.items()
+        }
+
+    def step(self, *args: Any, prepare: Callable[[], None] | None = None, **kwargs: Any) -> Any:
+        """torch's ``step``, plus ``prepare``: the caller's own work for the step that
+        nothing before the rank's first receive reads (zeroing the gradients, posting
+        the outputs' receive). It runs right before the rank posts its receives, so on
+        the first stage after its first forward has been sent, and in any case before
+        the first backward; where torch's runtime runs the step (FSDP), first."""
+        self._prepare = prepare
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._prepare = None
+
+    def _run_prepare(self) -> None:
+        prepare, self._prepare = self._prepare, None
+        if prepare is not None:
+            prepare()
+
+    def _split_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        """One tensor and no keywords (what ``SyncEngine`` passes): its micro-batches by
+        torch's own ``_split_tensor``, the very views torch's generic split makes,
+        without its walk over the arguments' trees (0.2 ms of the first stage's CPU a
+        step in ``benchmarks.pipeline``, between its last backward and its next first
+        forward, while the other stages wait)."""
+        m = self._n_microbatches
+        if (
+            len(args) == 1
+            and not kwargs
+            and type(args[0]) is torch.Tensor
+            and args[0].dim() > 0
+            and args[0].size(0) >= m
+            and self._args_chunk_spec is None
+            and self._kwargs_chunk_spec is None
+        ):
+            chunks = microbatch._split_tensor(args[0], TensorChunkSpec(0), m)  # type: ignore[no-untyped-call]
+            return [(chunk,) for chunk in chunks], [{} for _ in chunks]
+        return super()._split_inputs(args, kwargs)  # type: ignore[no-untyped-call,no-any-return]
 
     def _step_microbatches(
         self,
@@ -198,6 +286,7 @@ class OverlappedSingle(_ReceivesFirst):
         ``_PipelineScheduleRuntime`` does for one stage per rank, action for action."""
         stage = self._stages[0]
         if isinstance(stage.submod, FSDPModule):  # its shard actions are not no-ops
+            self._run_prepare()
             # loss_kwargs only where given: torch 2.11's runtime takes no such argument
             more = () if loss_kwargs is None else (loss_kwargs,)
             super()._step_microbatches(  # type: ignore[no-untyped-call]
@@ -213,6 +302,8 @@ class OverlappedSingle(_ReceivesFirst):
         for action in self.pipeline_order_with_comms[self.rank]:
             kind, index = action.computation_type, action.microbatch_index
             mb = -1 if index is None else index  # None: a whole-stage action
+            if kind in (RECV_F, RECV_B, B):
+                self._run_prepare()
             if kind == RECV_F:
                 posted[RECV_F, mb] = _batch_p2p(stage.get_fwd_recv_ops(mb))
             elif kind == RECV_B:
@@ -244,6 +335,7 @@ class OverlappedSingle(_ReceivesFirst):
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
             elif kind not in (UNSHARD, RESHARD):  # no-ops without FSDP
                 raise ValueError(f"{action} is not an action of a one-stage schedule")
+        self._run_prepare()  # a step that neither receives nor goes backward
         for work in sends:  # long done, most of them: torch's runtime waits here too
             work.wait()
         self._update_losses(self._stages, losses)  # type: ignore[no-untyped-call]

@@ -316,16 +316,28 @@ class PipelineStrategy(Strategy):
         shapes = self._boundary_shapes((per, *inputs.shape[1:]), inputs.dtype)
         engine = self._ensure_engine()
         share = self._share
-        if share is not None:
-            shape, dtype = shapes[-1]
-            share.expect((rows, *shape[1:]), dtype)
+        optimizer = self._optimizer
+
+        def expect() -> None:
+            if share is not None:
+                shape, dtype = shapes[-1]
+                share.expect((rows, *shape[1:]), dtype)
+
         if isinstance(engine, PipeDreamEngine):
+            expect()
             # The last stage sends the outputs before its last backward (outputs.py).
             ready = share.send if share is not None else None
             outputs = engine.step(inputs, targets, scaled, self.config.microbatches, ready)
         else:
-            self._optimizer.zero_grad(set_to_none=True)
-            outputs = engine.step(inputs, targets, scaled)
+
+            def prepare() -> None:
+                # Nothing before the first backward reads the gradients, and the last
+                # stage sends its outputs after its step: on the first stage both wait
+                # until its first forward is on its way (SyncEngine.step).
+                expect()
+                optimizer.zero_grad(set_to_none=True)
+
+            outputs = engine.step(inputs, targets, scaled, prepare)
             if share is not None and outputs is not None:
                 share.send(outputs)
             self._average_gradients()

@@ -115,8 +115,20 @@ class SyncEngine:
         loss = self._loss_fn(outputs, targets)
         return loss if self._loss_scale is None else loss * self._loss_scale
 
-    def step(self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn) -> torch.Tensor | None:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        loss_fn: LossFn,
+        prepare: Callable[[], None] | None = None,
+    ) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``inputs``.
+
+        ``prepare``, the caller's work for the step that nothing before this rank's
+        first receive reads (zeroing the gradients, posting a receive of its own), runs
+        once: in the overlapped GPipe and 1F1B right before the rank posts its receives,
+        so on the first stage after its first forward has been sent, off the path every
+        other stage waits on (``OverlappedSingle.step``); elsewhere before the step.
 
         Returns:
             on the rank of the last chunk: the batch's outputs (micro-batches merged);
@@ -131,9 +143,15 @@ class SyncEngine:
         layout = self._layout
         mine = layout.my_chunks()
         args = (inputs,) if 0 in mine else ()
+        if isinstance(schedule, OverlappedSingle):
+            kwargs: dict[str, Any] = {"prepare": prepare}
+        else:
+            kwargs = {}
+            if prepare is not None:
+                prepare()
         if layout.chunks - 1 in mine:
-            return schedule.step(*args, target=targets).detach()  # type: ignore[no-any-return]
-        schedule.step(*args)
+            return schedule.step(*args, target=targets, **kwargs).detach()  # type: ignore[no-any-return]
+        schedule.step(*args, **kwargs)
         return None
 
 
@@ -149,8 +167,17 @@ class LocalEngine:
         self._chunk = chunk
         self._microbatches = microbatches
 
-    def step(self, inputs: torch.Tensor, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """Every micro-batch's forward and backward; returns the outputs, merged."""
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        loss_fn: LossFn,
+        prepare: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """``prepare()`` (as in ``SyncEngine.step``), then every micro-batch's forward and
+        backward; returns the outputs, merged."""
+        if prepare is not None:
+            prepare()
         outputs = []
         for x, y in zip(
             inputs.chunk(self._microbatches), targets.chunk(self._microbatches), strict=True
