@@ -250,3 +250,31 @@ def test_a_forked_tasks_memory_is_its_own_pages_not_its_warm_servers(
     peak = task()["memory_peak"]
     assert 400 << 20 < peak < 480 << 20, peak / 2**20
     wait_until(lambda: task().get("exit_code") == 0, 120, "the job's end")
+
+
+STORE_PROBE = """
+import os, psutil, torch.distributed as dist
+dist.init_process_group("gloo")  # the first rank's connection starts the store's helper
+port = int(os.environ["MASTER_PORT"])
+store = next(  # this cluster's: the helper that listens on its MASTER_PORT
+    p for p in psutil.process_iter(["cmdline"])
+    if (p.info["cmdline"] or [])[1:3] == ["-m", "clusterflow.manager.store"]
+    and any(c.laddr and c.laddr.port == port for c in p.net_connections("tcp"))
+)
+print("store parent", " ".join(store.parent().cmdline()[1:3]), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_manager_in_the_head_agent_forks_its_torch_store_from_the_agents_server(
+    nodes: RayNodes, cf: Any
+) -> None:
+    started = cf("ray-agents", "start", "--address", ADDRESS)
+    assert started.returncode == 0, started.stderr
+    ray = ["--backend", "ray", "--address", ADDRESS, "--workers", "1"]
+
+    out = cf("start", *ray, "--", sys.executable, "-c", STORE_PROBE)
+
+    # Not a fresh Python that imports torch while every rank's init_process_group waits.
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "[worker:0] store parent -m clusterflow.backends.forkserver" in out.stdout, out.stdout

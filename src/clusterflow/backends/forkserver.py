@@ -194,7 +194,10 @@ class WarmServer:
 
 _STARTED = WarmServer()
 """This process's server as the manager of one cluster (``clusterflow start``'s, a
-detached manager's); a Ray agent keeps its own ``WarmServer``."""
+detached manager's); a Ray agent keeps its own ``WarmServer`` and lends it (``lend``)."""
+_LENT: list[WarmServer] = []
+"""A server this process may fork from but must not end or preload: a Ray agent's, for
+the managers it hosts (their torch store's helper, ``manager/store_host.py``)."""
 
 
 # The side that starts it ------------------------------------------------------------
@@ -242,9 +245,19 @@ def cluster_id() -> str | None:
     return _STARTED.cluster_id if _STARTED.popen is not None else None
 
 
+def lend(server: WarmServer) -> None:
+    """Lets this process's forks (``address``) use ``server``, which it does not own:
+    ``stop`` and ``preload_later`` leave it alone (a Ray agent's, while the managers it
+    hosts come and go)."""
+    _LENT[:] = [server]
+
+
 def address() -> str | None:
-    """The running server's ``NAME:PID``, or None (``WarmServer.address``)."""
-    return _STARTED.address()
+    """This process's own running server's ``NAME:PID``, else a lent one's, or None."""
+    own = _STARTED.address()
+    if own is None and _LENT:
+        return _LENT[0].address()
+    return own
 
 
 def preload_later() -> None:

@@ -96,6 +96,9 @@ class NodeAgent:
         ``import torch`` either. It serves every cluster's tasks on this node, so it
         carries no cluster's id."""
         self._warm.ensure(tagged=False)
+        # The managers hosted here fork their torch store's helper from it too (a cold
+        # one's `import torch` held every rank's init_process_group for most of a second).
+        forkserver.lend(self._warm)
 
     def port(self) -> dict[str, Any]:
         """Its own port (``agent_port``: what a launch calls without joining Ray), started

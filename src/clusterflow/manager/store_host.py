@@ -12,8 +12,9 @@ rank connects (a job that never calls ``init_process_group`` never pays for the
 import); the ranks that connect before it is up wait in the socket's accept queue,
 which the store inherits with the socket. The helper exits when its stdin (a pipe from
 the manager) closes, so it never outlives the manager. Where this process runs the
-warm fork server (``backends/forkserver.py``), the helper is forked from it, torch
-already imported: a restart's ranks then wait for no store's import.
+warm fork server (``backends/forkserver.py``), or a Ray agent that hosts this manager
+lent it its own (``forkserver.lend``), the helper is forked from it, torch already
+imported: the ranks then wait for no store's import (on Ray, most of a second).
 """
 
 from __future__ import annotations
