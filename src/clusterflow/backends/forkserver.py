@@ -80,8 +80,9 @@ PRELOAD_LATER = (
 from here). Not before: on a machine with no core to spare, seconds of imports here
 (``torch._dynamo``, what an optimizer's first construction imports) slowed the launch
 they overlapped by a tenth (the second supervisor's request waited behind the first
-import; docs/benchmarks.md, "Launch by phase"), and a cluster that never restarts
-would pay them for nothing. A job that needs them sooner imports them itself."""
+import; docs/benchmarks.md, "Issue 28 after the eighth session"), and a cluster that
+never restarts would pay them for nothing. A job that needs them sooner imports them
+itself."""
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "LD_", "TORCH_")
 """Variables read when the interpreter or a preloaded library starts: a job that sets
 one otherwise than this server's environment does is started cold."""
