@@ -22,16 +22,19 @@ JOB = textwrap.dedent(
     path, out = sys.argv[1], sys.argv[2]
     seen = []
     data = distributed_dataset(path, batch_size=16, split_size=25, seed=3, epochs=1)
-    # Both start reading together: splits go to whoever asks first, so a worker that
-    # starts seconds late could find them all taken; this test wants both to read.
+    # Splits go to whoever asks first, and the 40 here take a worker milliseconds: one
+    # that starts a little ahead could take them all. This test wants both to read, so
+    # each, holding its first batch, waits for the other's first batch (a worker leases
+    # only a few splits ahead, so the other always finds some left).
     task = os.environ["CLUSTERFLOW_TASK"].replace(":", "-")
-    open(os.path.join(out, task + ".ready"), "w").close()
-    deadline = time.monotonic() + 60
-    while len([f for f in os.listdir(out) if f.endswith(".ready")]) < 2:
-        assert time.monotonic() < deadline, "the other worker never started"
-        time.sleep(0.02)
-    for batch in data:
+    for n, batch in enumerate(data):
         seen.extend(int(i) for i in batch.data["id"])
+        if n == 0:
+            open(os.path.join(out, task + ".first"), "w").close()
+            deadline = time.monotonic() + 60
+            while len([f for f in os.listdir(out) if f.endswith(".first")]) < 2:
+                assert time.monotonic() < deadline, "the other worker read nothing"
+                time.sleep(0.02)
     data.close()
     with open(os.path.join(out, task), "w") as f:
         f.write(" ".join(map(str, seen)))

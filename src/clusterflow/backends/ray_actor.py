@@ -2,7 +2,8 @@
 
 The actor (``SupervisorHost``) holds the task's resources (a bundle of a placement group
 that ``ray_backend.RayBackend`` reserved) and starts the same supervisor the local
-backend starts (``python -m clusterflow.backends.supervisor``) as its child, so the
+backend starts (``python -m clusterflow.backends.supervisor``) as its child (under a
+node's agent, forked from the agent's warm fork server instead: ``_start``), so the
 manager's contract is unchanged: registration, heartbeats and exit go over clusterflow's
 RPC; the actor only carries what a local process gives for free: the output stream, the
 exit code and signals. Ray's own calls carry them, each with a deadline. ``RayProcess``
