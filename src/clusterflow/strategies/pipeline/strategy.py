@@ -38,9 +38,6 @@ from clusterflow.collective import CommunicationOptions, Membership
 from clusterflow.collective.group import CollectiveGroup, select_device
 from clusterflow.data.api import SplitKey
 from clusterflow.strategies.api import (
-    CutRole,
-    Part,
-    ReadPart,
     ReduceOp,
     Replicas,
     Strategy,
@@ -60,7 +57,7 @@ from clusterflow.strategies.pipeline.groups import subgroups
 from clusterflow.strategies.pipeline.layout import Layout
 from clusterflow.strategies.pipeline.outputs import OutputShare
 from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
-from clusterflow.strategies.pipeline.state import join_names, load_optimizer_part, optimizer_part
+from clusterflow.strategies.pipeline.state import StageCut
 from clusterflow.strategies.pipeline.sync import LocalEngine, SyncEngine
 from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
 from clusterflow.strategies.variables import current_placement, pipeline_scope
@@ -73,7 +70,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 Step = Callable[[Any, Any, float], tuple[torch.Tensor, Any]]
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(StageCut, Strategy):
     """Pipeline parallelism: GPipe, 1F1B, interleaved 1F1B (torch's), PipeDream (ours).
 
     Args:
@@ -527,70 +524,6 @@ class PipelineStrategy(Strategy):
             self._group.shutdown()
         except Exception as exc:
             _log.warning("could not leave the pipeline's group after an error: %s", exc)
-
-    # The consistent cut: every stage writes its part -------------------------------------
-
-    def cut_role(self) -> CutRole:
-        return CutRole("pipeline", self.layout.rank, self.layout.world, holds_model=True)
-
-    def agree(self, flag: bool) -> bool:
-        if self.layout.world == 1:
-            return flag
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        return bool(self._group.broadcast_(value, 0).item())
-
-    def own_parts(self) -> list[Part]:
-        """This stage's layers and optimizer slots (pipeline 0 writes; the others hold
-        the same). Drains PipeDream first, so the cut holds no half-applied batch."""
-        self._drain()
-        if self.layout.pipeline != 0 or self._model is None:
-            return []
-        keys = self._my_keys()
-        state = self._model.state_dict()
-        tensors = {f"model/{k}": state[k].detach().cpu() for k in keys}
-        meta: dict[str, Any] = {"stage": self.layout.stage, "optimizer": None}
-        if self._optimizer is not None:
-            mine = {id(p) for p in self._my_parameters()}
-            opt_meta, opt_tensors = optimizer_part(self._optimizer, mine)
-            meta["optimizer"] = opt_meta
-            tensors.update(opt_tensors)
-        return [(join_names(self.layout.stages)[self.layout.stage], meta, tensors)]
-
-    def own_part_names(self) -> list[str]:
-        return join_names(self.layout.stages)
-
-    def cut_meta(self) -> dict[str, Any]:
-        return {
-            "stages": self.layout.stages,
-            "joined_parts": join_names(self.layout.stages),
-            "schedule": self.config.schedule.value,
-        }
-
-    def barrier(self) -> None:
-        self._group.barrier()
-
-    def restore(self, meta: dict[str, Any], read: ReadPart, *, named: bool) -> None:
-        """Loads this stage's part (every pipeline's same stage reads the same part).
-
-        Raises:
-            PipelineError: the checkpoint was cut into another number of stages.
-        """
-        if meta.get("stages") != self.layout.stages or self._model is None:
-            raise PipelineError(
-                f"the checkpoint holds {meta.get('stages')} stages; this pipeline has "
-                f"{self.layout.stages}"
-            )
-        part_meta, tensors = read(join_names(self.layout.stages)[self.layout.stage])
-        state = {k[6:]: t for k, t in tensors.items() if k.startswith("model/")}
-        self._model.load_state_dict(state, strict=False)
-        if self._optimizer is not None and part_meta.get("optimizer") is not None:
-            load_optimizer_part(self._optimizer, part_meta["optimizer"], tensors)
-        self.refresh_model()
-
-    def _my_keys(self) -> list[str]:
-        assert self._model is not None
-        mine = {self._names[i] for c in self.layout.my_chunks() for i in self._bounds[c]}
-        return [k for k in self._model.state_dict() if k.split(".", 1)[0] in mine]
 
 
 def _declare_fixed_size() -> None:
