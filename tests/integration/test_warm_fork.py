@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ from clusterflow.backends.forked import fork_job
 from clusterflow.backends.local import LocalBackend
 from clusterflow.cluster import TaskId
 from clusterflow.cluster.contract import ENV_CLUSTER_ID, ENV_WARM_FORK
+from clusterflow.testing.waiting import wait_for
 
 if TYPE_CHECKING:
     from conftest import Clusterflow
@@ -364,6 +364,12 @@ def _imported_later(server: str, env: dict[str, str] | None = None) -> list[str]
     return list(json.loads(text))
 
 
+def _wait_all_imported(server: str, env: dict[str, str] | None = None) -> None:
+    """Until a job forked by ``server`` finds all of ``PRELOAD_LATER`` imported."""
+    later = list(forkserver.PRELOAD_LATER)
+    wait_for(lambda: _imported_later(server, env) == later, "preloaded modules", 200)
+
+
 @pytest.mark.timeout(240)
 def test_the_server_imports_more_only_once_asked_and_then_all_of_it(server: str) -> None:
     # Between these the server idles: before it is asked, it imports nothing more.
@@ -373,11 +379,7 @@ def test_the_server_imports_more_only_once_asked_and_then_all_of_it(server: str)
     forkserver.preload_later()
 
     # Then one module at a time, between requests: a job forked later finds them all.
-    deadline = time.monotonic() + 200
-    seen: list[str] = []
-    while seen != list(forkserver.PRELOAD_LATER):
-        assert time.monotonic() < deadline, seen
-        seen = _imported_later(server)
+    _wait_all_imported(server)
 
 
 @pytest.mark.timeout(240)
@@ -393,11 +395,7 @@ def test_a_cluster_that_may_restart_has_its_server_import_what_a_restart_needs(
     address = f"{server.cmdline()[3]}:{server.pid}"  # python -m MODULE NAME STARTER ROOM
 
     # Asked by the manager once the cluster ran: its jobs' next forks find them all.
-    deadline = time.monotonic() + 200
-    seen: list[str] = []
-    while seen != list(forkserver.PRELOAD_LATER):
-        assert time.monotonic() < deadline, seen
-        seen = _imported_later(address, server.environ())
+    _wait_all_imported(address, server.environ())
 
     gate.touch()
     cf.wait_until(lambda: cf.state(cluster_id).get("status") == "succeeded", 90, "the end")
