@@ -117,6 +117,7 @@ def sync_schedules(out: Path, rank: int) -> dict[str, Any]:
             "loss": history.history["loss"],
             "bounds": [(b.start, b.stop) for b in strategy.bounds],
             "actions": strategy.engine.actions(),  # type: ignore[union-attr]
+            "linked": strategy.engine.linked_peers(),  # type: ignore[union-attr]
             "grads_divided": list(divided),
             "events": list(events),
             "stage": strategy.stage,

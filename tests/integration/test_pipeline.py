@@ -11,7 +11,8 @@ pays torch's import on two cores); the tests assert on what each wrote:
   the weights its forward ran on, while the live weights had moved on; and the whole run
   equals a one-process simulation of asynchronous 1F1B with stashing, within 1e-5;
 * PipeDream reaches 1F1B's accuracy on the digits, within 1 point;
-* layers built under ``cf.device("/job:worker/task:k")`` form task k's stage.
+* layers built under ``cf.device("/job:worker/task:k")`` form task k's stage;
+* GPipe's and 1F1B's stages, all on this host, sent through shared memory.
 """
 
 from __future__ import annotations
@@ -162,6 +163,19 @@ def test_each_stage_posts_every_receive_before_it_computes(
             assert receives == list(range(start, start + len(receives))), (
                 f"{schedule} rank {rank}: {actions}"
             )
+
+
+def test_stages_on_one_host_send_through_shared_memory(results: dict[str, list[Any]]) -> None:
+    """The run above, which equals one process, carried GPipe's and 1F1B's activations
+    and gradients between neighbouring stages through shared memory (``shm_link``);
+    the schedules that run on torch's runtime kept gloo."""
+    for rank, result in enumerate(results["sync"]):
+        for schedule, stages in (("gpipe", 4), ("1f1b", 2)):
+            stage = result[schedule]["stage"]
+            neighbours = [s for s in (stage - 1, stage + 1) if 0 <= s < stages]
+            assert result[schedule]["linked"] == neighbours, f"{schedule} rank {rank}"
+        assert result["interleaved"]["linked"] == []
+        assert result["1f1b-runtime"]["linked"] == []
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -77,6 +77,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+from clusterflow.strategies.pipeline.shm_link import ShmLink
+
 __all__ = [
     "OverlappedInterleaved1F1B",
     "OverlappedSingle",
@@ -213,8 +215,12 @@ class OverlappedSingle(_ReceivesFirst):
         *,
         gpipe: bool,
         scale_grads: bool = True,
+        link: ShmLink | None = None,
     ) -> None:
         super().__init__([stage], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)  # type: ignore[no-untyped-call]
+        self._p2p: Callable[[list[dist.P2POp]], list[Any]] = (
+            _batch_p2p if link is None else link.batch
+        )
         stages = stage.num_stages
         self.pipeline_order = {
             rank: list(
@@ -296,8 +302,8 @@ class OverlappedSingle(_ReceivesFirst):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)  # type: ignore[no-untyped-call]
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)  # type: ignore[no-untyped-call]
-        posted: dict[tuple[_ComputationType, int], list[dist.Work]] = {}
-        sends: list[dist.Work] = []
+        posted: dict[tuple[_ComputationType, int], list[Any]] = {}
+        sends: list[Any] = []
         backwards = 0
         for action in self.pipeline_order_with_comms[self.rank]:
             kind, index = action.computation_type, action.microbatch_index
@@ -305,9 +311,9 @@ class OverlappedSingle(_ReceivesFirst):
             if kind in (RECV_F, RECV_B, B):
                 self._run_prepare()
             if kind == RECV_F:
-                posted[RECV_F, mb] = _batch_p2p(stage.get_fwd_recv_ops(mb))
+                posted[RECV_F, mb] = self._p2p(stage.get_fwd_recv_ops(mb))
             elif kind == RECV_B:
-                posted[RECV_B, mb] = _batch_p2p(stage.get_bwd_recv_ops(mb))
+                posted[RECV_B, mb] = self._p2p(stage.get_bwd_recv_ops(mb))
             elif kind == F:
                 if not stage.is_first:
                     for work in posted.pop((RECV_F, mb)):  # KeyError: computed before posted
@@ -328,9 +334,9 @@ class OverlappedSingle(_ReceivesFirst):
                     last_backward=backwards == self._n_microbatches,
                 )
             elif kind == SEND_F:
-                sends.extend(_batch_p2p(stage.get_fwd_send_ops(mb)))
+                sends.extend(self._p2p(stage.get_fwd_send_ops(mb)))
             elif kind == SEND_B:
-                sends.extend(_batch_p2p(stage.get_bwd_send_ops(mb)))
+                sends.extend(self._p2p(stage.get_bwd_send_ops(mb)))
             elif kind == REDUCE_GRAD:
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
             elif kind not in (UNSHARD, RESHARD):  # no-ops without FSDP

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -37,6 +38,7 @@ from clusterflow.strategies.pipeline import overlap as overlapping
 from clusterflow.strategies.pipeline.api import PipelineError, Schedule
 from clusterflow.strategies.pipeline.layout import Layout
 from clusterflow.strategies.pipeline.overlap import OverlappedInterleaved1F1B, OverlappedSingle
+from clusterflow.strategies.pipeline.shm_link import ShmLink
 
 __all__ = ["LocalEngine", "SyncEngine"]
 
@@ -70,6 +72,9 @@ class SyncEngine:
         self._device = device
         self._overlap = overlap
         self._built: dict[tuple[int, ...], Any] = {}
+        self._link: ShmLink | None = None
+        """Opened by the first overlapped GPipe or 1F1B schedule, shared by the later
+        ones (a rank runs one step at a time, and each step ends with its transfers)."""
         self._loss_scale = _loss_scale(microbatches)
 
     def _build(self, shape: tuple[int, ...], loss_fn: LossFn) -> Any:
@@ -90,7 +95,10 @@ class SyncEngine:
                 kind = OverlappedInterleaved1F1B if overlap else ScheduleInterleaved1F1B
                 return kind(stages, m, loss_fn=loss_fn, scale_grads=scale)
             if overlap:
-                return OverlappedSingle(stages[0], m, loss_fn, gpipe=gpipe, scale_grads=scale)
+                link = self._open_link(stages[0])
+                return OverlappedSingle(
+                    stages[0], m, loss_fn, gpipe=gpipe, scale_grads=scale, link=link
+                )
             single = ScheduleGPipe if gpipe else Schedule1F1B
             return single(stages[0], m, loss_fn=loss_fn, scale_grads=scale)
         except ValueError as exc:  # torch's own rule, e.g. micro-batches per round
@@ -98,6 +106,25 @@ class SyncEngine:
                 f"the {self._schedule.value} schedule cannot run {self._microbatches} "
                 f"micro-batches on {layout.stages} stages: {str(exc).splitlines()[0]}"
             ) from None
+
+    def _open_link(self, stage: PipelineStage) -> ShmLink:
+        """The shared-memory link to this rank's neighbours on this host, opened once
+        (by every rank of the pipeline together: each builds its first schedule in the
+        same step). A stage that FSDP shards runs torch's own runtime, which sends
+        through the backend, so it offers no link."""
+        if self._link is None:
+            group = self._group or dist.distributed_c10d._get_default_group()
+            ranks = stage.stage_index_to_group_rank
+            index = stage.stage_index
+            peers = [ranks[i] for i in (index - 1, index + 1) if 0 <= i < stage.num_stages]
+            offer = not isinstance(stage.submod, FSDPModule)
+            self._link = ShmLink.open(group, peers, offer)
+        return self._link
+
+    def linked_peers(self) -> list[int]:
+        """The ranks of the pipeline's group this rank reaches through shared memory
+        (``shm_link``); empty before the first step or where none could be reached."""
+        return [] if self._link is None else self._link.peers
 
     def actions(self) -> list[list[str]]:
         """This rank's actions in each schedule built so far, in the order it runs them
