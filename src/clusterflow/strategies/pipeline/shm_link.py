@@ -1,8 +1,8 @@
 """Stage-to-stage transfers through shared memory, between ranks on one host.
 
 Why: gloo carries a pipeline's activations and gradients over loopback TCP through its
-own threads. On the 2-core machine a round trip of two 64 KiB messages took 363 us,
-with 55-60 us of the caller's CPU and 144-184 us of gloo's threads on each side
+own threads. On the 2-core machine a round trip of two 64 KiB messages took 363-693 us,
+with 55-135 us of the caller's CPU and 134-453 us of gloo's threads on each side
 (docs/benchmarks.md, "Pipeline: stages on one host share memory"); in a step of
 ``benchmarks.pipeline`` sixteen such messages leave or reach each stage, and gloo's
 threads run on the cores the stages compute on.
@@ -11,7 +11,7 @@ Here each direction between two neighbouring ranks is a ring of shared memory th
 both map (a ``memfd`` the reader creates and hands over its socket, so no name is left
 behind in ``/dev/shm`` by a crash). A send copies the tensor into the ring and wakes
 the reader; a receive's ``wait`` copies it out into the posted buffer. No thread of
-ours, no copy through the kernel: one copy on each side and two one-byte packets.
+ours, no copy through the kernel: one copy on each side and a futex wake-up each way.
 
 The rules that make it equal to gloo's path, bit for bit:
 
@@ -27,14 +27,19 @@ The rules that make it equal to gloo's path, bit for bit:
   copying out. x86-64 keeps stores in order and never moves a store ahead of an earlier
   load, so neither side sees the other's counter before the bytes it covers. Other
   architectures do reorder, so the link is only offered on x86-64 (``usable``).
-* **No lost wake-up.** Every frame written and every frame read sends the other end a
-  one-byte packet on a connected ``SOCK_SEQPACKET`` socket; a waiter checks its
-  condition, drains the packets, checks again, and only then blocks in ``recv``. A
-  packet sent while it checked is still queued, so the ``recv`` returns.
-* **Dead or hung peers.** A peer that exits closes its socket: a waiter reads end of
-  file and raises ``DistNetworkError`` naming the peer, as gloo raises "Connection
-  reset by peer" (``CollectiveGroup.translate`` names the lost task either way). Every
-  wait ends by the group's own timeout.
+* **No lost wake-up.** Each ring's header holds a bell, a word only the ring's writer
+  changes: it bumps it after every frame it writes into that ring and every frame it
+  reads from its own incoming ring (room for the peer), then wakes it
+  (``futex.wake``). A waiter reads the bell, checks its condition, and sleeps only
+  while the bell still holds what it read (``futex.wait``): a bump in between moves
+  the word, and the kernel then does not sleep. A packet on the pair's socket did the
+  same at about 17 us a frame (docs/benchmarks.md).
+* **Dead or hung peers.** The pair's socket (connected ``SOCK_SEQPACKET``, nothing sent
+  on it after the hand-over) is closed by the kernel when the peer exits. A waiter
+  sleeps at most ``_SLICE_S`` (0.1 s) at a time, and after a sleep that nothing ended
+  it looks: end of file raises ``DistNetworkError`` naming the peer, as gloo raises
+  "Connection reset by peer" (``CollectiveGroup.translate`` names the lost task either
+  way). Every wait ends by the group's own timeout.
 * **No deadlock on a full ring.** A writer waiting for room reads its own incoming
   frames meanwhile, into their posted receives or into copies kept until they are
   posted, so two writers waiting on each other both make room.
