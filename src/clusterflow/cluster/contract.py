@@ -35,6 +35,7 @@ ENV_STANDBY: Final = "CLUSTERFLOW_STANDBY"
 ENV_ZYGOTE_READY_FD: Final = "CLUSTERFLOW_ZYGOTE_READY_FD"
 ENV_FORKSERVER: Final = "CLUSTERFLOW_FORKSERVER"
 ENV_WARM_FORK: Final = "CLUSTERFLOW_WARM_FORK"
+ENV_PIPELINE_SHM: Final = "CLUSTERFLOW_PIPELINE_SHM"
 ENV_HOME: Final = "CLUSTERFLOW_HOME"
 ENV_UI_TOKEN: Final = "CLUSTERFLOW_UI_TOKEN"
 ENV_HOSTS: Final = "CLUSTERFLOW_HOSTS"
@@ -128,6 +129,7 @@ TASK_ENVIRONMENT: Final[Mapping[str, EnvVar]] = MappingProxyType(
         ENV_ZYGOTE_READY_FD: EnvVar("supervisor", "the pipe a zygote says it is warm on"),
         ENV_FORKSERVER: EnvVar("supervisor", "the warm fork server's socket and pid: NAME:PID"),
         ENV_WARM_FORK: EnvVar("user", "0: no warm fork server; every job starts its own Python"),
+        ENV_PIPELINE_SHM: EnvVar("user", "0: a pipeline's stages on one host send through gloo"),
         ENV_HOME: EnvVar("user", "the registry of clusters (default ~/.clusterflow)"),
         ENV_UI_TOKEN: EnvVar("user", "`clusterflow ui`: its token, instead of a fresh one"),
         ENV_HOSTS: EnvVar("user", "`--backend hosts`: the emulated hosts' placement file"),

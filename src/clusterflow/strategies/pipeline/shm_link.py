@@ -75,14 +75,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _batch_p2p
 
+from clusterflow.cluster.contract import ENV_PIPELINE_SHM
 from clusterflow.strategies.pipeline import futex
 
-__all__ = ["ENV", "LARGEST", "RING_BYTES", "ShmLink", "usable"]
+__all__ = ["LARGEST", "RING_BYTES", "ShmLink", "usable"]
 
 log = logging.getLogger(__name__)
 
-ENV = "CLUSTERFLOW_PIPELINE_SHM"
-"""``0`` keeps every transfer on the group's backend."""
 RING_BYTES = 1 << 20
 """Bytes of payload per direction and pair. Small, so that its lines stay in the cores'
 caches: a 64 KiB frame took 0.20-0.22 ms a step of ``benchmarks.pipeline``'s sends to
@@ -107,7 +106,7 @@ def usable() -> bool:
     """Whether this process may offer the link: not turned off, on Linux (``memfd``,
     abstract sockets, futexes), on x86-64 (module docstring, "Visibility")."""
     return (
-        os.environ.get(ENV, "1") != "0"
+        os.environ.get(ENV_PIPELINE_SHM, "1") != "0"
         and sys.platform == "linux"
         and platform.machine() == "x86_64"
     )
