@@ -83,8 +83,10 @@ from ray.train.torch import TorchTrainer
 ray.init(address={ADDRESS!r}, logging_level="ERROR")
 
 def loop(config):
-    # Ray Train has set up the process group's variables; run the same probe.
-    os.environ.setdefault("RANK", str(ray.train.get_context().get_world_rank()))
+    # Ray Train has set up the process group's variables; run the same probe. RANK is
+    # set, not defaulted: a worker process Ray reuses keeps the last trial's, and two
+    # ranks then both said "ready rank=1" (a failed trial, 2026-11-28).
+    os.environ["RANK"] = str(ray.train.get_context().get_world_rank())
     sys.argv = [{PROBE!r}]
     runpy.run_path({PROBE!r}, run_name="__main__")
 
