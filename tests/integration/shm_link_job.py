@@ -7,7 +7,9 @@ run one scenario over ``ShmLink``; each writes what it saw to ``OUT/SCENARIO-RAN
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -147,6 +149,41 @@ def peer_dies(link: ShmLink, rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def stranger_connects_first(rank: int) -> None:
+    """On rank 0: right after the first gather of ``ShmLink.open`` (the addresses), a
+    forked child of this process connects to rank 1's address, claiming to be rank 0,
+    and exits; its connection waits in rank 1's queue ahead of rank 0's own."""
+    gather = dist.all_gather_object
+
+    def first(objects: list[Any], obj: Any, group: Any = None) -> None:
+        gather(objects, obj, group=group)
+        dist.all_gather_object = gather  # type: ignore[assignment]
+        child = os.fork()
+        if child == 0:  # the stranger: another process of this host
+            code = 1
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.connect(objects[1]["name"])
+                sock.send((0).to_bytes(4, "little"))
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the stranger could not connect"
+
+    if rank == 0:
+        dist.all_gather_object = first  # type: ignore[assignment]
+
+
+class _Refusals(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "stranger" in record.getMessage()
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
@@ -154,9 +191,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     group = dist.distributed_c10d._get_default_group()
     offer = not (scenario == "refused" and rank == 1)
+    refusals = _Refusals()
+    shm_link.log.addHandler(refusals)
+    if scenario == "stranger":
+        stranger_connects_first(rank)
     link = ShmLink.open(group, [1 - rank], offer)
     result: dict[str, Any] = {"peers": link.peers, "usable": shm_link.usable()}
-    if scenario in ("mixed", "refused"):
+    result["refusals"] = refusals.count
+    if scenario in ("mixed", "refused", "stranger"):
         result |= mixed(link, rank)
     elif scenario == "full":
         result |= full(link, rank)

@@ -9,7 +9,8 @@
 * a receive of another size than what was sent raises a one-line ``DistError``;
 * a peer that exits makes the waiting rank raise ``DistNetworkError`` (a closed link),
   not wait out the group's timeout;
-* a rank that does not offer the link leaves both on gloo, with the same results.
+* a rank that does not offer the link leaves both on gloo, with the same results;
+* a stranger's connection, ahead of the peer's, is refused.
 """
 
 from __future__ import annotations
@@ -105,4 +106,17 @@ def test_a_peer_that_exits_fails_the_wait_at_once(tmp_path: Path) -> None:
 def test_a_rank_that_does_not_offer_leaves_both_on_gloo(tmp_path: Path) -> None:
     for rank, result in enumerate(_run("refused", tmp_path)):
         assert result["peers"] == [], f"rank {rank}"
+        assert all(result["equal"]) and len(result["equal"]) == 3 * len(job.MIXED) + job.PINGS
+
+
+def test_a_stranger_that_connects_first_is_refused_and_the_peer_still_links(
+    tmp_path: Path,
+) -> None:
+    """Anyone on the host can read the link's address (``/proc/net/unix``): the rank
+    that accepts takes only a connection from its peer's own process (``SO_PEERCRED``),
+    so a stranger claiming the peer's rank, ahead of it in the queue, is refused."""
+    results = _run("stranger", tmp_path)
+    assert results[1]["refusals"] == 1
+    for rank, result in enumerate(results):
+        assert result["peers"] == [1 - rank]
         assert all(result["equal"]) and len(result["equal"]) == 3 * len(job.MIXED) + job.PINGS

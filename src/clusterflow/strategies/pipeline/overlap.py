@@ -16,7 +16,9 @@ interleaved: torch's own), lowered to communication actions by torch's own
   sent goes on computing while the bytes travel.
 
 So while a stage computes micro-batch ``i``, the activations of ``i + 1`` (and the
-gradients the next stage sends back) arrive into buffers already posted.
+gradients the next stage sends back) arrive into buffers already posted. Between stages
+on one host the plain loop below sends and receives through shared memory instead of
+gloo (``shm_link.ShmLink.batch`` in the place of torch's ``_batch_p2p``).
 
 One exception, in GPipe and 1F1B: the first stage computes and sends its first forward
 before it posts anything (``receives_after_first_send``), and the caller's own work for

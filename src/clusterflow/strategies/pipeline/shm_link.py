@@ -34,6 +34,9 @@ The rules that make it equal to gloo's path, bit for bit:
   while the bell still holds what it read (``futex.wait``): a bump in between moves
   the word, and the kernel then does not sleep. A packet on the pair's socket did the
   same at about 17 us a frame (docs/benchmarks.md).
+* **Only the peer.** Anyone on the host can read the socket's address
+  (``/proc/net/unix``); the accepting end takes a connection only from the process its
+  peer named in the gather (``SO_PEERCRED``), and refuses any other with a warning.
 * **Dead or hung peers.** The pair's socket (connected ``SOCK_SEQPACKET``, nothing sent
   on it after the hand-over) is closed by the kernel when the peer exits. A waiter
   sleeps at most ``_SLICE_S`` (0.1 s) at a time, and after a sleep that nothing ended
@@ -62,6 +65,7 @@ import mmap
 import os
 import platform
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -282,7 +286,8 @@ class ShmLink:
             listener.bind(name)
             listener.listen(max(1, len(wanted)))
             offers: list[Any] = [None] * size
-            dist.all_gather_object(offers, {"name": name, "offer": offer}, group=group)
+            me = {"name": name, "offer": offer, "pid": os.getpid()}
+            dist.all_gather_object(offers, me, group=group)
             both = [p for p in wanted if offer and offers[p]["offer"]]
             for peer in (p for p in both if p > rank):  # the lower rank connects
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -298,10 +303,17 @@ class ShmLink:
             connected: list[Any] = [None] * size
             dist.all_gather_object(connected, sorted(socks), group=group)
             listener.settimeout(_HANDSHAKE_S)
-            for _ in (p for p in both if p < rank and rank in connected[p]):
-                sock, _ = listener.accept()  # queued before the gather: returns at once
+            expected = {p for p in both if p < rank and rank in connected[p]}
+            while expected:  # queued before the gather: each accept returns at once
+                sock, _ = listener.accept()
                 sock.settimeout(_HANDSHAKE_S)
-                socks[int.from_bytes(sock.recv(4), "little")] = sock
+                peer = int.from_bytes(sock.recv(4), "little")
+                if peer in expected and _peer_pid(sock) == offers[peer]["pid"]:
+                    socks[peer] = sock
+                    expected.discard(peer)
+                else:  # anyone on this host can see the address: only the peer's process
+                    log.warning("pipeline rank %d: refused a stranger's connection", rank)
+                    sock.close()
             channels = _rings(socks)
             ready: list[Any] = [None] * size
             dist.all_gather_object(ready, sorted(channels), group=group)
@@ -420,6 +432,12 @@ class ShmLink:
                     f"pipeline rank {self._rank}: rank {channel.peer} closed its shared-memory "
                     "link (Connection reset by peer)"
                 )
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of a Unix socket, as the kernel saw it connect."""
+    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
 
 
 def _closed(sock: socket.socket) -> bool:
