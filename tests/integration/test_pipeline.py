@@ -17,9 +17,6 @@ pays torch's import on two cores); the tests assert on what each wrote:
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -36,51 +33,17 @@ from clusterflow.checkpoint import CheckpointStorage
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_job as job
+from script_ranks import run_script_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Any]]]:
     out = tmp_path_factory.mktemp("pipeline")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERFLOW_", "TF_CONFIG"))}
-    procs = []
-    try:
-        for rank in range(WORLD):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(job.__file__)), str(out)],
-                    env={
-                        **env,
-                        "RANK": str(rank),
-                        "WORLD_SIZE": str(WORLD),
-                        "LOCAL_RANK": str(rank),
-                        "LOCAL_WORLD_SIZE": str(WORLD),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                    },
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-3000:]}"
+    run_script_ranks(Path(job.__file__), [str(out)], WORLD, timeout_s=240)
     yield {
         name: [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(WORLD)]
         for name in ("sync", "pipedream", "digits")

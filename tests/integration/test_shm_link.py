@@ -15,9 +15,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,50 +24,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import shm_link_job as job
+from script_ranks import run_script_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(scenario: str, out: Path) -> list[dict[str, Any]]:
     """Both ranks of ``scenario``; what each wrote (None for a rank that wrote nothing)."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERFLOW_", "TF_CONFIG"))}
-    procs = []
-    try:
-        for rank in range(2):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(job.__file__)), scenario, str(out)],
-                    env={
-                        **env,
-                        "RANK": str(rank),
-                        "WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                    },
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"{scenario} rank {rank} failed:\n{log[-3000:]}"
-        path = out / f"{scenario}-{rank}.pt"
-        results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    return results
+    run_script_ranks(Path(job.__file__), [scenario, str(out)], 2, timeout_s=120)
+    paths = [out / f"{scenario}-{rank}.pt" for rank in range(2)]
+    return [torch.load(p, weights_only=False) if p.exists() else None for p in paths]
 
 
 def test_every_dtype_and_shape_arrives_bit_for_bit_in_order(tmp_path: Path) -> None:

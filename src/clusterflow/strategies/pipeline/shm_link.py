@@ -21,7 +21,9 @@ The rules that make it equal to gloo's path, bit for bit:
   A frame names its tag and byte count; a receive whose buffer differs raises.
 * **Who takes which path.** A message over ``LARGEST`` bytes goes over the group's
   backend instead; both ends decide alike from the byte count (a send's tensor and the
-  matching receive's buffer are the same size), so each path keeps its own order.
+  matching receive's buffer are the same size), so each path keeps its own order. A
+  hand-over that fails on either end (within ``_HANDSHAKE_S``) leaves that pair on the
+  backend: ``open``'s last gather tells both ends, so neither waits in it for the other.
 * **Visibility.** The writer stores the payload, then the ring's write position; the
   reader loads the position, then the payload, and stores its read position after
   copying out. x86-64 keeps stores in order and never moves a store ahead of an earlier
@@ -302,18 +304,8 @@ class ShmLink:
                 socks[peer] = sock
             connected: list[Any] = [None] * size
             dist.all_gather_object(connected, sorted(socks), group=group)
-            listener.settimeout(_HANDSHAKE_S)
             expected = {p for p in both if p < rank and rank in connected[p]}
-            while expected:  # queued before the gather: each accept returns at once
-                sock, _ = listener.accept()
-                sock.settimeout(_HANDSHAKE_S)
-                peer = int.from_bytes(sock.recv(4), "little")
-                if peer in expected and _peer_pid(sock) == offers[peer]["pid"]:
-                    socks[peer] = sock
-                    expected.discard(peer)
-                else:  # anyone on this host can see the address: only the peer's process
-                    log.warning("pipeline rank %d: refused a stranger's connection", rank)
-                    sock.close()
+            socks |= _accept(listener, expected, {p: offers[p]["pid"] for p in expected}, rank)
             channels = _rings(socks)
             ready: list[Any] = [None] * size
             dist.all_gather_object(ready, sorted(channels), group=group)
@@ -394,11 +386,8 @@ class ShmLink:
                 f"with tag {tag} where a receive of {want} bytes with tag {posted.tag} was "
                 "posted; both ends must post their transfers in the same order"
             )
-        with torch.no_grad():
-            if buffer.is_contiguous():
-                _as_bytes(buffer).copy_(payload)
-            else:
-                buffer.copy_(payload.view(buffer.dtype).view(buffer.shape))
+        with torch.no_grad():  # any strides: the frame holds the sender's elements in order
+            buffer.copy_(payload.view(buffer.dtype).view(buffer.shape))
         posted.done = True
         channel.posted.popleft()
 
@@ -408,11 +397,11 @@ class ShmLink:
         waking at least every ``_SLICE_S`` to see whether the peer closed its socket
         (``DistNetworkError``) and, with ``drain``, to read the other channels' frames
         (their bells do not wake it); ``DistError`` after the group's timeout."""
+        if ready():  # the common case: nothing to wait for, nothing else done
+            return
         deadline = time.monotonic() + self._timeout_s
         bell = channel.incoming
         while True:
-            if ready():
-                return
             if drain:
                 for other in self._channels.values():
                     while other.incoming.ready():
@@ -427,11 +416,44 @@ class ShmLink:
                     f"rank {channel.peer} over shared memory"
                 )
             bell.sleep(seen, min(_SLICE_S, deadline - now))
-            if bell.bell == seen and not ready() and _closed(channel.sock):
+            if ready():
+                return
+            if bell.bell == seen and _closed(channel.sock):
                 raise dist.DistNetworkError(
                     f"pipeline rank {self._rank}: rank {channel.peer} closed its shared-memory "
                     "link (Connection reset by peer)"
                 )
+
+
+def _accept(
+    listener: socket.socket, expected: set[int], pids: dict[int, int], rank: int
+) -> dict[int, socket.socket]:
+    """The connections of the ``expected`` peers, each from the process the peer named
+    (``pids``). They were queued before the gather that named them, so each accept
+    returns at once; whatever fails within ``_HANDSHAKE_S`` leaves that peer on the
+    backend (the last gather of ``open`` tells it so) rather than raising here while
+    the peer waits in that gather."""
+    socks: dict[int, socket.socket] = {}
+    listener.settimeout(_HANDSHAKE_S)
+    while expected:
+        try:
+            sock, _ = listener.accept()
+        except OSError as exc:
+            log.info("pipeline rank %d: no shared memory to ranks %s: %s", rank, expected, exc)
+            break
+        try:
+            sock.settimeout(_HANDSHAKE_S)
+            peer = int.from_bytes(sock.recv(4), "little")
+            trusted = peer in expected and _peer_pid(sock) == pids[peer]
+        except OSError:
+            trusted = False
+        if trusted:
+            socks[peer] = sock
+            expected.discard(peer)
+        else:  # anyone on this host can see the address: only the peer's process
+            log.warning("pipeline rank %d: refused a stranger's connection", rank)
+            sock.close()
+    return socks
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -461,17 +483,19 @@ def _rings(socks: dict[int, socket.socket]) -> dict[int, _Channel]:
     try:
         for peer, sock in socks.items():
             fd = os.memfd_create(f"clusterflow-pipeline-{peer}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, _COUNTERS + RING_BYTES)
             mine[peer] = fd
-            socket.send_fds(sock, [b"r"], [fd])
+            os.ftruncate(fd, _COUNTERS + RING_BYTES)
+            with contextlib.suppress(OSError):  # the peer gone: its receive below fails
+                socket.send_fds(sock, [b"r"], [fd])
         for peer, sock in socks.items():
             try:
                 _, fds, _, _ = socket.recv_fds(sock, 1, 1)
             except OSError as exc:
                 log.info("no shared memory to rank %d: %s", peer, exc)
-                sock.close()
-                continue
+                fds = []
             if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
                 sock.close()
                 continue
             try:
