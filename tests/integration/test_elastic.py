@@ -342,8 +342,18 @@ with strategy.scope():
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+
+
+def done():
+    # Both stages stop after the same round: one that saw the file alone would leave
+    # the other waiting in the next round's first step for a peer that has exited.
+    seen = torch.tensor([float((out / "done").exists())])
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+    return bool(seen.item())
+
+
 rounds = 0
-while not (out / "done").exists():
+while not done():
     cf.fit(model, nn.CrossEntropyLoss(), optimizer, (x, y), strategy=strategy,
            epochs=1, global_batch_size=16, seed=rounds)
     rounds += 1
