@@ -518,6 +518,8 @@ class LocalCluster:
     spec: dict[str, list[str]]
     credentials: Any
     workers: list[Any]
+    """The ``WorkerService`` of each worker that serves (``serve``) so far."""
+    worker_servers: list[Any]
 
     def strategy(self, **options: Any) -> Any:
         from clusterflow.strategies import SimpleClusterResolver
@@ -528,13 +530,20 @@ class LocalCluster:
         )
         return ParameterServerStrategy(resolver, **options)
 
+    def serve(self, index: int) -> None:
+        """Worker ``index`` starts serving the coordinator (until then its port answers
+        nothing the coordinator's probe accepts)."""
+        from clusterflow.strategies.coordinator.worker import WorkerService
 
-@pytest.fixture
-def local_cluster() -> Iterator[LocalCluster]:
+        self.workers.append(WorkerService(self.worker_servers[index]))
+
+
+@contextlib.contextmanager
+def _local_cluster(serving: tuple[int, ...]) -> Iterator[LocalCluster]:
+    """Two ps and two workers in this process; the workers in ``serving`` serve at once."""
     from clusterflow.ps.service import PSService
     from clusterflow.rpc import Credentials, RpcServer
     from clusterflow.server import Server
-    from clusterflow.strategies.coordinator.worker import WorkerService
 
     credentials = Credentials.generate()
     # Bound first, so the spec holds ports nobody else can take meanwhile.
@@ -547,18 +556,48 @@ def local_cluster() -> Iterator[LocalCluster]:
     servers = [Server(spec, "ps", i, credentials=credentials, _rpc=rpcs[f"ps{i}"]) for i in (0, 1)]
     for server in servers:
         PSService(server)
-    workers = []
-    for i in (0, 1):
-        server = Server(spec, "worker", i, credentials=credentials, _rpc=rpcs[f"w{i}"])
-        workers.append(WorkerService(server))
-        servers.append(server)
+    workers = [
+        Server(spec, "worker", i, credentials=credentials, _rpc=rpcs[f"w{i}"]) for i in (0, 1)
+    ]
+    servers.extend(workers)
+    cluster = LocalCluster(spec, credentials, [], workers)
     try:
-        yield LocalCluster(spec, credentials, workers)
+        for index in serving:
+            cluster.serve(index)
+        yield cluster
     finally:
-        for worker in workers:
-            worker.close()
+        for service in cluster.workers:
+            service.close()
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def local_cluster() -> Iterator[LocalCluster]:
+    with _local_cluster(serving=(0, 1)) as cluster:
+        yield cluster
+
+
+@pytest.mark.timeout(60)
+def test_functions_start_in_the_order_they_were_scheduled() -> None:
+    """TensorFlow's closure queue: one queue, oldest first. The functions are scheduled
+    while no worker serves; then one worker runs them all, so the order it starts them
+    in is the queue's. (Per-worker queues dealt them out 1, 3, 5, ... and 2, 4, ...: the
+    one worker up ran its own share first, and a step scheduled last ran early.)"""
+    from clusterflow.strategies.coordinator import ClusterCoordinator
+
+    def started() -> int:
+        return time.monotonic_ns()
+
+    with _local_cluster(serving=()) as cluster:
+        strategy = cluster.strategy()
+        with ClusterCoordinator(strategy, worker_timeout_s=10) as coordinator:
+            stamps = [coordinator.schedule(started) for _ in range(10)]
+            cluster.serve(0)
+            coordinator.join()
+            order = [value.fetch() for value in stamps]
+        strategy.close()
+    assert order == sorted(order), order
 
 
 @pytest.mark.timeout(60)

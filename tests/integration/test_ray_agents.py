@@ -256,10 +256,20 @@ STORE_PROBE = """
 import os, psutil, torch.distributed as dist
 dist.init_process_group("gloo")  # the first rank's connection starts the store's helper
 port = int(os.environ["MASTER_PORT"])
+
+def listens(pid):  # on MASTER_PORT, in its own network namespace (this rank's may differ)
+    fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
+            f = line.split()  # local address, state (0A: listening), inode
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":
+                if f"socket:[{f[9]}]" in fds:
+                    return True
+    return False
+
 store = next(  # this cluster's: the helper that listens on its MASTER_PORT
     p for p in psutil.process_iter(["cmdline"])
-    if (p.info["cmdline"] or [])[1:3] == ["-m", "clusterflow.manager.store"]
-    and any(c.laddr and c.laddr.port == port for c in p.net_connections("tcp"))
+    if (p.info["cmdline"] or [])[1:3] == ["-m", "clusterflow.manager.store"] and listens(p.pid)
 )
 print("store parent", " ".join(store.parent().cmdline()[1:3]), flush=True)
 dist.destroy_process_group()

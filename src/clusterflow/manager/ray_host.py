@@ -382,7 +382,24 @@ class ManagerHandle:
     def refresh(self) -> ClusterState | None:
         """Pulls the manager's state and new output into the local folder; the state,
         or None if the manager is gone. A final state is collected once: the manager
-        is then told it may end."""
+        is then told it may end. One process at a time (``mirror_lock``); one that
+        waited for another that collected the final state returns that state."""
+        with self.cluster.mirror_lock():
+            with contextlib.suppress(ConfigError):
+                known = self.cluster.read_state()
+                if known.status in TERMINAL:
+                    return known
+            state = self._pull()
+        if state is not None and state.status in TERMINAL:
+            from clusterflow.manager.memory_sizing import record
+
+            # Kept for the next run of the same command and job (--memory auto).
+            with contextlib.suppress(ConfigError, OSError):
+                record(RunConfig.from_dict(self.cluster.read_config()), state)
+            self.end()
+        return state
+
+    def _pull(self) -> ClusterState | None:
         offsets = {name: _size(self.cluster.path / name) for name in MIRRORED}
         with contextlib.suppress(OSError):
             for p in self.cluster.logs_dir.iterdir():
@@ -405,13 +422,6 @@ class ManagerHandle:
         if full and state.status in TERMINAL:
             state = replace(state, status="running")  # not final until every byte is here
         self.cluster.write_state(state)
-        if state.status in TERMINAL:
-            from clusterflow.manager.memory_sizing import record
-
-            # Kept for the next run of the same command and job (--memory auto).
-            with contextlib.suppress(ConfigError, OSError):
-                record(RunConfig.from_dict(self.cluster.read_config()), state)
-            self.end()
         return state
 
     def stop(self, grace_s: float) -> None:

@@ -11,11 +11,12 @@ lines, prefixed) and ``logs/<job>-<index>.log``. The CLI reads these files, so `
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,17 @@ class ClusterDir:
     @property
     def logs_dir(self) -> Path:
         return self.path / "logs"
+
+    @contextlib.contextmanager
+    def mirror_lock(self) -> Iterator[None]:
+        """Held by a process while it brings this folder's mirror of a Ray-hosted manager
+        up to date (``ray_host.ManagerHandle.refresh``). The CLI that started the run and a
+        ``describe`` beside it both refresh; each appends the bytes after the sizes it
+        read, so two at once would append the same bytes twice. Waits at most the
+        holder's pull, whose call has a deadline."""
+        with open(self.path / ".mirror.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield  # closing the file lets go
 
     def task_log(self, task: str) -> Path:
         return self.logs_dir / (task.replace(":", "-") + ".log")

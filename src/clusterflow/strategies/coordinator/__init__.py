@@ -28,8 +28,9 @@ the model, and schedules steps::
 ``schedule`` returns a ``RemoteValue`` at once. A function whose arguments hold
 ``RemoteValue`` s waits until every one of them is ready (a dependency counter per
 function: TensorFlow's executor's dataflow rule) and then gets their values in their
-place. Ready functions wait in per-worker queues; one thread per worker sends them,
-and an idle worker takes work from the longest queue of another.
+place. Ready functions wait in one queue, in the order they became ready; one thread
+per worker sends them, each taking the oldest as its worker frees up, so functions
+start in the order they were scheduled.
 
 A worker that fails (no answer within ``worker_timeout_s``, or gone) is probed until it
 answers again; the function it was running goes back to the queues and runs on

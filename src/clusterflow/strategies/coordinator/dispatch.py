@@ -59,6 +59,8 @@ class Closure:
     result: RemoteValue
     attempts: int = 0
     """Workers it was sent to so far."""
+    avoid: int | None = None
+    """The index of the worker that lost it last: another one takes it while one is up."""
 
 
 class WorkerLost(Exception):
@@ -83,7 +85,6 @@ class WorkerLink:
     incarnation: str | None = None
     sent: set[str] = field(default_factory=set)
     """Digests of the functions this incarnation of the worker holds."""
-    busy: bool = False
     retired: bool = False
     """The worker left the cluster (a newer spec version drops it): its thread ends,
     and nothing is sent to it again."""

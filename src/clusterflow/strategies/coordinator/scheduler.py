@@ -1,10 +1,12 @@
 """``ClusterCoordinator``: the chief's scheduler (see the package's docstring for its use).
 
 It keeps the functions in flight: the dependency graph says which are ready, ready
-ones wait in per-worker queues, and one dispatch thread per worker takes from its own
-queue first, else from the longest other one. A function whose worker is lost goes
-back to the front of a queue, another worker's where possible; its own error, a lost
-input's or ``max_attempts`` lost workers finish it.
+ones wait in one queue, in the order they became ready, and one dispatch thread per
+worker takes the oldest as its worker frees up (TensorFlow's closure queue): functions
+start in the order they were scheduled whichever worker comes up first or runs
+faster. A function whose worker is lost goes back to the front of the queue, for
+another worker where one is up; its own error, a lost input's or ``max_attempts`` lost
+workers finish it.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class ClusterCoordinator:
             for i in spec.task_indices("worker")
         ]
         self._manager = ManagerLink.from_env()
-        self._queues: dict[int, deque[Closure]] = {w.index: deque() for w in self._workers}
+        self._ready: deque[Closure] = deque()
+        """Functions ready to run, oldest first (a retried one at the front)."""
         self._closures = itertools.count()
         self._graph = DependencyGraph()
         self._unfinished: dict[int, Closure] = {}
@@ -280,7 +283,7 @@ class ClusterCoordinator:
             self._closed = True
             for closure in list(self._unfinished.values()):
                 self._fail(closure, CoordinatorClosed(f"{closure.name}: coordinator closed"))
-            self._queues = {index: deque() for index in self._queues}
+            self._ready.clear()
             self._closing.set()
             self._cond.notify_all()
         atexit.unregister(self.close)
@@ -308,31 +311,30 @@ class ClusterCoordinator:
     # Scheduling (the lock is held) -------------------------------------------------
 
     def _enqueue(self, closure: Closure, *, front: bool = False, avoid: int | None = None) -> None:
-        """Onto the shortest queue of a worker that is up (any worker while none is)."""
-        members = [w for w in self._workers if not w.retired] or self._workers
-        candidates = [w for w in members if w.up and w.index != avoid] or [
-            w for w in members if w.index != avoid
-        ]
-        target = min(candidates or members, key=lambda w: len(self._queues[w.index]) + w.busy)
-        queue = self._queues[target.index]
+        """Onto the queue: at its end, or (``front``, a retry) at its front, to be taken
+        by a worker other than ``avoid`` (the one that lost it) while another is up."""
+        closure.avoid = avoid
         if front:
-            queue.appendleft(closure)
+            self._ready.appendleft(closure)
         else:
-            queue.append(closure)
+            self._ready.append(closure)
         self._cond.notify_all()
 
     def _take(self, worker: WorkerLink) -> Closure | None:
-        """The next closure for ``worker``: its own queue first, else the longest other one."""
+        """The oldest ready closure ``worker`` may run (None once closing or retired)."""
         with self._cond:
             while not self._closing.is_set() and not worker.retired:
-                own = self._queues[worker.index]
-                if own:
-                    return own.popleft()
-                longest = max(self._queues.values(), key=len)
-                if longest:
-                    return longest.popleft()
+                picked = next((c for c in self._ready if c.avoid != worker.index), None)
+                if picked is None and self._ready and not self._others_up(worker):
+                    picked = self._ready[0]  # the worker that lost it is the only one up
+                if picked is not None:
+                    self._ready.remove(picked)
+                    return picked
                 self._cond.wait(POLL_S)
         return None
+
+    def _others_up(self, worker: WorkerLink) -> bool:
+        return any(w.up and not w.retired for w in self._workers if w is not worker)
 
     def _succeed(self, closure: Closure, blob: bytes) -> None:
         if closure.index not in self._unfinished:
@@ -423,16 +425,12 @@ class ClusterCoordinator:
                 else:
                     self._workers.append(link)
                     self._threads.append(thread)
-                self._queues[index] = deque()
                 thread.start()
                 log.info("%s joined (spec version %d): functions go to it too", link.name, version)
             for index, link in known.items():
                 if index in indexes or link.retired:  # kept, or gone already
                     continue
                 link.retired = True
-                waiting, self._queues[index] = self._queues[index], deque()
-                for closure in waiting:
-                    self._enqueue(closure)
                 log.info(
                     "%s left (spec version %d): nothing more is sent to it", link.name, version
                 )
@@ -456,7 +454,6 @@ class ClusterCoordinator:
             closure = self._take(worker)
             if closure is None:
                 continue
-            worker.busy = True
             try:
                 blob, error = worker.run(closure, self._id, self._closing)
             except WorkerLost as lost:
@@ -465,8 +462,6 @@ class ClusterCoordinator:
                 continue
             except Abandoned:
                 continue
-            finally:
-                worker.busy = False
             with self._cond:
                 if error is not None:
                     self._fail(closure, error)
