@@ -61,7 +61,7 @@ def test_parallel_trials_are_clusters_that_run_at_once(cf: Clusterflow, tmp_path
     # variable): each running trial gets one of its own.
     done = _tune(
         cf, "par", "--trials", "4", "--parallel", "2", "--pruner", "none", "--seed", "1",
-        command=_job("score", 3, tmp_path / "marks"), env={"CUDA_VISIBLE_DEVICES": "5,7"},
+        command=_job("meet", 3, tmp_path / "marks"), env={"CUDA_VISIBLE_DEVICES": "5,7"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     study = _study(cf, "par")

@@ -3,6 +3,9 @@
 ``python tune_job.py MODE X STEPS MARKS`` where MODE is
 - ``score``: reports ``score = -(X - 0.3)**2`` at steps 0..STEPS-1 (each step a short
   piece of work, so a pruned trial is stopped before its last step);
+- ``meet``: scores, and goes on past STEPS until it has seen another trial alive (at
+  most MEET_S): trials that run at once then overlap however slowly each starts, and
+  trials run one after another never do;
 - ``crash``: exits 3 once X > 0.5 (after one report), else scores;
 - ``hold``: scores, then reports forever until MARKS/release exists (Ctrl-C tests);
 - ``silent``: reports another figure only.
@@ -18,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+MEET_S = 20.0
+
 from clusterflow import tune
 
 mode, x, steps, marks = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
@@ -27,6 +32,7 @@ gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
 me = marks / f"alive-{os.getpid()}-{gpus}"
 me.touch()
 seen, shared = 1, 0
+started = time.monotonic()
 try:
     step = 0
     while True:
@@ -45,7 +51,11 @@ try:
             gpu = float(gpus.split(",")[0]) if gpus else -1.0
             tune.report(step=step, score=score, alive=seen, gpu=gpu, shared=shared)
         step += 1
-        if step >= steps and (mode != "hold" or (marks / "release").exists()):
+        if mode == "hold" and not (marks / "release").exists():
+            continue
+        if mode == "meet" and seen < 2 and time.monotonic() - started < MEET_S:
+            continue
+        if step >= steps:
             break
 finally:
     me.unlink()
