@@ -50,7 +50,7 @@ def _two_refreshes(status: str) -> tuple[registry.ClusterDir, _Manager, list[Any
     def second() -> None:
         results.append(ray_host.ManagerHandle(cluster, manager).refresh())  # type: ignore[arg-type]
 
-    thread = threading.Thread(target=second)
+    thread = threading.Thread(target=second, daemon=True)
 
     def start_second() -> None:
         thread.start()
