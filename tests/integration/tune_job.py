@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-MEET_S = 20.0
-
 from clusterflow import tune
+
+MEET_S = 20.0
 
 mode, x, steps, marks = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 assert tune.params()["x"] == x, (tune.params(), x)
