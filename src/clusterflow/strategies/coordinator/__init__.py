@@ -33,7 +33,7 @@ per worker sends them, each taking the oldest as its worker frees up, so functio
 start in the order they were scheduled.
 
 A worker that fails (no answer within ``worker_timeout_s``, or gone) is probed until it
-answers again; the function it was running goes back to the queues and runs on
+answers again; the function it was running goes back to the queue and runs on
 another worker: at-least-once, as in TensorFlow, so a function may run twice when its
 worker dies. An error raised by the function itself is not retried; it surfaces in
 ``RemoteValue.fetch()`` and in ``join()``.
