@@ -432,17 +432,19 @@ def _accept(
     (``pids``). They were queued before the gather that named them, so each accept
     returns at once; whatever fails within ``_HANDSHAKE_S`` leaves that peer on the
     backend (the last gather of ``open`` tells it so) rather than raising here while
-    the peer waits in that gather."""
+    the peer waits in that gather. One deadline for all of it: strangers that keep
+    connecting (or connect and send nothing) cannot hold the peers past it."""
     socks: dict[int, socket.socket] = {}
-    listener.settimeout(_HANDSHAKE_S)
+    deadline = time.monotonic() + _HANDSHAKE_S
     while expected:
         try:
+            listener.settimeout(max(1e-3, deadline - time.monotonic()))
             sock, _ = listener.accept()
         except OSError as exc:
             log.info("pipeline rank %d: no shared memory to ranks %s: %s", rank, expected, exc)
             break
         try:
-            sock.settimeout(_HANDSHAKE_S)
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
             peer = int.from_bytes(sock.recv(4), "little")
             trusted = peer in expected and _peer_pid(sock) == pids[peer]
         except OSError:
