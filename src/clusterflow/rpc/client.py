@@ -7,7 +7,7 @@ keep the unsent request queued and deliver it, late, when the peer comes back.
 Until the first handshake with the peer succeeds the client also watches the socket's
 monitor, so a peer that refuses our credentials is reported at once as
 ``AuthenticationError`` instead of as a silent timeout. After that the monitor is
-dropped and a call costs one send and one poll.
+dropped and a call costs one send and one receive, waiting in it.
 
 A client given a ``ReconnectProbe`` keeps the monitor, to learn of a lost connection.
 A connection can die under a call, a partition's retransmissions running out (the
@@ -64,6 +64,15 @@ _HANDSHAKE_FAILURES = (
 _ids = itertools.count(1)
 # Plain ints: pyzmq's enum members cost a Python-level conversion per use.
 _NOBLOCK, _POLLIN, _SNDTIMEO = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.SNDTIMEO)
+_RCVTIMEO, _RCVMORE = int(zmq.RCVTIMEO), int(zmq.RCVMORE)
+_WAIT_SLICE_MS = 1000
+"""A call waits for its reply in receives of at most this long, checking its deadline
+between them; the socket keeps the value, so a call with a long deadline sets nothing."""
+_PROBE = object()
+"""``_next_message``'s answer when the connection came back while a call waited."""
+_PLAIN: Mapping[str, Any] = {}
+_STREAMED: Mapping[str, Any] = {"sr": 1}
+"""A request's extra header keys: the reply may come in parts (``call``'s ``streamed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,8 @@ class RpcClient:
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller: zmq.Poller | None = None
+        self._rcvtimeo = -1
+        """The socket's ``RCVTIMEO`` as last set (``_await_reply``)."""
         self._closed = False
         self._probe: ReconnectProbe | None = None
         self._down = False
@@ -233,7 +244,9 @@ class RpcClient:
                     )
                 sock = self._socket()  # a failed offer may have reset it
             request_id = next(_ids)
-            extra = {"sr": 1} if streamed else {}
+            if not (tensors or part_bytes or streamed) and self._monitor is None:
+                return self._call_small(sock, request_id, method, body, end, timeout, framed)
+            extra = _STREAMED if streamed else _PLAIN
             if part_bytes:
                 messages = codec.encode_parts(
                     codec.KIND_REQUEST,
@@ -260,6 +273,51 @@ class RpcClient:
                 # a new socket guarantees its late reply is never read as another's.
                 self._reset()
                 raise
+
+    def _call_small(
+        self,
+        sock: zmq.Socket[bytes],
+        request_id: int,
+        method: str,
+        body: Any,
+        end: float,
+        timeout: float,
+        framed: bool,
+    ) -> Response:
+        """``call`` of a request in one frame on a socket no monitor watches (the lock
+        is held), in fewer steps where all goes well: it is sent at once, its reply is
+        the next message and holds no tensors. Anything else is left to the general
+        path (``_send_before``, ``_await_reply``), from where this one stands."""
+        try:
+            frame = codec.encode_small(codec.KIND_REQUEST, request_id, method, body)
+            try:
+                sock.send(frame, _NOBLOCK)
+            except zmq.Again:
+                self._send_before(sock, [frame], method, end, timeout)
+            remaining_ms = int((end - time.monotonic()) * 1000)
+            if remaining_ms < _WAIT_SLICE_MS or self._rcvtimeo != _WAIT_SLICE_MS:
+                return self._await_reply(sock, request_id, method, end, timeout, framed)
+            try:
+                first = sock.recv()
+            except zmq.Again:
+                return self._await_reply(sock, request_id, method, end, timeout, framed)
+            frames: list[Any] = [first]
+            while sock.getsockopt(_RCVMORE):
+                frames.append(sock.recv(copy=False))
+            if len(frames) == 1:
+                header = codec.decode_header(first)
+                if (
+                    header["id"] == request_id
+                    and header["k"] == codec.KIND_REPLY
+                    and not header.get("t")
+                ):
+                    return Response(header.get("b"), {})
+            return self._await_reply(sock, request_id, method, end, timeout, framed, frames)
+        except RemoteError:
+            raise  # a well-formed answer: the connection is as good as before
+        except BaseException:
+            self._reset()  # as call's: a request of ours may be in flight
+            raise
 
     def _side_ready(self, sock: zmq.Socket[bytes], end: float, timeout: float) -> bool:
         """Whether the side channel is open, opening it when it may be (the lock is
@@ -338,12 +396,12 @@ class RpcClient:
             self._poller.register(self._monitor, _POLLIN)
             sock.connect(self.endpoint)
             self._sock = sock
+            self._rcvtimeo = -1  # ZeroMQ's default: none
         return self._sock
 
     def _reset(self) -> None:
         """Drops the socket (and anything queued on it); the next call dials afresh."""
         self._drop_monitor()
-        self._poller = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -352,9 +410,7 @@ class RpcClient:
         if self._monitor is not None:
             if self._sock is not None:
                 self._sock.disable_monitor()
-            if self._poller is not None:
-                # Kept, polling the socket alone: Socket.poll() would build a Poller per call.
-                self._poller.unregister(self._monitor)
+            self._poller = None  # calls now wait in the socket's recv (_await_reply)
             self._monitor.close(linger=0)
             self._monitor = None
 
@@ -395,24 +451,19 @@ class RpcClient:
         end: float,
         timeout: float,
         framed: bool = False,
+        first: list[Any] | None = None,
     ) -> Response:
+        """Waits for the reply to ``request_id`` (``first``: a message already read)."""
         probe_id = -1
         stream: _Parts | None = None
         while True:
-            remaining_ms = int((end - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
-            assert self._poller is not None  # built with the socket
-            events = self._poller.poll(remaining_ms)
-            if not events:
-                continue
-            if self._monitor is not None:
-                ready = dict(events)
-                if self._monitor in ready and self._read_monitor(method):
+            got = self._next_message(sock, method, end, timeout) if first is None else first
+            first = None
+            if not isinstance(got, list):
+                if got is _PROBE:
                     probe_id = self._send_probe(sock, method, end, timeout)
-                if sock not in ready:
-                    continue
-            frames = _recv_reply(sock)
+                continue  # nothing came in this slice of the wait
+            frames = got
             header = codec.decode_header(frames[0])
             if header["id"] == probe_id:
                 self._probe_answered(header, method)
@@ -432,6 +483,37 @@ class RpcClient:
             if stream is not None:
                 tensors = stream.join(tensors, framed)
             return Response(header.get("b"), tensors)
+
+    def _next_message(
+        self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float
+    ) -> list[Any] | object | None:
+        """The next message's frames; ``_PROBE`` when the connection came back (the
+        probe is due); None when nothing came within a slice of the wait.
+
+        Raises:
+            DeadlineExceeded: the call's deadline passed.
+        """
+        remaining_ms = int((end - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
+        if self._monitor is None:
+            # Nothing else to watch: wait in recv itself, as a bare DEALER does, in
+            # slices of at most _WAIT_SLICE_MS. The socket keeps its timeout between
+            # calls: setting it cost a no-op call ~20 us, a poll before the recv ~5
+            # (docs/benchmarks.md, "RPC round trip").
+            wait_ms = min(remaining_ms, _WAIT_SLICE_MS)
+            if wait_ms != self._rcvtimeo:
+                sock.setsockopt(_RCVTIMEO, wait_ms)
+                self._rcvtimeo = wait_ms
+            try:
+                return _recv_reply(sock)
+            except zmq.Again:
+                return None
+        assert self._poller is not None  # built with the socket
+        ready = dict(self._poller.poll(remaining_ms))
+        if self._monitor in ready and self._read_monitor(method):
+            return _PROBE
+        return _recv_reply(sock) if sock in ready else None
 
     def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
         """Sends the probe (the connection is back while ``method`` waits); its id."""
@@ -528,14 +610,12 @@ class _Parts:
 def _recv_reply(sock: zmq.Socket[bytes]) -> list[Any]:
     """One reply's frames: the header as bytes, tensor frames zero-copy.
 
-    Called when a message is queued (ZeroMQ delivers one whole). The header is read as
-    a frame for its ``more`` flag, cheaper than asking the socket for ``RCVMORE``.
+    Waits for the header within the socket's ``RCVTIMEO`` (raises ``zmq.Again``); the
+    rest of a multipart message is queued with it (ZeroMQ delivers one whole). The
+    header is copied: a ``zmq.Frame`` costs more to make than its few bytes to copy,
+    more than asking the socket for ``RCVMORE`` costs.
     """
-    first = sock.recv(copy=False)
-    frames: list[Any] = [first.bytes]
-    more = first.more
-    while more:
-        part = sock.recv(copy=False)
-        frames.append(part)
-        more = part.more
+    frames: list[Any] = [sock.recv()]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(copy=False))
     return frames

@@ -184,6 +184,23 @@ def encode(
     return frames
 
 
+def encode_small(kind: str, request_id: int, method: str, body: Any = None) -> bytes:
+    """``encode(kind, request_id, method, body)``'s one frame, for a message without
+    tensors or extra keys: the common call and its reply, built with fewer steps (a
+    no-op round trip notices each; docs/benchmarks.md, "RPC round trip").
+
+    Raises:
+        ProtocolError: a body msgpack rejects.
+    """
+    header = {"v": PROTOCOL_VERSION, "k": kind, "id": request_id, "m": method}
+    if body is not None:
+        header["b"] = body
+    try:
+        return _pack(header)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"message body of {method!r} cannot be encoded: {exc}") from exc
+
+
 def encode_parts(
     kind: str,
     request_id: int,
@@ -339,7 +356,9 @@ def decode_header(frame: Any) -> dict[str, Any]:
     Raises:
         ProtocolError: not msgpack, not a map, missing keys, or another protocol version.
     """
-    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    raw = (
+        frame if type(frame) is bytes else frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    )
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:

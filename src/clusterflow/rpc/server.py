@@ -47,7 +47,8 @@ _STOP = b"\x00stop"
 _LOOP_ID = b"\x00clusterflow-loop"
 """Routing id of the server's own inproc DEALER. A leading zero byte, as ZeroMQ's own ids
 have; taken before any remote peer can connect, so one that claims it is ignored."""
-_RCVMORE = int(zmq.RCVMORE)  # a plain int: pyzmq's enum costs a conversion per use
+# Plain ints: pyzmq's enum members cost a conversion per use.
+_RCVMORE, _SNDMORE = int(zmq.RCVMORE), int(zmq.SNDMORE)
 _instances = itertools.count()
 
 
@@ -334,6 +335,11 @@ class RpcServer(RequestsInParts):
             return
         method: str = header["m"]
         request_id: int = header["id"]
+        if len(frames) == 2 and header["k"] == codec.KIND_REQUEST and not self._partials:
+            entry = self._handlers.get(method)
+            if entry is not None and not entry.blocking and "n" not in header and "t" not in header:
+                self._serve_small(identity, method, request_id, header.get("b"), entry)
+                return
         oneway = header["k"] == codec.KIND_ONEWAY
         if self._partials:
             self._expire_partials()
@@ -360,6 +366,27 @@ class RpcServer(RequestsInParts):
         if entry is None:
             return
         self._serve(identity, header, frames[2:], entry, frozenset())
+
+    def _serve_small(
+        self, identity: bytes, method: str, request_id: int, body: Any, entry: Entry
+    ) -> None:
+        """``_serve`` of a request in one frame whose handler runs inline, in fewer
+        steps: the common call (docs/benchmarks.md, "RPC round trip"). Its frame is
+        within the size limit (ZeroMQ drops a peer whose lone frame is not)."""
+        request = Request(method, body, {}, identity)
+        response = run_handler(self._name, entry, request)
+        if isinstance(response, Response) and not response.tensors and response.on_sent is None:
+            try:
+                reply = codec.encode_small(codec.KIND_REPLY, request_id, method, response.body)
+            except ProtocolError:
+                pass  # _invoke's error path answers it
+            else:
+                self._router.send(identity, _SNDMORE)
+                self._router.send(reply)
+                return
+        frames = self._invoke(entry, request, request_id, response)
+        if frames is not None:
+            runtime.send(self._router, [identity, *frames])
 
     def _admit(
         self, identity: bytes, header: dict[str, Any], size: int, tensors: str | None
@@ -423,9 +450,17 @@ class RpcServer(RequestsInParts):
             if reply is not None:
                 runtime.send(self._router, [identity, *reply])
 
-    def _invoke(self, entry: Entry, request: Request, request_id: int) -> list[Any] | None:
-        """Runs a handler; returns the reply frames, or None for a one-way message."""
-        response = run_handler(self._name, entry, request)
+    def _invoke(
+        self,
+        entry: Entry,
+        request: Request,
+        request_id: int,
+        response: Response | tuple[str, Exception] | None = None,
+    ) -> list[Any] | None:
+        """Runs a handler (unless its ``response`` is given); returns the reply frames,
+        or None for a one-way message."""
+        if response is None:
+            response = run_handler(self._name, entry, request)
         if request.oneway:
             return None
         if not isinstance(response, Response):
