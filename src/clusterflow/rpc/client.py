@@ -7,7 +7,7 @@ keep the unsent request queued and deliver it, late, when the peer comes back.
 Until the first handshake with the peer succeeds the client also watches the socket's
 monitor, so a peer that refuses our credentials is reported at once as
 ``AuthenticationError`` instead of as a silent timeout. After that the monitor is
-dropped and a call costs one send and one receive, waiting in it.
+dropped and a call costs one send, one poll and one receive.
 
 A client given a ``ReconnectProbe`` keeps the monitor, to learn of a lost connection.
 A connection can die under a call, a partition's retransmissions running out (the
@@ -64,12 +64,7 @@ _HANDSHAKE_FAILURES = (
 _ids = itertools.count(1)
 # Plain ints: pyzmq's enum members cost a Python-level conversion per use.
 _NOBLOCK, _POLLIN, _SNDTIMEO = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.SNDTIMEO)
-_RCVTIMEO, _RCVMORE = int(zmq.RCVTIMEO), int(zmq.RCVMORE)
-_WAIT_SLICE_MS = 1000
-"""A call waits for its reply in receives of at most this long, checking its deadline
-between them; the socket keeps the value, so a call with a long deadline sets nothing."""
-_PROBE = object()
-"""``_next_message``'s answer when the connection came back while a call waited."""
+_RCVMORE = int(zmq.RCVMORE)
 _PLAIN: Mapping[str, Any] = {}
 _STREAMED: Mapping[str, Any] = {"sr": 1}
 """A request's extra header keys: the reply may come in parts (``call``'s ``streamed``)."""
@@ -141,8 +136,6 @@ class RpcClient:
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller: zmq.Poller | None = None
-        self._rcvtimeo = -1
-        """The socket's ``RCVTIMEO`` as last set (``_await_reply``)."""
         self._closed = False
         self._probe: ReconnectProbe | None = None
         self._down = False
@@ -295,12 +288,10 @@ class RpcClient:
             except zmq.Again:
                 self._send_before(sock, [frame], method, end, timeout)
             remaining_ms = int((end - time.monotonic()) * 1000)
-            if remaining_ms < _WAIT_SLICE_MS or self._rcvtimeo != _WAIT_SLICE_MS:
+            assert self._poller is not None  # built with the socket
+            if remaining_ms <= 0 or not self._poller.poll(remaining_ms):
                 return self._await_reply(sock, request_id, method, end, timeout, framed)
-            try:
-                first = sock.recv()
-            except zmq.Again:
-                return self._await_reply(sock, request_id, method, end, timeout, framed)
+            first = sock.recv()
             frames: list[Any] = [first]
             while sock.getsockopt(_RCVMORE):
                 frames.append(sock.recv(copy=False))
@@ -396,12 +387,12 @@ class RpcClient:
             self._poller.register(self._monitor, _POLLIN)
             sock.connect(self.endpoint)
             self._sock = sock
-            self._rcvtimeo = -1  # ZeroMQ's default: none
         return self._sock
 
     def _reset(self) -> None:
         """Drops the socket (and anything queued on it); the next call dials afresh."""
         self._drop_monitor()
+        self._poller = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -410,7 +401,9 @@ class RpcClient:
         if self._monitor is not None:
             if self._sock is not None:
                 self._sock.disable_monitor()
-            self._poller = None  # calls now wait in the socket's recv (_await_reply)
+            if self._poller is not None:
+                # Kept, polling the socket alone: Socket.poll() would build a Poller per call.
+                self._poller.unregister(self._monitor)
             self._monitor.close(linger=0)
             self._monitor = None
 
@@ -457,13 +450,25 @@ class RpcClient:
         probe_id = -1
         stream: _Parts | None = None
         while True:
-            got = self._next_message(sock, method, end, timeout) if first is None else first
-            first = None
-            if not isinstance(got, list):
-                if got is _PROBE:
-                    probe_id = self._send_probe(sock, method, end, timeout)
-                continue  # nothing came in this slice of the wait
-            frames = got
+            if first is not None:
+                frames, first = first, None
+            else:
+                remaining_ms = int((end - time.monotonic()) * 1000)
+                if remaining_ms <= 0:
+                    raise DeadlineExceeded(
+                        f"{method} to {self.endpoint}: no reply within {timeout:g}s"
+                    )
+                assert self._poller is not None  # built with the socket
+                events = self._poller.poll(remaining_ms)
+                if not events:
+                    continue
+                if self._monitor is not None:
+                    ready = dict(events)
+                    if self._monitor in ready and self._read_monitor(method):
+                        probe_id = self._send_probe(sock, method, end, timeout)
+                    if sock not in ready:
+                        continue
+                frames = _recv_reply(sock)
             header = codec.decode_header(frames[0])
             if header["id"] == probe_id:
                 self._probe_answered(header, method)
@@ -483,37 +488,6 @@ class RpcClient:
             if stream is not None:
                 tensors = stream.join(tensors, framed)
             return Response(header.get("b"), tensors)
-
-    def _next_message(
-        self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float
-    ) -> list[Any] | object | None:
-        """The next message's frames; ``_PROBE`` when the connection came back (the
-        probe is due); None when nothing came within a slice of the wait.
-
-        Raises:
-            DeadlineExceeded: the call's deadline passed.
-        """
-        remaining_ms = int((end - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
-        if self._monitor is None:
-            # Nothing else to watch: wait in recv itself, as a bare DEALER does, in
-            # slices of at most _WAIT_SLICE_MS. The socket keeps its timeout between
-            # calls: setting it cost a no-op call ~20 us, a poll before the recv ~5
-            # (docs/benchmarks.md, "RPC round trip").
-            wait_ms = min(remaining_ms, _WAIT_SLICE_MS)
-            if wait_ms != self._rcvtimeo:
-                sock.setsockopt(_RCVTIMEO, wait_ms)
-                self._rcvtimeo = wait_ms
-            try:
-                return _recv_reply(sock)
-            except zmq.Again:
-                return None
-        assert self._poller is not None  # built with the socket
-        ready = dict(self._poller.poll(remaining_ms))
-        if self._monitor in ready and self._read_monitor(method):
-            return _PROBE
-        return _recv_reply(sock) if sock in ready else None
 
     def _send_probe(self, sock: zmq.Socket[bytes], method: str, end: float, timeout: float) -> int:
         """Sends the probe (the connection is back while ``method`` waits); its id."""
@@ -610,10 +584,9 @@ class _Parts:
 def _recv_reply(sock: zmq.Socket[bytes]) -> list[Any]:
     """One reply's frames: the header as bytes, tensor frames zero-copy.
 
-    Waits for the header within the socket's ``RCVTIMEO`` (raises ``zmq.Again``); the
-    rest of a multipart message is queued with it (ZeroMQ delivers one whole). The
-    header is copied: a ``zmq.Frame`` costs more to make than its few bytes to copy,
-    more than asking the socket for ``RCVMORE`` costs.
+    Called when a message is queued (ZeroMQ delivers one whole). The header is copied:
+    a ``zmq.Frame`` costs more to make than its few bytes to copy and asking the socket
+    for ``RCVMORE`` together (docs/benchmarks.md, "RPC round trip").
     """
     frames: list[Any] = [sock.recv()]
     while sock.getsockopt(_RCVMORE):
