@@ -4,6 +4,7 @@ every byte of the manager's files must land in it once."""
 
 from __future__ import annotations
 
+import fcntl
 import threading
 from typing import Any
 
@@ -80,3 +81,26 @@ def test_a_refresh_that_waited_for_the_final_state_takes_it_and_ends_nothing_aga
     # The first collected the final state and let the manager end; the second, which
     # waited for it, neither pulled from a manager that may be gone nor ended it twice.
     assert manager.pulls == 1 and manager.ended == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_refresh_behind_a_stopped_holder_returns_the_last_mirrored_state(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder stopped mid-pull (Ctrl-Z on a foreground ``start``) keeps the lock: a
+    ``describe`` beside it shows what the mirror last knew instead of hanging."""
+    cluster = registry.create("mirror-held")
+    cluster.write_state(registry.ClusterState(id=cluster.id, status="running"))
+    manager = _Manager("succeeded")
+    monkeypatch.setattr(ray_host, "MIRROR_WAIT_S", 0.5)
+    with open(cluster.path / ".mirror.lock", "a") as held:  # the stopped holder's
+        fcntl.flock(held, fcntl.LOCK_EX)
+        state = ray_host.ManagerHandle(cluster, manager).refresh()  # type: ignore[arg-type]
+
+    assert state is not None and state.status == "running"
+    assert manager.pulls == 0 and manager.ended == 0
+    assert "held the mirror's lock for 0.5s" in caplog.text
+    # Once the holder lets go, the next refresh pulls as usual.
+    state = ray_host.ManagerHandle(cluster, manager).refresh()  # type: ignore[arg-type]
+    assert state is not None and state.status == "succeeded"
+    assert manager.pulls == 1 and cluster.output_file.read_bytes() == OUTPUT

@@ -42,6 +42,10 @@ from clusterflow.rpc import RpcError
 
 log = logging.getLogger(__name__)
 
+MIRROR_WAIT_S = CALL_DEADLINE_S + 5.0
+"""How long a refresh waits for another process's (``ClusterDir.mirror_lock``): that
+one's pull and the appending of what it brought."""
+
 NAMESPACE = ray_driver.NAMESPACE
 LINGER_S = 3600.0
 """How long a finished manager waits for the CLI to collect its final state."""
@@ -383,13 +387,20 @@ class ManagerHandle:
         """Pulls the manager's state and new output into the local folder; the state,
         or None if the manager is gone. A final state is collected once: the manager
         is then told it may end. One process at a time (``mirror_lock``); one that
-        waited for another that collected the final state returns that state."""
-        with self.cluster.mirror_lock():
-            with contextlib.suppress(ConfigError):
-                known = self.cluster.read_state()
-                if known.status in TERMINAL:
-                    return known
-            state = self._pull()
+        waited for another that collected the final state returns that state. One
+        that could not get the lock within ``MIRROR_WAIT_S`` (its holder stopped
+        mid-pull) returns the state as last mirrored, with a warning: news comes at
+        the next refresh."""
+        try:
+            with self.cluster.mirror_lock(MIRROR_WAIT_S):
+                with contextlib.suppress(ConfigError):
+                    known = self.cluster.read_state()
+                    if known.status in TERMINAL:
+                        return known
+                state = self._pull()
+        except registry.MirrorBusy as exc:
+            log.warning("%s; showing the state as last mirrored", exc)
+            return self.cluster.read_state()
         if state is not None and state.status in TERMINAL:
             from clusterflow.manager.memory_sizing import record
 

@@ -25,13 +25,14 @@ import psutil
 
 from clusterflow._files import write_json_atomic
 from clusterflow.cluster.contract import ENV_HOME
-from clusterflow.errors import ConfigError
+from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.manager.state import TERMINAL, ClusterState
 
 __all__ = [
     "TERMINAL",
     "UNREACHABLE",
     "ClusterDir",
+    "MirrorBusy",
     "all_clusters",
     "create",
     "effective_status",
@@ -39,6 +40,14 @@ __all__ = [
     "home",
     "write_json_atomic",
 ]
+
+MIRROR_LOCK_POLL_S = 0.05
+"""How often a process waiting for the mirror's lock tries it again (``mirror_lock``)."""
+
+
+class MirrorBusy(ClusterflowError):
+    """Another process held a cluster's mirror lock past the wait allowed."""
+
 
 UNREACHABLE = "unreachable"
 """The status shown (never written) for a cluster whose manager lives in a Ray cluster
@@ -92,14 +101,33 @@ class ClusterDir:
         return self.path / "logs"
 
     @contextlib.contextmanager
-    def mirror_lock(self) -> Iterator[None]:
+    def mirror_lock(self, timeout: float) -> Iterator[None]:
         """Held by a process while it brings this folder's mirror of a Ray-hosted manager
         up to date (``ray_host.ManagerHandle.refresh``). The CLI that started the run and a
         ``describe`` beside it both refresh; each appends the bytes after the sizes it
-        read, so two at once would append the same bytes twice. Waits at most the
-        holder's pull, whose call has a deadline."""
+        read, so two at once would append the same bytes twice.
+
+        Waits at most ``timeout`` seconds. A holder's pull has a deadline of its own, but
+        a holder can be stopped mid-pull (Ctrl-Z on a foreground ``start``), and a
+        ``describe`` beside it must not hang with it. ``flock`` has no timed wait, so the
+        lock is tried every ``MIRROR_LOCK_POLL_S``, as the ``filelock`` package does.
+
+        Raises:
+            MirrorBusy: another process held the lock all that time.
+        """
         with open(self.path / ".mirror.lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            end = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= end:
+                        raise MirrorBusy(
+                            f"cluster {self.id}: another process has held the mirror's lock "
+                            f"for {timeout:g}s ({f.name})"
+                        ) from None
+                    time.sleep(MIRROR_LOCK_POLL_S)
             yield  # closing the file lets go
 
     def task_log(self, task: str) -> Path:
