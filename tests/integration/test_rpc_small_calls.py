@@ -1,6 +1,6 @@
-"""The common call's short paths: a request in one frame (``RpcClient._call_small``) and
-its inline handler's reply (``RpcServer._serve_small``) answer every reply the general
-path does, the odd ones too.
+"""Calls without tensors, the common ones: the client reads every reply to one as it
+must, the odd ones too, and the server's short path for them (``RpcServer._serve_small``)
+answers as its general path does.
 
 The client tests talk to a hand-built ROUTER that answers as a faulty or a busy server
 would; the server tests use a real ``RpcServer``. Every socket, client and server is
@@ -98,7 +98,7 @@ def test_a_reply_to_another_request_is_passed_over_for_its_own(
             [_packed("rep", header["id"], header.get("b"))],
         ]
     )
-    for turn in range(3):  # the first call on a socket goes the general way; then short
+    for turn in range(3):
         assert client.call("m", turn).body == turn
 
 
@@ -108,7 +108,7 @@ def test_an_error_reply_raises_its_remote_error(
     client = answering(
         lambda header: [[_packed("err", header["id"], "no such thing", c="not_found", e="")]]
     )
-    for _ in range(3):  # an error reply keeps the socket: the later ones go the short way
+    for _ in range(3):  # an error reply keeps the socket
         with pytest.raises(RemoteError) as info:
             client.call("m")
         assert info.value.code == "not_found"
@@ -117,8 +117,8 @@ def test_an_error_reply_raises_its_remote_error(
 def _bad_unless_ok(bad: Callable[[int], list[bytes]]) -> Answer:
     """Answers a request whose body is "ok" rightly, any other with ``bad(its id)``.
 
-    A failed call drops the client's socket, and the first call on a socket takes the
-    general path: a good call before each bad one sends the bad one the short way.
+    A failed call drops the client's socket: a good call before each bad one shows the
+    client serves on after it.
     """
 
     def answer(header: dict[str, Any]) -> list[list[bytes]]:

@@ -65,9 +65,6 @@ _ids = itertools.count(1)
 # Plain ints: pyzmq's enum members cost a Python-level conversion per use.
 _NOBLOCK, _POLLIN, _SNDTIMEO = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.SNDTIMEO)
 _RCVMORE = int(zmq.RCVMORE)
-_PLAIN: Mapping[str, Any] = {}
-_STREAMED: Mapping[str, Any] = {"sr": 1}
-"""A request's extra header keys: the reply may come in parts (``call``'s ``streamed``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +234,7 @@ class RpcClient:
                     )
                 sock = self._socket()  # a failed offer may have reset it
             request_id = next(_ids)
-            if not (tensors or part_bytes or streamed) and self._monitor is None:
-                return self._call_small(sock, request_id, method, body, end, timeout, framed)
-            extra = _STREAMED if streamed else _PLAIN
+            extra = {"sr": 1} if streamed else {}
             if part_bytes:
                 messages = codec.encode_parts(
                     codec.KIND_REQUEST,
@@ -266,49 +261,6 @@ class RpcClient:
                 # a new socket guarantees its late reply is never read as another's.
                 self._reset()
                 raise
-
-    def _call_small(
-        self,
-        sock: zmq.Socket[bytes],
-        request_id: int,
-        method: str,
-        body: Any,
-        end: float,
-        timeout: float,
-        framed: bool,
-    ) -> Response:
-        """``call`` of a request in one frame on a socket no monitor watches (the lock
-        is held), in fewer steps where all goes well: it is sent at once, its reply is
-        the next message and holds no tensors. Anything else is left to the general
-        path (``_send_before``, ``_await_reply``), from where this one stands."""
-        try:
-            frame = codec.encode_small(codec.KIND_REQUEST, request_id, method, body)
-            try:
-                sock.send(frame, _NOBLOCK)
-            except zmq.Again:
-                self._send_before(sock, [frame], method, end, timeout)
-            remaining_ms = int((end - time.monotonic()) * 1000)
-            assert self._poller is not None  # built with the socket
-            if remaining_ms <= 0 or not self._poller.poll(remaining_ms):
-                return self._await_reply(sock, request_id, method, end, timeout, framed)
-            first = sock.recv()
-            frames: list[Any] = [first]
-            while sock.getsockopt(_RCVMORE):
-                frames.append(sock.recv(copy=False))
-            if len(frames) == 1:
-                header = codec.decode_header(first)
-                if (
-                    header["id"] == request_id
-                    and header["k"] == codec.KIND_REPLY
-                    and not header.get("t")
-                ):
-                    return Response(header.get("b"), {})
-            return self._await_reply(sock, request_id, method, end, timeout, framed, frames)
-        except RemoteError:
-            raise  # a well-formed answer: the connection is as good as before
-        except BaseException:
-            self._reset()  # as call's: a request of ours may be in flight
-            raise
 
     def _side_ready(self, sock: zmq.Socket[bytes], end: float, timeout: float) -> bool:
         """Whether the side channel is open, opening it when it may be (the lock is
@@ -444,31 +396,24 @@ class RpcClient:
         end: float,
         timeout: float,
         framed: bool = False,
-        first: list[Any] | None = None,
     ) -> Response:
-        """Waits for the reply to ``request_id`` (``first``: a message already read)."""
         probe_id = -1
         stream: _Parts | None = None
         while True:
-            if first is not None:
-                frames, first = first, None
-            else:
-                remaining_ms = int((end - time.monotonic()) * 1000)
-                if remaining_ms <= 0:
-                    raise DeadlineExceeded(
-                        f"{method} to {self.endpoint}: no reply within {timeout:g}s"
-                    )
-                assert self._poller is not None  # built with the socket
-                events = self._poller.poll(remaining_ms)
-                if not events:
+            remaining_ms = int((end - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise DeadlineExceeded(f"{method} to {self.endpoint}: no reply within {timeout:g}s")
+            assert self._poller is not None  # built with the socket
+            events = self._poller.poll(remaining_ms)
+            if not events:
+                continue
+            if self._monitor is not None:
+                ready = dict(events)
+                if self._monitor in ready and self._read_monitor(method):
+                    probe_id = self._send_probe(sock, method, end, timeout)
+                if sock not in ready:
                     continue
-                if self._monitor is not None:
-                    ready = dict(events)
-                    if self._monitor in ready and self._read_monitor(method):
-                        probe_id = self._send_probe(sock, method, end, timeout)
-                    if sock not in ready:
-                        continue
-                frames = _recv_reply(sock)
+            frames = _recv_reply(sock)
             header = codec.decode_header(frames[0])
             if header["id"] == probe_id:
                 self._probe_answered(header, method)

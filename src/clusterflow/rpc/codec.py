@@ -179,6 +179,8 @@ def encode(
     Raises:
         ProtocolError: a tensor of a dtype that cannot travel, or a body msgpack rejects.
     """
+    if not tensors and not extra:
+        return [encode_small(kind, request_id, method, body)]
     header, frames = _message(kind, request_id, method, body, tensors, extra)
     frames[0] = _packed(header, method)
     return frames
@@ -186,8 +188,9 @@ def encode(
 
 def encode_small(kind: str, request_id: int, method: str, body: Any = None) -> bytes:
     """``encode(kind, request_id, method, body)``'s one frame, for a message without
-    tensors or extra keys: the common call and its reply, built with fewer steps (a
-    no-op round trip notices each; docs/benchmarks.md, "RPC round trip").
+    tensors or extra keys (``encode`` takes this way for one): the common call and its
+    reply, built with fewer steps (a no-op round trip notices each; docs/benchmarks.md,
+    "RPC round trip").
 
     Raises:
         ProtocolError: a body msgpack rejects.
