@@ -244,3 +244,22 @@ def test_the_request_types_load_nothing_of_the_server_side() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("method", "body"),
+    [("wait_version", {"version": 5}), ("pull", {"min_version": 5})],
+)
+def test_a_wait_sent_without_its_own_timeout_waits_the_ps_default_then_refuses(
+    monkeypatch: pytest.MonkeyPatch, method: str, body: dict[str, Any]
+) -> None:
+    """A well-formed wait with no ``timeout`` key waits ``DEFAULT_TIMEOUT_S`` (60 s, shortened
+    here to see it end), then refuses: it neither returns at once nor waits forever. The
+    hostile-wire fuzz met this path only by chance (docs/testing.md, "Eleventh session")."""
+    from clusterflow.ps import protocol
+    from clusterflow.ps.wire import DEFAULT_TIMEOUT_S
+
+    assert DEFAULT_TIMEOUT_S == 60.0
+    monkeypatch.setattr(protocol, "DEFAULT_TIMEOUT_S", 0.05)
+    with pytest.raises(PSError, match=r"version 5 did not come within 0\.05s"):
+        PSHandler(VariableStore(0)).dispatch(method, body, {})
