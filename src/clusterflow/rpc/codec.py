@@ -198,10 +198,7 @@ def encode_small(kind: str, request_id: int, method: str, body: Any = None) -> b
     header = {"v": PROTOCOL_VERSION, "k": kind, "id": request_id, "m": method}
     if body is not None:
         header["b"] = body
-    try:
-        return _pack(header)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"message body of {method!r} cannot be encoded: {exc}") from exc
+    return _packed(header, method)
 
 
 def encode_parts(
