@@ -130,3 +130,31 @@ def test_the_reply_statuses_are_the_ledgers() -> None:
     assert set(LEASE_STATUSES) == {status.value for status in GrantStatus}
     with pytest.raises(DataError, match=r"not a data\.lease reply: \{'status': 'maybe'\}"):
         LeaseReply.from_wire({"status": "maybe"})
+
+
+def test_an_ack_from_before_a_whole_restart_never_settles_a_lease_of_the_restored_run() -> None:
+    """A whole restart restores the cursor of the last checkpoint. Leases lent after it
+    (trained by the old tasks, their acks possibly still on the way from a killed one)
+    must not share ids with the restored run's: such an ack would settle a new lease of
+    a split nobody trained since the restore, and its records would be lost (the chaos
+    suite's allreduce run lost two splits so, 2026-11-28)."""
+    served = Served()
+    before = served.lease("w", 2)
+    served.call("data.ack", {"name": "d", "leases": [x.lease_id for x in before.leases]})
+    cursor = served.service.state_dict()  # the checkpoint: 2 splits done
+    after = served.lease("w", 2)  # lent after it; their update dies with the old run
+    served.service.reset(cursor)
+    served.call("data.register", {"spec": SPEC.to_wire(), "locations": []})
+
+    restored = served.lease("w", 2)
+    stale = [x.lease_id for x in after.leases]
+    with pytest.raises(UnknownLeaseError, match="a restart from a checkpoint took it back"):
+        served.call("data.ack", {"name": "d", "leases": stale})
+    assert served.service.status("d")["outstanding"] == 2  # the new leases stand
+    done = list(restored.leases)
+    acks = [x.lease_id for x in restored.leases]
+    while (reply := served.lease("w", 2, acks)).status == "lease":
+        done.extend(reply.leases)
+        acks = [x.lease_id for x in reply.leases]
+    assert reply.status == "end"
+    assert records(list(before.leases) + done) == Counter(range(40))  # each record once

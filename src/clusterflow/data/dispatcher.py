@@ -105,6 +105,9 @@ class DispatcherService:
         self._clock = clock
         self._lock = threading.Lock()
         self._books: dict[str, LeaseBook] = {}
+        self._issued: dict[str, int] = {}
+        """Per dataset, the first lease id no book of it has issued yet, kept across
+        restores: lease ids are never issued twice in this dispatcher's life."""
         self.fences = FenceBook()
         """rpc/fencing.py: the manager raises a task's bar when it relaunches the task."""
 
@@ -138,6 +141,7 @@ class DispatcherService:
             book = self._books.get(spec.name)
             if book is None:
                 book = LeaseBook(spec, lease_timeout_s=self.config.lease_timeout_s)
+                book.issue_ids_from(self._issued.get(spec.name, 1))
                 self._books[spec.name] = book
                 log.info(
                     "dataset %r registered: %d records from %s in %d splits, seed %d, epochs %s",
@@ -242,6 +246,9 @@ class DispatcherService:
         with self._lock:
             for name, (book, requeued) in restored.items():
                 old = self._books.get(name)
+                if old is not None:
+                    self._retire(name, old)
+                book.issue_ids_from(self._issued.get(name, 1))
                 if old is not None and old.outstanding():
                     log.warning(
                         "dataset %r: restoring a cursor drops %d outstanding leases",
@@ -263,9 +270,15 @@ class DispatcherService:
         the restored cursor); leases of the old incarnation are gone with their books.
         """
         with self._lock:
+            for name, book in self._books.items():
+                self._retire(name, book)
             self._books.clear()
         if state is not None:
             self.load_state_dict(state)
+
+    def _retire(self, name: str, book: LeaseBook) -> None:
+        """Remembers the ids ``book`` issued before it is replaced (the lock is held)."""
+        self._issued[name] = max(self._issued.get(name, 1), book.next_lease_id)
 
     # RPC handlers -----------------------------------------------------------------------
 

@@ -261,7 +261,10 @@ class LeaseBook:
                     )
                 continue
             if 0 < lease_id < self._next_lease_id:
-                problems.append(f"lease {lease_id} is no longer active (its epoch is complete)")
+                problems.append(
+                    f"lease {lease_id} is no longer active (its epoch is complete, or a "
+                    "restart from a checkpoint took it back)"
+                )
             else:
                 problems.append(f"lease {lease_id} was never issued")
         if problems:
@@ -393,6 +396,19 @@ class LeaseBook:
         order = epoch_order(self.spec.seed, epoch, self.spec.num_splits)
         self._live[epoch] = _Epoch(epoch, PendingQueue(order, self._hosts))
         log.debug("dataset %r: epoch %d opened", self.spec.name, epoch)
+
+    @property
+    def next_lease_id(self) -> int:
+        """The id the next lease gets: every id below it was issued by this book or by
+        the ones it was restored over (``issue_ids_from``)."""
+        return self._next_lease_id
+
+    def issue_ids_from(self, first: int) -> None:
+        """Issues no lease id below ``first``: a book restored from a cursor would
+        otherwise issue again the ids the run lent after that cursor was saved, and an
+        ack of an old lease, still on its way from a killed worker, would settle a new
+        lease of a split nobody trained (``Dispatcher.reset``)."""
+        self._next_lease_id = max(self._next_lease_id, first)
 
     def _lend(self, epoch: int, split: int, worker: str) -> Lease:
         lease_id = self._next_lease_id
