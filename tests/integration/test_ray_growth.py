@@ -162,8 +162,16 @@ def test_the_cluster_grows_onto_a_node_that_joins_and_releases_on_shrink(
         60,
         "the fourth node",
     )
+    # Each worker's node is known once its actor reports where Ray put it; the two
+    # newcomers report in either order, so wait for all four.
     grown = wait_until(
-        lambda: (w := _workers(cf.state(cluster))).get("worker:3") and w, 120, "four workers"
+        lambda: (
+            (w := _workers(cf.state(cluster))).keys() >= {"worker:2", "worker:3"}
+            and all(w.values())
+            and w
+        ),
+        120,
+        "four workers placed",
     )
     assert grown["worker:2"] == grown["worker:3"] == new_node, grown
     joins = [m for m in cf.state(cluster)["membership"] if m["change"] == "joined"]
