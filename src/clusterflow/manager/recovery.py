@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DRAIN_S = 5.0
+"""How long a whole restart waits for a killed incarnation's data request being served
+(handlers take a lock and return: in practice none is, or it ends in microseconds)."""
+
 
 class Recovery:
     """Respawns and whole restarts, on the controller's state."""
@@ -196,6 +200,7 @@ class Recovery:
         self._attempt += 1
         live = [t for t in self.tasks.values() if t.exit_code is None]
         self._kill(live)
+        self._fence_data(list(self.tasks.values()))
         self.output.line(f"clusterflow: {said}")
         # A new barrier: the restarted supervisors register anew (new addresses), and
         # the registration timeout counts afresh.
@@ -218,6 +223,24 @@ class Recovery:
             self.tasks.relaunching(task)
             self._launch(task, restore, warm=self._warm_restarts())
         self._write_state()
+
+    def _fence_data(self, tasks: list[TaskRecord]) -> None:
+        """Refuses, at the dispatcher, every request of ``tasks``' killed incarnations.
+
+        A request a task sent just before it was killed can still wait in the manager's
+        queue. A task's new incarnation raises the bar itself with its first request,
+        but until then nothing would refuse the old one's: served against the restored
+        cursor, a lease would lend splits to a process that no longer runs (held until
+        the new incarnation's first lease hands them back, or until the lease deadline
+        if it never asks), and an ack or a release would act on a cursor it never saw.
+        So each task's bar goes to the incarnation its relaunch will carry
+        (``relaunching`` adds one) before the cursor is touched, as a respawn's does;
+        the call returns once no request of an older incarnation is being served.
+        """
+        for task in tasks:
+            busy = self.data.fences.raise_to(str(task.id), task.restarts + 1, DRAIN_S)
+            if busy:
+                log.warning("%s: %d requests of its killed incarnation still served", task.id, busy)
 
     def _choose_checkpoint(self, *, restore_data: bool) -> str | None:
         """The step every (re)launched task restores; with ``restore_data`` the data
