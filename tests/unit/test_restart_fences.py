@@ -7,7 +7,8 @@ but before that nothing refused the old one's: served against the restored curso
 lease lent splits to a process that no longer runs and an ack acted on a cursor it
 never saw. The manager therefore raises each task's data fence to its next incarnation
 before it touches the cursor (``Recovery._fence_data``; docs/failure-semantics.md,
-"Fencing").
+"Fencing"). A worker a resizing restart drops keeps that bar: a namesake a later grow
+brings back starts at it, not under it.
 """
 
 from __future__ import annotations
@@ -149,3 +150,45 @@ def test_a_killed_incarnations_request_is_refused_after_a_whole_restart(
                 done.extend(reply.leases)
     assert _records(done) == Counter(range(40))
     assert controller.data.fences.counts("worker:0")["refused"] == {0: 2}
+
+
+def test_a_worker_that_left_at_a_resizing_restart_comes_back_above_its_fence(
+    tmp_path: Path,
+) -> None:
+    """A resizing restart fences the killed launch of a worker it then drops; a later
+    grow that brings a worker of that name back launches it at that bar, so the
+    dispatcher admits it (under the bar it would be refused as a zombie)."""
+    folder = tmp_path / "cluster"
+    (folder / "logs").mkdir(parents=True)
+    backend: Any = SimpleNamespace(
+        name="local",
+        job_env=lambda task: {},
+        launch=lambda launch: _Supervisor(),
+        adopt=lambda process, task: None,
+        reserve=lambda tasks: None,
+        release=lambda task: None,
+    )
+    config = RunConfig(command=("true",), workers=2, workers_max=2, max_restarts=2)
+    controller = Controller(
+        ClusterDir(folder),
+        config,
+        backend,
+        rpc=RpcServer(CREDENTIALS, name="manager", tensors=False),
+        output=OutputRouter(folder / "output.log", echo=False),
+    )
+    try:
+        for task in controller.tasks.values():
+            controller._launch(task, None)
+        controller._restart_resized(1)  # worker:1's launch is killed, fenced, dropped
+        assert [str(t) for t in controller.tasks.workers()] == ["worker:0"]
+        bar = controller.data.fences.highest("worker:1")
+        assert bar == 1
+
+        controller._scale_pending = (2, False)  # a live grow brings worker:1 back
+        controller._apply_scale()
+        back = controller.tasks[TaskId.parse("worker:1")]
+        assert back.restarts >= bar  # its launch's incarnation (CLUSTERFLOW_INCARNATION)
+        controller.data.fences.admit("worker:1", back.restarts)  # not refused
+    finally:
+        controller.standby.close()
+        controller.output.close()

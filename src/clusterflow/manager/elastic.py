@@ -439,7 +439,10 @@ class Elastic:
                     self.rendezvous.admit(task)
                     joined.append(task)
             for task in reversed(workers[wanted:]):
-                self._departed[task] = self.tasks.remove(task).restarts
+                # Its killed launch was fenced at the dispatcher one above its count
+                # (``_fence_data``): a namesake must start at that bar, not under it.
+                fenced = self.data.fences.highest(str(task)) or 0
+                self._departed[task] = max(self.tasks.remove(task).restarts, fenced)
                 self.rendezvous.dismiss(task)
                 left.append(task)
             self._resized()
