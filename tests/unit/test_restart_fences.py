@@ -58,8 +58,8 @@ class _Supervisor:
         self.code = -signum
 
 
-@pytest.fixture
-def controller(tmp_path: Path) -> Iterator[Controller]:
+def _controller(tmp_path: Path, config: RunConfig) -> Controller:
+    """A manager over supervisors that only exist in its table (``_Supervisor``)."""
     folder = tmp_path / "cluster"
     (folder / "logs").mkdir(parents=True)
     backend: Any = SimpleNamespace(
@@ -67,14 +67,22 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
         job_env=lambda task: {},
         launch=lambda launch: _Supervisor(),
         adopt=lambda process, task: None,
+        reserve=lambda tasks: None,
+        release=lambda task: None,
     )
-    controller = Controller(
+    return Controller(
         ClusterDir(folder),
-        RunConfig(command=("true",), workers=2, max_restarts=2),
+        config,
         backend,
         rpc=RpcServer(CREDENTIALS, name="manager", tensors=False),
         output=OutputRouter(folder / "output.log", echo=False),
     )
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Controller]:
+    """Two workers, its dispatcher served on its RPC server."""
+    controller = _controller(tmp_path, RunConfig(command=("true",), workers=2, max_restarts=2))
     controller._rpc.start()
     try:
         yield controller
@@ -158,24 +166,8 @@ def test_a_worker_that_left_at_a_resizing_restart_comes_back_above_its_fence(
     """A resizing restart fences the killed launch of a worker it then drops; a later
     grow that brings a worker of that name back launches it at that bar, so the
     dispatcher admits it (under the bar it would be refused as a zombie)."""
-    folder = tmp_path / "cluster"
-    (folder / "logs").mkdir(parents=True)
-    backend: Any = SimpleNamespace(
-        name="local",
-        job_env=lambda task: {},
-        launch=lambda launch: _Supervisor(),
-        adopt=lambda process, task: None,
-        reserve=lambda tasks: None,
-        release=lambda task: None,
-    )
     config = RunConfig(command=("true",), workers=2, workers_max=2, max_restarts=2)
-    controller = Controller(
-        ClusterDir(folder),
-        config,
-        backend,
-        rpc=RpcServer(CREDENTIALS, name="manager", tensors=False),
-        output=OutputRouter(folder / "output.log", echo=False),
-    )
+    controller = _controller(tmp_path, config)
     try:
         for task in controller.tasks.values():
             controller._launch(task, None)
