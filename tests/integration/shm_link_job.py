@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -149,27 +149,31 @@ def peer_dies(link: ShmLink, rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
+STRANGER = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.settimeout(10)
+sock.connect(bytes.fromhex(sys.argv[1]))  # an abstract name: it starts with a NUL
+sock.send((0).to_bytes(4, "little"))
+"""
+"""Another process of this host: connects to an address and claims to be rank 0."""
+
+
 def stranger_connects_first(rank: int) -> None:
     """On rank 0: right after the first gather of ``ShmLink.open`` (the addresses), a
-    forked child of this process connects to rank 1's address, claiming to be rank 0,
-    and exits; its connection waits in rank 1's queue ahead of rank 0's own."""
+    stranger process (a fresh interpreter, not a fork of this threaded one, which could
+    hang on a lock a gloo thread held) connects to rank 1's address, claiming to be
+    rank 0, and exits; its connection waits in rank 1's queue ahead of rank 0's own."""
     gather = dist.all_gather_object
 
     def first(objects: list[Any], obj: Any, group: Any = None) -> None:
         gather(objects, obj, group=group)
         dist.all_gather_object = gather  # type: ignore[assignment]
-        child = os.fork()
-        if child == 0:  # the stranger: another process of this host
-            code = 1
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                sock.connect(objects[1]["name"])
-                sock.send((0).to_bytes(4, "little"))
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the stranger could not connect"
+        address = objects[1]["name"].encode().hex()
+        done = subprocess.run(
+            [sys.executable, "-c", STRANGER, address], timeout=TIMEOUT_S, check=False
+        )
+        assert done.returncode == 0, "the stranger could not connect"
 
     if rank == 0:
         dist.all_gather_object = first  # type: ignore[assignment]
