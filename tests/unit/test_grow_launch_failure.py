@@ -15,15 +15,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_manager import fake_backend, fake_manager
 
 from clusterflow.cluster import TaskId
 from clusterflow.manager import elastic
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
 from clusterflow.manager.elastic import GrowFailed
-from clusterflow.manager.output import OutputRouter
-from clusterflow.manager.registry import ClusterDir
-from clusterflow.rpc import Credentials, RpcServer
+from clusterflow.rpc import Credentials
 from clusterflow.rpc.message import Request
 from clusterflow.server.manager_messages import ScaleRequest
 
@@ -46,8 +45,6 @@ class _Process:
 
 
 def _controller(tmp_path: Path, refused: set[str]) -> Controller:
-    folder = tmp_path / "cluster"
-    (folder / "logs").mkdir(parents=True)
     released: list[TaskId] = []
 
     def launch(launch: Any) -> _Process:
@@ -55,23 +52,11 @@ def _controller(tmp_path: Path, refused: set[str]) -> Controller:
             raise OSError(f"[Errno 11] Resource temporarily unavailable: {launch.task}")
         return _Process()
 
-    backend: Any = SimpleNamespace(
-        name="local",
-        job_env=lambda task: {},
-        launch=launch,
-        adopt=lambda process, task: None,
-        reserve=lambda tasks: None,
-        release=released.append,
-        released=released,
+    backend = fake_backend(
+        launch, reserve=lambda tasks: None, release=released.append, released=released
     )
     config = RunConfig(command=("true",), workers=2, workers_max=4, max_restarts=0)
-    return Controller(
-        ClusterDir(folder),
-        config,
-        backend,
-        rpc=RpcServer(Credentials.generate(), name="manager", tensors=False),
-        output=OutputRouter(folder / "output.log", echo=False),
-    )
+    return fake_manager(tmp_path, config, backend, Credentials.generate())
 
 
 @pytest.mark.parametrize(

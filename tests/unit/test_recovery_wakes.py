@@ -20,17 +20,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_manager import fake_backend, fake_manager
 
 from clusterflow.backends.local import LocalProcess
 from clusterflow.cluster import TaskId
 from clusterflow.manager import controller as controller_module
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
-from clusterflow.manager.output import OutputRouter
 from clusterflow.manager.policy import Decision, Verdict
-from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.store_host import StoreHost
-from clusterflow.rpc import Credentials, RpcClient, RpcServer
+from clusterflow.rpc import Credentials, RpcClient
 from clusterflow.server.manager_messages import ExitedRequest
 from clusterflow.testing.waiting import wait_for
 
@@ -64,22 +63,8 @@ CREDENTIALS = Credentials.generate()
 
 
 def _controller(tmp_path: Path, config: RunConfig, **kwargs: Any) -> Controller:
-    folder = tmp_path / "cluster"
-    (folder / "logs").mkdir(parents=True)
-    backend: Any = SimpleNamespace(
-        name="local",
-        job_env=lambda task: {},
-        launch=lambda launch: _Supervisor(launch.task, 0),
-        adopt=lambda process, task: None,
-    )
-    return Controller(
-        ClusterDir(folder),
-        config,
-        backend,
-        rpc=RpcServer(CREDENTIALS, name="manager", tensors=False),
-        output=OutputRouter(folder / "output.log", echo=False),
-        **kwargs,
-    )
+    backend = fake_backend(lambda launch: _Supervisor(launch.task, 0))
+    return fake_manager(tmp_path, config, backend, CREDENTIALS, **kwargs)
 
 
 @pytest.fixture

@@ -16,20 +16,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_manager import fake_backend, fake_manager
 
 from clusterflow.cluster import TaskId
 from clusterflow.data.api import DatasetSpec, Lease
 from clusterflow.data.messages import LeaseReply
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.controller import Controller
-from clusterflow.manager.output import OutputRouter
-from clusterflow.manager.registry import ClusterDir
 from clusterflow.manager.restore import RestorePoint
-from clusterflow.rpc import Credentials, RpcClient, RpcServer
+from clusterflow.rpc import Credentials, RpcClient
 from clusterflow.rpc.fencing import Fence, TaskFenced, stamp
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,23 +58,10 @@ class _Supervisor:
 
 def _controller(tmp_path: Path, config: RunConfig) -> Controller:
     """A manager over supervisors that only exist in its table (``_Supervisor``)."""
-    folder = tmp_path / "cluster"
-    (folder / "logs").mkdir(parents=True)
-    backend: Any = SimpleNamespace(
-        name="local",
-        job_env=lambda task: {},
-        launch=lambda launch: _Supervisor(),
-        adopt=lambda process, task: None,
-        reserve=lambda tasks: None,
-        release=lambda task: None,
+    backend = fake_backend(
+        lambda launch: _Supervisor(), reserve=lambda tasks: None, release=lambda task: None
     )
-    return Controller(
-        ClusterDir(folder),
-        config,
-        backend,
-        rpc=RpcServer(CREDENTIALS, name="manager", tensors=False),
-        output=OutputRouter(folder / "output.log", echo=False),
-    )
+    return fake_manager(tmp_path, config, backend, CREDENTIALS)
 
 
 @pytest.fixture

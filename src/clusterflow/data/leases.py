@@ -407,7 +407,7 @@ class LeaseBook:
         """Issues no lease id below ``first``: a book restored from a cursor would
         otherwise issue again the ids the run lent after that cursor was saved, and an
         ack of an old lease, still on its way from a killed worker, would settle a new
-        lease of a split nobody trained (``Dispatcher.reset``)."""
+        lease of a split nobody trained (``DispatcherService.reset``)."""
         self._next_lease_id = max(self._next_lease_id, first)
 
     def _lend(self, epoch: int, split: int, worker: str) -> Lease:

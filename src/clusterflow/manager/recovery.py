@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_S = 5.0
-"""How long a whole restart waits for a killed incarnation's data request being served
-(handlers take a lock and return: in practice none is, or it ends in microseconds)."""
+"""How long a whole restart waits, for all its tasks together, for the killed
+incarnations' data requests being served (handlers take a lock and return: in practice
+none is, or it ends in microseconds)."""
 
 
 class Recovery:
@@ -235,10 +237,13 @@ class Recovery:
         if it never asks), and an ack or a release would act on a cursor it never saw.
         So each task's bar goes to the incarnation its relaunch will carry
         (``relaunching`` adds one) before the cursor is touched, as a respawn's does;
-        the call returns once no request of an older incarnation is being served.
+        the call returns once no request of an older incarnation is being served, or
+        after ``DRAIN_S`` for all of them together.
         """
+        end = time.monotonic() + DRAIN_S
         for task in tasks:
-            busy = self.data.fences.raise_to(str(task.id), task.restarts + 1, DRAIN_S)
+            left = max(0.0, end - time.monotonic())
+            busy = self.data.fences.raise_to(str(task.id), task.restarts + 1, left)
             if busy:
                 log.warning("%s: %d requests of its killed incarnation still served", task.id, busy)
 
