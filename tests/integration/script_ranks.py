@@ -84,7 +84,7 @@ def run_script_ranks(script: Path, args: list[str], world: int, timeout_s: float
             for proc in procs:
                 _kill_group(proc)
         logs = [path.read_text(errors="replace") for path in outputs]
-    what = " ".join(args)
+    what = " ".join([script.name, *args])  # names the run even without arguments
     if running:
         tails = "\n".join(f"rank {rank}:\n{logs[rank][-3000:]}" for rank in running)
         raise AssertionError(
