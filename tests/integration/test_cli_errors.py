@@ -1,7 +1,8 @@
 """Bad input to every CLI command: one line on stderr, ``error: ...``, a non-zero exit.
 
 A traceback is never an answer to a mistake a user can fix; neither is a message that
-does not say which value was wrong.
+does not say which value was wrong. A group given no command (``clusterflow`` alone, the
+first thing a new user types) is not a mistake: its help, as written, usage exit.
 """
 
 from __future__ import annotations
@@ -214,3 +215,28 @@ def test_version_and_help_exit_zero(cf: Clusterflow, args: list[str]) -> None:
         assert done.stdout.startswith("clusterflow, version ")
     else:
         assert "Usage: clusterflow" in done.stdout
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("args", "commands"),
+    [
+        ([], ("start", "stop", "cache")),
+        (["cache"], ("create", "drop")),
+        (["ray-agents"], ("start",)),
+    ],
+    ids=["clusterflow", "cache", "ray-agents"],
+)
+def test_a_group_without_a_command_shows_its_help_as_written(
+    cf: Clusterflow, args: list[str], commands: tuple[str, ...]
+) -> None:
+    done = cf.run(*args)
+
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith(f"Usage: clusterflow {' '.join(args)}".rstrip()), lines
+    assert "Commands:" in lines, lines  # the help's own layout, not one joined line
+    listed = {line.split()[0] for line in lines[lines.index("Commands:") + 1 :] if line.strip()}
+    assert set(commands) <= listed, lines
+    assert not any(line.startswith("error:") for line in lines), lines

@@ -548,6 +548,12 @@ def main(argv: list[str] | None = None) -> None:
     interrupts.install()
     try:
         code = cli.main(args=argv, prog_name="clusterflow", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        # `clusterflow` or a group (`cache`, `ray-agents`) with no command: its help,
+        # as written (not joined into one line), on stderr with the usage exit, as click
+        # itself does.
+        exc.show()
+        sys.exit(USAGE_EXIT)
     except click.UsageError as exc:
         path = exc.ctx.command_path if exc.ctx else "clusterflow"
         _fail(f"{exc.format_message()} (see `{path} -h`)")
