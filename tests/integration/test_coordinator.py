@@ -485,7 +485,12 @@ def test_a_killed_worker_task_is_respawned_on_a_new_address_and_used_again(
     assert later_pids - first_pids, (later_pids, first_pids)
     clusters = list((tmp_path / "clusters").iterdir())
     events = [json.loads(line) for line in (clusters[0] / "events.jsonl").open()]
-    assert any(e["event"] == "spec_updated" for e in events)
+    (first,) = [e for e in events if e["event"] == "spec_assembled"]
+    moved = [e for e in events if e["event"] == "spec_updated"]
+    assert len(moved) == 1 and moved[0]["task"] in ("worker:0", "worker:1"), moved
+    index = int(moved[0]["task"].split(":")[1])
+    assert moved[0]["address"] != first["spec"]["worker"][index], (first, moved)  # a new one
+    assert moved[0]["version"] > first["version"]
 
 
 # Training -------------------------------------------------------------------------

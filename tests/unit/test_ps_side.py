@@ -242,13 +242,16 @@ def _answer(sock: socket.socket) -> dict[str, Any]:
 
 
 def _cut(sock: socket.socket) -> bool:
-    """Whether the server closed the connection (EOF once its answers were read)."""
+    """Whether the server closed the connection (EOF once its answers were read) within
+    30 s."""
     sock.settimeout(30)
     try:
         while sock.recv(65536):
             pass
     except ConnectionResetError:
         pass
+    except TimeoutError:
+        return False
     return True
 
 

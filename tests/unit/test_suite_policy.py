@@ -93,8 +93,13 @@ def test_every_thread_a_test_starts_is_a_daemon() -> None:
 # No timing threshold, no sleep as a wait (docs/testing.md) --------------------------------
 
 CLOCKS = frozenset({"monotonic", "time", "perf_counter", "monotonic_ns", "perf_counter_ns"})
-TIMING_WORDS = ("elapsed", "took", "duration", "stall", "rtt")
-"""Names (or attributes) that hold a measured time, whatever clock measured it."""
+TIMING_WORDS = ("elapsed", "took", "duration", "stall", "rtt", "seconds", "latency")
+"""Names (or attributes, or a subscript's string key) that hold a measured time,
+whatever clock measured it (``took_s``, ``result["seconds_after_loss"]``)."""
+RATE_WORDS = ("rate", "per_s")
+"""Names that hold a rate measured over time (steps per second, bits per second). A
+rate may be bounded from above (a shaped link's ceiling: only the shaper missing fails
+it, never a slow machine), not from below, which a busy machine fails."""
 
 
 def _is_clock_call(node: ast.AST) -> bool:
@@ -121,6 +126,8 @@ def _measures_time(node: ast.AST) -> bool:
 def _name_of(node: ast.AST) -> str:
     if isinstance(node, ast.Name):
         return node.id
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return str(node.slice.value)
     return node.attr if isinstance(node, ast.Attribute) else ""
 
 
@@ -150,10 +157,25 @@ def timing_thresholds(source: str) -> list[int]:
                 any(_measures_time(operand) for operand in operands)
                 or names & durations
                 or any(word in name for name in names for word in TIMING_WORDS)
+                or _rate_floor(compare)
             ):
                 found.append(node.lineno)
                 break
     return found
+
+
+def _rate_floor(compare: ast.Compare) -> bool:
+    """Whether ``compare`` bounds a rate from below (``rate > x``, ``x < rate``)."""
+    operands = [compare.left, *compare.comparators]
+    for op, left, right in zip(compare.ops, operands[:-1], operands[1:], strict=True):
+        low = right if isinstance(op, ast.Lt | ast.LtE) else left  # the side said larger
+        if any(
+            word in _name_of(sub) or (isinstance(sub, ast.Call) and word in _name_of(sub.func))
+            for sub in ast.walk(low)
+            for word in RATE_WORDS
+        ):
+            return True
+    return False
 
 
 def sleeps_outside_a_poll(source: str) -> list[int]:
@@ -212,7 +234,10 @@ def test_the_checks_find_the_common_forms_and_leave_safety_nets_alone() -> None:
         "took = time.time() - t\n"
         "assert x and took < 1\n"
         "assert outcome.stall_s <= outcome.stall_bound_s\n"
-    ) == [2, 3, 5, 6, 8, 9]
+        'assert result["seconds_after_loss"] < within\n'
+        "assert _rate(out, a, b) > _rate(out, c, d)\n"
+        "assert 100 <= steps_per_s\n"
+    ) == [2, 3, 5, 6, 8, 9, 10, 11, 12]
     assert sleeps_outside_a_poll(
         "time.sleep(0.4)\nassert len(bodies) == 2\nfor _ in range(3):\n    time.sleep(1)\n"
     ) == [1, 4]
@@ -224,6 +249,7 @@ def test_the_checks_find_the_common_forms_and_leave_safety_nets_alone() -> None:
             "    assert time.monotonic() < deadline, 'never'\n"
             "    time.sleep(0.01)\n"
             "assert deadline_s > 0 and count < 5\n"
+            "assert rate < 1.1 * 40e6\n"  # a ceiling: only a missing shaper fails it
         )
         == []
     )
