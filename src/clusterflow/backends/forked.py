@@ -94,7 +94,9 @@ def fork_job(
     """Runs ``argv`` in a child of the warm server ``server`` (``NAME:PID``), with
     ``stdio`` as its stdin, stdout and stderr, and ``listen_fd`` if given (a socket).
 
-    Waits for the server to be warm (its imports done), at most ``CONNECT_S``.
+    Waits for the server to be warm (its imports done), at most ``CONNECT_S``: the
+    request's own sends too, which block once its environment outgrows the socket's
+    buffer while the server has not read it yet (busy, or wedged).
 
     Raises:
         Unavailable: the server is absent, died, or refused (the reason given).
@@ -104,9 +106,9 @@ def fork_job(
     try:
         body = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode()
         fds = list(stdio) + ([listen_fd] if listen_fd is not None else [])
+        conn.settimeout(CONNECT_S)
         socket.send_fds(conn, [HEADER.pack(len(body))], fds)
         conn.sendall(body)
-        conn.settimeout(CONNECT_S)
         line = b""
         pidfd = -1
         while not line.endswith(b"\n"):
@@ -132,10 +134,13 @@ def fork_job(
 
 
 def _connect(name: str, pid: int) -> socket.socket:
-    """Connects, retrying while the server runs but has not bound its socket yet."""
+    """Connects, retrying while the server runs but has not bound its socket yet, or
+    has its backlog full (with a timeout set, a full backlog refuses at once, where a
+    blocking connect would wait for as long as the server does not accept)."""
     deadline = time.monotonic() + 5.0
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(CONNECT_S)
         try:
             conn.connect("\0" + name)
             return conn
