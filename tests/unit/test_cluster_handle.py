@@ -3,6 +3,7 @@ folder, so no caller tests a backend's name; how a cluster's end reads on each."
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from clusterflow.errors import ConfigError
 from clusterflow.manager import handle, ray_host, registry
 from clusterflow.manager.config import RunConfig
 from clusterflow.manager.handle import LocalHandle, RayHandle
+from clusterflow.manager.state import ClusterState
 
 pytestmark = pytest.mark.usefixtures("home")
 
@@ -80,3 +82,23 @@ def test_a_backend_nothing_registered_is_one_line() -> None:
     cluster = _cluster("h-odd-abcd", "slurm")
     with pytest.raises(ConfigError, match="runs on backend 'slurm', unknown here"):
         handle.attach(cluster)
+
+
+@pytest.mark.timeout(30)
+def test_a_local_manager_that_wrote_its_end_but_never_exits_is_killed_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handle, "MANAGER_EXIT_S", 0.5)
+    cluster = registry.create("s-t2-abcd")
+    # A manager wedged in its teardown: its own session, as LocalHandle.start makes it.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    try:
+        cluster.write_state(ClusterState(id=cluster.id, status="succeeded", exit_code=0))
+        state = LocalHandle(cluster, proc).ended()
+        assert state is not None and state.status == "succeeded"
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()

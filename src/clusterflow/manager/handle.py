@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ RAY_LOOK_S = 0.5
 call to its manager actor)."""
 PLACEMENT_EXIT = 2
 """A cluster Ray cannot place ends as ``start`` would: failed, exit code 2."""
+MANAGER_EXIT_S = 30.0
+"""How long a local manager that wrote its end may take to exit (its server stopped,
+its threads joined: seconds at most) before ``ended`` kills its session."""
 
 
 class ClusterHandle(Protocol):
@@ -109,7 +113,22 @@ class LocalHandle:
             if registry.effective_status(state) not in TERMINAL:
                 summary = f"the manager exited with code {self.proc.returncode}"
                 return replace(state, status="failed", summary=summary)
-        self.proc.wait()
+        try:
+            self.proc.wait(MANAGER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            # Its cluster has ended; a manager wedged in its own teardown must not hold
+            # whoever waits for the end (a study's next trial) forever.
+            log.warning(
+                "cluster %s: its manager (pid %d) wrote its end but did not exit within "
+                "%gs; killing it",
+                self.cluster.id,
+                self.proc.pid,
+                MANAGER_EXIT_S,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its session (start_new_session)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10.0)
         return state
 
     def stop(self, grace_s: float) -> str:
