@@ -57,6 +57,24 @@ def nodes() -> Iterator[RayNodes]:
         yield ray_nodes
 
 
+@pytest.fixture(scope="module")
+def local_results(nodes: RayNodes, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The job's result lines on the local backend, run once for the module: each test
+    compares its Ray launches with them, digit for digit."""
+    env = nodes.env(CLUSTERFLOW_HOME=str(tmp_path_factory.mktemp("local-home")))
+    local = nodes.run(
+        [*CLI, "start", "--workers", "2", "--", *JOB],
+        env=env,
+        timeout=240,
+        cwd=REPO,
+        capture_output=True,
+    )
+    assert local.returncode == 0, local.stderr
+    results = _results(local.stdout)
+    assert len(results) == 2, local.stdout  # its epoch and the final line
+    return results
+
+
 @pytest.fixture
 def cf(nodes: RayNodes, tmp_path: Path) -> Iterator[Any]:
     """``clusterflow ARGS`` on the head's host; afterwards the agents are stopped (with
@@ -103,7 +121,7 @@ def _results(out: str) -> list[str]:
 
 
 def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
-    nodes: RayNodes, cf: Any
+    nodes: RayNodes, cf: Any, local_results: list[str]
 ) -> None:
     started = cf("ray-agents", "start", "--address", ADDRESS)
     assert started.returncode == 0, started.stderr
@@ -126,11 +144,8 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     assert _hosts(second.stdout) == set(agents.values()), second.stdout
     assert _agents(cf) == agents  # the same processes, reused
 
-    local = cf("start", "--workers", "2", "--", *JOB)
-    assert local.returncode == 0, local.stderr
-    assert len(_results(local.stdout)) == 2, local.stdout  # its epoch and the final line
-    assert _results(first.stdout) == _results(local.stdout)  # digit for digit
-    assert _results(second.stdout) == _results(local.stdout)
+    assert _results(first.stdout) == local_results  # digit for digit
+    assert _results(second.stdout) == local_results
 
     # The other node's agent dies (its process killed, as a crash would): the next
     # launch's task on that node finds it dead and replaces it.
@@ -140,7 +155,7 @@ def test_launches_run_under_the_nodes_agents_and_a_killed_one_is_replaced(
     now = _agents(cf)
     assert set(now) == set(agents) and now[node] != pid, (agents, now)
     assert _hosts(third.stdout) == set(now.values()), third.stdout
-    assert _results(third.stdout) == _results(local.stdout)
+    assert _results(third.stdout) == local_results
 
     stopped = cf("ray-agents", "stop", "--address", ADDRESS)
     assert stopped.returncode == 0, stopped.stderr
@@ -155,7 +170,9 @@ def _record(cf: Any) -> Path:
     return Path(cf.home) / "ray-agents" / f"{ADDRESS.replace(':', '_')}.json"
 
 
-def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, cf: Any) -> None:
+def test_a_launch_through_the_head_agents_port_imports_no_ray(
+    nodes: RayNodes, cf: Any, local_results: list[str]
+) -> None:
     started = cf("ray-agents", "start", "--address", ADDRESS)
     assert started.returncode == 0, started.stderr
     record = _record(cf)
@@ -169,10 +186,7 @@ def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, c
     # the head agent's port; the tasks still ran under the nodes' agents.
     first = _on_ray(cf, no_ray=True)
     assert _hosts(first.stdout) == set(agents.values()), first.stdout
-    local = cf("start", "--workers", "2", "--", *JOB)
-    assert local.returncode == 0, local.stderr
-    assert len(_results(local.stdout)) == 2, local.stdout
-    assert _results(first.stdout) == _results(local.stdout)  # digit for digit
+    assert _results(first.stdout) == local_results  # digit for digit
     clusters = sorted((cf.home / "clusters").iterdir(), key=lambda p: p.stat().st_mtime)
     described = cf("describe", clusters[0].name, "--json", no_ray=True)
     assert described.returncode == 0, described.stderr
@@ -195,7 +209,7 @@ def test_a_launch_through_the_head_agents_port_imports_no_ray(nodes: RayNodes, c
     assert f"agent port recorded in {record} does not answer" in shown, shown
     # With Ray, the fallback launches and records the head agent's port anew.
     again = _on_ray(cf)
-    assert _results(again.stdout) == _results(local.stdout)
+    assert _results(again.stdout) == local_results
     assert json.loads(record.read_text())["address"] == good["address"]
 
     # Detached and stopped, both through the port.
