@@ -17,6 +17,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "_lazy": {"*"},  # the lazy-export helper of packages' __init__ (no layer of its own)
     "_files": {"*"},  # the one atomic JSON write (no layer of its own)
     "_sizes": {"*"},  # the one reader of a size such as 4G (no layer of its own)
+    "_checks": {"*"},  # the checks of a setting's number (no layer of its own)
     "cluster": {"*"},  # only clusterflow.errors
     "rpc": {
         "server",
@@ -108,7 +109,7 @@ FORBIDDEN: dict[str, set[str]] = {
         "cli",
     },
 }
-ALWAYS_ALLOWED = {"errors", "_lazy", "_files", "_sizes"}
+ALWAYS_ALLOWED = {"errors", "_lazy", "_files", "_sizes", "_checks"}
 
 
 def _layer_of(path: Path) -> str:

@@ -67,7 +67,9 @@ class CheckpointStorage:
         keep: committed checkpoints kept by each commit; older ones are deleted.
 
     Raises:
-        CheckpointError: ``keep`` is not an integer of at least 1, or ``url`` is empty.
+        CheckpointError: ``keep`` is not an integer of at least 1, ``url`` is empty, or
+            a local ``url`` is a file (a restore would find no checkpoint there and start
+            from scratch without a word).
     """
 
     def __init__(self, url: str | os.PathLike[str], *, keep: int = 3) -> None:
@@ -79,6 +81,8 @@ class CheckpointStorage:
         self._url = url
         self._keep = keep
         self._files, self._root, self._local = open_files(url)
+        if self._local and os.path.exists(self._root) and not os.path.isdir(self._root):
+            raise CheckpointError(f"checkpoint folder {url!r} is a file, not a folder")
         # What manifests report as their folder: a plain path when local, else the URL.
         self._base = self._root if self._local else url.rstrip("/")
 

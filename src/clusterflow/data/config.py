@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clusterflow._checks import whole
 from clusterflow.data.messages import MAX_LEASES_PER_CALL
 from clusterflow.errors import ConfigError
 
@@ -68,5 +69,4 @@ class DataConfig:
                 f"leases_ahead must be at most {MAX_LEASES_PER_CALL} (one call's most), "
                 f"got {self.leases_ahead!r}"
             )
-        if self.shuffle_buffer < 0:
-            raise ConfigError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer!r}")
+        whole("shuffle_buffer", self.shuffle_buffer)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from clusterflow._checks import seconds
 from clusterflow.data.api import (
     DatasetConflictError,
     DatasetSpec,
@@ -79,10 +80,8 @@ class DispatcherConfig:
     """How soon a worker told to wait (the end of the data) asks again, at first."""
 
     def __post_init__(self) -> None:
-        if self.lease_timeout_s <= 0:
-            raise ConfigError(f"lease_timeout_s must be positive, got {self.lease_timeout_s!r}")
-        if self.retry_s <= 0:
-            raise ConfigError(f"retry_s must be positive, got {self.retry_s!r}")
+        seconds("lease_timeout_s", self.lease_timeout_s)
+        seconds("retry_s", self.retry_s)
 
 
 class DispatcherService:

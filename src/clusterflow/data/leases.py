@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from clusterflow._checks import seconds
 from clusterflow.data.api import DatasetSpec, Lease, UnknownLeaseError
 from clusterflow.data.splits import PendingQueue, epoch_order, hosts_from_runs, split_range
 from clusterflow.errors import ConfigError
@@ -97,8 +98,7 @@ class LeaseBook:
     """
 
     def __init__(self, spec: DatasetSpec, *, lease_timeout_s: float) -> None:
-        if lease_timeout_s <= 0:
-            raise ConfigError(f"lease_timeout_s must be positive, got {lease_timeout_s!r}")
+        seconds("lease_timeout_s", lease_timeout_s)
         self.spec = spec
         self.lease_timeout_s = lease_timeout_s
         self._hosts: dict[int, str] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from clusterflow._checks import whole
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc.codec import DTYPES
 from clusterflow.rpc.errors import CodedError, MalformedBody
@@ -64,8 +65,11 @@ class PSConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ConfigError(f"unknown ps mode {self.mode!r}; expected 'async' or 'sync'")
-        if self.num_replicas < 1:
-            raise ConfigError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        whole("num_replicas", self.num_replicas, least=1)
+        whole("backup_workers", self.backup_workers)
+        if self.max_staleness is not None:
+            whole("max_staleness", self.max_staleness)
+        whole("warmup_steps", self.warmup_steps)
         if not 0 <= self.backup_workers < self.num_replicas:
             raise ConfigError(
                 f"backup_workers={self.backup_workers} must be in [0, {self.num_replicas}) "
@@ -73,12 +77,8 @@ class PSConfig:
             )
         if self.backup_workers and self.mode != "sync":
             raise ConfigError("backup_workers needs mode='sync'")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.stale_policy not in ("drop", "scale"):
             raise ConfigError(f"unknown stale_policy {self.stale_policy!r}; expected drop or scale")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def agrees_with(self, other: PSConfig, *, resizable: bool = False) -> bool:
         """Whether ``other`` (a worker's) is the config this ps runs by.

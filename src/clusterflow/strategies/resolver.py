@@ -213,6 +213,10 @@ class TFConfigClusterResolver(ClusterResolver):
             self.rpc_layer = rpc_layer
         if environment is not None:
             self.environment = environment
+        overridden = task_type is not None or task_id is not None
+        if overridden and self.task is not None and self._spec.jobs:
+            # An override must name a task of the cluster TF_CONFIG describes.
+            self._spec.task_address(self.task.job, self.task.index)
 
     def master(
         self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from clusterflow._checks import seconds
 from clusterflow.cluster import TFConfig
 from clusterflow.train.api import Hook, TrainConfigError
 from clusterflow.train.checkpoint import read_final, resolve_directory
@@ -90,8 +91,9 @@ class Evaluate(Hook):
             raise TrainConfigError(
                 f"Evaluate needs a function eval_fn(model), got {self.eval_fn!r}"
             )
-        if not self.poll_s > 0:
-            raise TrainConfigError(f"poll_s must be > 0, got {self.poll_s!r}")
+        seconds("poll_s", self.poll_s, error=TrainConfigError)
+        if self.idle_timeout_s is not None:
+            seconds("idle_timeout_s", self.idle_timeout_s, zero=True, error=TrainConfigError)
 
     def run(self, model: nn.Module) -> list[Evaluation]:
         """Evaluates every newly committed checkpoint in ``directory`` until the run ends.

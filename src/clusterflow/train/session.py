@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from clusterflow._checks import whole
 from clusterflow.cluster import TFConfig
 from clusterflow.data.api import SplitKey
 from clusterflow.strategies.api import Settled, Strategy, StrategyError
@@ -103,6 +104,8 @@ class TrainingSession:
         self.optimizer = optimizer
         self.data = data
         self.state: dict[str, Any] = dict(state or {})
+        if max_steps is not None:
+            whole("max_steps", max_steps, least=1, error=TrainConfigError)
         self.hooks = list(hooks)
         for hook in self.hooks:
             if not isinstance(hook, Hook):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusterflow._lazy import lazy_exports
 from clusterflow.cluster.trial import in_trial, params
+from clusterflow.errors import ConfigError
 from clusterflow.server.trial_report import report
 from clusterflow.tune.space import Param, parse_params
 
@@ -52,6 +53,9 @@ def run(
     ``--param`` texts; ``cluster`` holds ``start``'s settings (``{"workers": 2}``).
     """
     from clusterflow.tune.study import StudyRunner, TuneSettings
+
+    if isinstance(command, str):  # each character would be an argument: the program `p`
+        raise ConfigError(f"command must be a list of arguments, got the string {command!r}")
 
     specs = [f"{k}={v}" for k, v in params.items()] if isinstance(params, Mapping) else params
     settings = TuneSettings(

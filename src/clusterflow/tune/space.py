@@ -6,6 +6,7 @@ starts; :func:`distribution` maps a parsed parameter onto Optuna's own distribut
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,9 +41,12 @@ class Param:
 
 def _number(text: str, spec: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ConfigError(f"--param {spec!r}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"--param {spec!r}: {text!r} is not a finite number")
+    return value
 
 
 def _choice(text: str) -> Any:

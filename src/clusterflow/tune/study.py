@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterflow._checks import seconds, whole
 from clusterflow.backends import kinds
 from clusterflow.cluster.contract import CUDA_VISIBLE_DEVICES
 from clusterflow.cluster.trial import (
@@ -81,8 +82,11 @@ class TuneSettings:
             raise ConfigError(f"unknown pruner {self.pruner!r} (one of {', '.join(PRUNERS)})")
         if self.direction not in DIRECTIONS:
             raise ConfigError(f"unknown direction {self.direction!r} (maximize or minimize)")
-        if self.trials < 1 or self.parallel < 1 or self.max_failures < 0:
-            raise ConfigError("--trials and --parallel must be >= 1, --max-failures >= 0")
+        whole("--trials", self.trials, least=1)
+        whole("--parallel", self.parallel, least=1)
+        whole("--max-failures", self.max_failures)
+        seconds("poll_s", self.poll_s)
+        seconds("stop_grace_s", self.stop_grace_s)
         if not self.params:
             raise ConfigError("give at least one --param NAME=KIND:...")
         if not self.command:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from clusterflow._checks import seconds, whole
 from clusterflow.errors import ConfigError
 from clusterflow.ps.api import Mode, PSConfig, StalePolicy, WireDtype
 from clusterflow.ps.placement import Partitioner
@@ -73,14 +74,21 @@ class ParameterServerConfig:
             value = getattr(self, name)
             if value not in ("float32", "bfloat16"):
                 raise ConfigError(f"{name} must be float32 or bfloat16, got {value!r}")
-        if isinstance(self.deadline_s, bool) or not (
-            isinstance(self.deadline_s, int | float) and self.deadline_s > 0
-        ):
-            raise ConfigError(f"deadline_s must be a positive number, got {self.deadline_s!r}")
+        seconds("deadline_s", self.deadline_s)
         if self.dense not in ("ps", "allreduce"):
             raise ConfigError(f"dense must be 'ps' or 'allreduce', got {self.dense!r}")
-        if self.row_cache_steps < 0 or self.row_cache_rows < 0:
-            raise ConfigError("row_cache_steps and row_cache_rows must be >= 0")
+        for name in ("row_cache_steps", "row_cache_rows"):
+            whole(name, getattr(self, name))
+        whole("table_seed", self.table_seed, least=-(2**63))
+        if self.table_sharding not in ("hash", "range"):
+            raise ConfigError(
+                f"table_sharding must be 'hash' or 'range', got {self.table_sharding!r}"
+            )
+        if self.table_init not in ("normal", "uniform", "zeros"):
+            raise ConfigError(
+                f"table_init must be 'normal', 'uniform' or 'zeros', got {self.table_init!r}"
+            )
+        whole("backup_workers", self.backup_workers)
         self.ps_config(self.backup_workers + 1)  # the fields the ps checks, checked now
 
     def ps_config(self, num_replicas: int) -> PSConfig:

@@ -104,6 +104,10 @@ class PipelineConfig:
                 "updates once per batch"
             )
         if self.split is not None:
+            if isinstance(self.split, str):  # each character would be a point
+                raise PipelineError(
+                    f"split must be a list of split points, got the string {self.split!r}"
+                )
             points = tuple(self.split)
             for point in points:
                 if isinstance(point, bool) or not isinstance(point, int | str):

@@ -113,7 +113,9 @@ class PipelineStrategy(StageCut, Strategy):
             schedule=schedule,  # type: ignore[arg-type]
             microbatches=microbatches,
             stages=stages,
-            split=tuple(split) if split is not None else None,
+            # A string is kept whole, for the config's check to refuse (as characters
+            # it would be six split points).
+            split=split if split is None or isinstance(split, str) else tuple(split),  # type: ignore[arg-type]
             balance=balance,  # type: ignore[arg-type]
             virtual_stages=virtual_stages,
             two_bw=two_bw,

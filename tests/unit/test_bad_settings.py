@@ -1,0 +1,149 @@
+"""Settings of the Python API refuse what would misbehave later (``_checks.py``): NaN,
+a number of the wrong kind, a string where a list belongs. Each of these was accepted
+once, and went wrong far from where it was given: a NaN lease timeout took every
+worker's leases back at every sweep, a NaN ``max_staleness`` bounded nothing, a NaN
+trial count made a study that never started a trial, ``command="python x.py"`` ran
+the program ``p``, a checkpoint folder that was a file restored nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import clusterflow as cf
+from clusterflow._checks import seconds, whole
+from clusterflow.checkpoint.manifest import CheckpointError
+from clusterflow.checkpoint.storage import CheckpointStorage
+from clusterflow.data.config import DataConfig
+from clusterflow.data.dispatcher import DispatcherConfig
+from clusterflow.errors import ConfigError
+from clusterflow.strategies.parameter_server.config import ParameterServerConfig
+from clusterflow.train.evaluate import Evaluate
+from clusterflow.tune.space import parse_params
+from clusterflow.tune.study import TuneSettings
+
+NAN = float("nan")
+ONE_WORKER = {"TF_CONFIG": '{"cluster": {"worker": ["h:1"]}}'}
+
+
+def _study(**change: Any) -> TuneSettings:
+    settings: dict[str, Any] = {
+        "study": "s",
+        "metric": "loss",
+        "params": parse_params(["lr=uniform:0:1"]),
+        "command": ("python", "x.py"),
+        **change,
+    }
+    return TuneSettings(**settings)
+
+
+CASES: dict[str, tuple[Callable[[], object], str]] = {
+    "ps-max-staleness-nan": (
+        lambda: ParameterServerConfig(max_staleness=NAN),
+        "max_staleness must be an integer >= 0, got nan",
+    ),
+    "ps-max-staleness-fraction": (
+        lambda: ParameterServerConfig(max_staleness=2.5),
+        "max_staleness must be an integer >= 0, got 2.5",
+    ),
+    "ps-warmup-string": (
+        lambda: ParameterServerConfig(warmup_steps="3"),
+        "warmup_steps must be an integer >= 0, got '3'",
+    ),
+    "ps-backup-string": (
+        lambda: ParameterServerConfig(mode="sync", backup_workers="1"),
+        "backup_workers must be an integer >= 0, got '1'",
+    ),
+    "ps-deadline-infinite": (
+        lambda: ParameterServerConfig(deadline_s=math.inf),
+        "deadline_s must be a positive, finite number of seconds, got inf",
+    ),
+    "ps-table-sharding": (
+        lambda: ParameterServerConfig(table_sharding="modulo"),
+        "table_sharding must be 'hash' or 'range', got 'modulo'",
+    ),
+    "ps-table-init": (
+        lambda: ParameterServerConfig(table_init="xavier"),
+        "table_init must be 'normal', 'uniform' or 'zeros', got 'xavier'",
+    ),
+    "lease-timeout-nan": (
+        lambda: DispatcherConfig(lease_timeout_s=NAN),
+        "lease_timeout_s must be a positive, finite number of seconds, got nan",
+    ),
+    "lease-timeout-string": (
+        lambda: DispatcherConfig(lease_timeout_s="5"),
+        "lease_timeout_s must be a positive, finite number of seconds, got '5'",
+    ),
+    "shuffle-buffer-fraction": (
+        lambda: DataConfig(shuffle_buffer=2.5),
+        "shuffle_buffer must be an integer >= 0, got 2.5",
+    ),
+    "evaluator-idle-nan": (
+        lambda: Evaluate(lambda model: {}, idle_timeout_s=NAN),
+        "idle_timeout_s must be a finite number of seconds >= 0, got nan",
+    ),
+    "study-trials-nan": (
+        lambda: _study(trials=NAN).check(),
+        "--trials must be an integer >= 1, got nan",
+    ),
+    "study-poll-zero": (
+        lambda: _study(poll_s=0).check(),
+        "poll_s must be a positive, finite number of seconds, got 0",
+    ),
+    "param-bound-infinite": (
+        lambda: parse_params(["n=int:1:inf"]),
+        "--param 'n=int:1:inf': 'inf' is not a finite number",
+    ),
+    "tune-command-string": (
+        lambda: cf.tune.run(
+            "s", params={"lr": "uniform:0:1"}, command="python x.py", metric="loss"
+        ),
+        "command must be a list of arguments, got the string 'python x.py'",
+    ),
+    "pipeline-split-string": (
+        lambda: cf.PipelineStrategy(split="layer3"),
+        "split must be a list of split points, got the string 'layer3'",
+    ),
+    "resolver-task-outside-the-cluster": (
+        lambda: cf.TFConfigClusterResolver(task_type="worker", task_id=7, environ=ONE_WORKER),
+        "no task 7 in job 'worker'",
+    ),
+    "session-max-steps-negative": (
+        lambda: cf.TrainingSession(max_steps=-1),
+        "max_steps must be an integer >= 1, got -1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_setting_is_one_error_naming_it(case: str) -> None:
+    make, message = CASES[case]
+    with pytest.raises(ConfigError) as raised:
+        make()
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "afile"
+    path.write_text("")
+    with pytest.raises(CheckpointError, match=f"checkpoint folder '{path}' is a file"):
+        CheckpointStorage(str(path))
+    CheckpointStorage(str(tmp_path / "not-yet"))  # a folder still to make is fine
+
+
+def test_good_values_pass_numpy_numbers_too() -> None:
+    assert whole("n", np.int64(3), least=1) == 3
+    assert seconds("t", np.float32(0.5)) == 0.5
+    assert ParameterServerConfig(max_staleness=3, warmup_steps=2).max_staleness == 3
+    resolver = cf.TFConfigClusterResolver(task_type="worker", task_id=0, environ=ONE_WORKER)
+    assert str(resolver.task) == "worker:0"
+    # Without TF_CONFIG there is no cluster to hold the task to, as in TensorFlow.
+    assert str(cf.TFConfigClusterResolver(task_type="worker", task_id=3, environ={}).task) == (
+        "worker:3"
+    )
