@@ -21,6 +21,7 @@ from clusterflow.checkpoint.manifest import CheckpointError
 from clusterflow.checkpoint.storage import CheckpointStorage
 from clusterflow.data.config import DataConfig
 from clusterflow.data.dispatcher import DispatcherConfig
+from clusterflow.data.sources import ArrowSource
 from clusterflow.errors import ConfigError
 from clusterflow.strategies.parameter_server.config import ParameterServerConfig
 from clusterflow.train.evaluate import Evaluate
@@ -113,6 +114,34 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
         lambda: cf.TFConfigClusterResolver(task_type="worker", task_id=7, environ=ONE_WORKER),
         "no task 7 in job 'worker'",
     ),
+    "checkpoint-every-secs-string": (
+        lambda: cf.train.Checkpoint("ckpt", every_secs="60"),
+        "every_secs must be a positive, finite number of seconds, got '60'",
+    ),
+    "arrow-cached-chunks-string": (
+        lambda: ArrowSource("x.parquet", cached_chunks="2"),
+        "cached_chunks must be an integer >= 1, got '2'",
+    ),
+    "ps-resolver-string": (
+        lambda: cf.ParameterServerStrategy(cluster_resolver="worker"),
+        "ParameterServerStrategy: cluster_resolver must be a ClusterResolver",
+    ),
+    "ps-config-dict": (
+        lambda: cf.ParameterServerStrategy(config={"mode": "sync"}),
+        "config must be a ParameterServerConfig",
+    ),
+    "mirrored-resolver-dict": (
+        lambda: cf.MultiWorkerMirroredStrategy(cluster_resolver={"worker": ["h:1"]}),
+        "MultiWorkerMirroredStrategy: cluster_resolver must be a ClusterResolver",
+    ),
+    "pipeline-resolver-string": (
+        lambda: cf.PipelineStrategy(cluster_resolver="worker"),
+        "PipelineStrategy: cluster_resolver must be a ClusterResolver",
+    ),
+    "mirrored-devices-string": (
+        lambda: cf.MirroredStrategy("cpu:0"),
+        "devices must be a list of device names, got 'cpu:0'",
+    ),
     "session-max-steps-negative": (
         lambda: cf.TrainingSession(max_steps=-1),
         "max_steps must be an integer >= 1, got -1",
@@ -147,3 +176,7 @@ def test_good_values_pass_numpy_numbers_too() -> None:
     assert str(cf.TFConfigClusterResolver(task_type="worker", task_id=3, environ={}).task) == (
         "worker:3"
     )
+
+
+def test_hooks_none_is_no_hooks_as_in_tensorflow() -> None:
+    assert cf.TrainingSession(hooks=None).hooks == []

@@ -110,6 +110,8 @@ def select_device(membership: Membership, devices: Sequence[str] | None = None) 
     Raises:
         MembershipError: ``devices`` does not list one device per local replica.
     """
+    if isinstance(devices, str):  # each character would be a device
+        raise MembershipError(f"devices must be a list of device names, got {devices!r}")
     if devices:
         if len(devices) != membership.local_world_size:
             raise MembershipError(

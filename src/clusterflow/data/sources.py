@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from clusterflow._checks import whole
 from clusterflow.data.api import Columns, Source, SourceError, UnknownFormatError
 from clusterflow.data.cache_source import CacheSource
 from clusterflow.data.columns import arrow_columns
@@ -131,6 +132,7 @@ class ArrowSource:
     ) -> None:
         import pyarrow.dataset as ds  # type: ignore[import-untyped]
 
+        cached = whole("cached_chunks", cached_chunks, least=1)  # before any file is opened
         urls = (
             [os.fspath(path)]
             if isinstance(path, str | os.PathLike)
@@ -151,7 +153,7 @@ class ArrowSource:
         self._lock = threading.Lock()
         self._handles: dict[int, Any] = {}
         self._cache: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self._cached_chunks = max(1, cached_chunks)
+        self._cached_chunks = cached
         self._tables: dict[int, Any] = {}  # CSV files, parsed whole
         self.chunks_read = 0
         """Chunks decoded so far (cache misses): what a read of a split costs."""

@@ -51,7 +51,11 @@ from clusterflow.strategies.resizing import (
     check_elastic_batch,
     join_if_added,
 )
-from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+from clusterflow.strategies.resolver import (
+    ClusterResolver,
+    TFConfigClusterResolver,
+    checked_resolver,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -102,7 +106,7 @@ class MultiWorkerMirroredStrategy(CollectiveAllReduceStrategy):
         *,
         elastic_batch: ElasticBatch = "global",
     ) -> None:
-        resolver = cluster_resolver
+        resolver = checked_resolver(cluster_resolver, "MultiWorkerMirroredStrategy")
         if resolver is None and TFConfig.from_env() is not None:
             resolver = TFConfigClusterResolver()
         options = communication_options or CommunicationOptions()

@@ -284,3 +284,15 @@ class SimpleClusterResolver(ClusterResolver):
         else:
             address = self._master
         return format_master_url(address, rpc_layer or self._rpc_layer)
+
+
+def checked_resolver(value: object, strategy: str) -> ClusterResolver | None:
+    """``value`` if it is a resolver, or None; else a ``ConfigError`` naming it. A
+    strategy given a job's name or a spec's dict for its resolver failed later, deep in
+    its own start, with an ``AttributeError``."""
+    if value is not None and not isinstance(value, ClusterResolver):
+        raise ConfigError(
+            f"{strategy}: cluster_resolver must be a ClusterResolver (e.g. "
+            f"SimpleClusterResolver(spec, task_type=..., task_id=...)), got {value!r}"
+        )
+    return value

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from clusterflow._checks import seconds
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.strategies.api import Strategy
@@ -123,8 +124,8 @@ class Checkpoint(Hook):
             isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
         ):
             raise TrainConfigError(f"every_steps must be an integer >= 1, got {every_steps!r}")
-        if every_secs is not None and not every_secs > 0:
-            raise TrainConfigError(f"every_secs must be > 0, got {every_secs!r}")
+        if every_secs is not None:
+            seconds("every_secs", every_secs, error=TrainConfigError)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise TrainConfigError(f"keep must be an integer >= 1, got {keep!r}")
         self.directory = directory

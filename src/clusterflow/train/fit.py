@@ -56,7 +56,7 @@ def fit(
     global_batch_size: int | None = None,
     validation_data: Any = None,
     metrics: Sequence[str | Metric] = (),
-    hooks: Iterable[Hook] = (),
+    hooks: Iterable[Hook] | None = (),
     seed: int | None = None,
     shuffle: bool = True,
 ) -> History:
@@ -108,7 +108,7 @@ def fit(
     """
     _check_args(model, loss_fn, optimizer, strategy, epochs, steps_per_epoch, seed)
     named = resolve_metrics(metrics)
-    hooks = list(hooks)
+    hooks = list(hooks or ())  # None: none, as TensorFlow's hooks=None
     evaluators = [h for h in hooks if isinstance(h, Evaluate)]
     if evaluators and is_evaluator():
         return _evaluate_only(model, evaluators)

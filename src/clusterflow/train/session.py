@@ -91,7 +91,7 @@ class TrainingSession:
         strategy: Strategy | None = None,
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        hooks: Iterable[Hook] = (),
+        hooks: Iterable[Hook] | None = (),
         data: Any = None,
         state: Mapping[str, Any] | None = None,
         max_steps: int | None = None,
@@ -106,7 +106,7 @@ class TrainingSession:
         self.state: dict[str, Any] = dict(state or {})
         if max_steps is not None:
             whole("max_steps", max_steps, least=1, error=TrainConfigError)
-        self.hooks = list(hooks)
+        self.hooks = list(hooks or ())  # None: none, as TensorFlow's hooks=None
         for hook in self.hooks:
             if not isinstance(hook, Hook):
                 raise TrainConfigError(

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from clusterflow._checks import seconds, whole
 from clusterflow.cluster import ClusterSpec
 from clusterflow.errors import ClusterflowError, ConfigError
 from clusterflow.rpc import Credentials
@@ -101,11 +102,8 @@ class ClusterCoordinator:
             raise ConfigError("ClusterCoordinator needs mode='async' (as TensorFlow's coordinator)")
         if strategy.config.warmup_steps:
             raise ConfigError("ClusterCoordinator cannot warm up: the chief takes no steps itself")
-        if not worker_timeout_s > 0 or max_attempts < 1:
-            raise ConfigError(
-                f"worker_timeout_s must be > 0 and max_attempts >= 1, got "
-                f"{worker_timeout_s!r} and {max_attempts!r}"
-            )
+        seconds("worker_timeout_s", worker_timeout_s)
+        whole("max_attempts", max_attempts, least=1)
         resolver = strategy.cluster_resolver
         spec = resolver.cluster_spec()
         if "worker" not in spec.jobs:

@@ -72,7 +72,11 @@ from clusterflow.strategies.parameter_server.shards import (
 from clusterflow.strategies.parameter_server.sparse import SparseSide
 from clusterflow.strategies.parameter_server.staging import HostStaging
 from clusterflow.strategies.parameter_server.tables import RowsPush
-from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+from clusterflow.strategies.resolver import (
+    ClusterResolver,
+    TFConfigClusterResolver,
+    checked_resolver,
+)
 from clusterflow.strategies.variables import Recorded, recording
 
 log = logging.getLogger(__name__)
@@ -105,9 +109,15 @@ class ParameterServerStrategy(PSCut, Strategy):
             raise ConfigError(
                 f"pass either config= or options ({', '.join(sorted(options))}), not both"
             )
+        if config is not None and not isinstance(config, ParameterServerConfig):
+            raise ConfigError(
+                f"config must be a ParameterServerConfig (or give its fields as keywords), "
+                f"got {config!r}"
+            )
         self.options = config if config is not None else ParameterServerConfig.of(options)
         """The strategy's settings, as given."""
-        self._resolver = cluster_resolver or TFConfigClusterResolver()
+        resolver = checked_resolver(cluster_resolver, "ParameterServerStrategy")
+        self._resolver = resolver or TFConfigClusterResolver()
         task = self._resolver.task
         self._worker = str(task) if task is not None else "local:0"
         self.config = self.options.ps_config(self._resolver.num_workers())

@@ -59,7 +59,11 @@ from clusterflow.strategies.pipeline.outputs import OutputShare
 from clusterflow.strategies.pipeline.pipedream import PipeDreamEngine
 from clusterflow.strategies.pipeline.state import StageCut
 from clusterflow.strategies.pipeline.sync import LocalEngine, SyncEngine
-from clusterflow.strategies.resolver import ClusterResolver, TFConfigClusterResolver
+from clusterflow.strategies.resolver import (
+    ClusterResolver,
+    TFConfigClusterResolver,
+    checked_resolver,
+)
 from clusterflow.strategies.variables import current_placement, pipeline_scope
 
 __all__ = ["PipelineStrategy"]
@@ -123,7 +127,7 @@ class PipelineStrategy(StageCut, Strategy):
         )
         if self.config.balance == "time" and example_input is None and split is None:
             raise PipelineError("balance='time' measures the layers on example_input; give one")
-        resolver = cluster_resolver
+        resolver = checked_resolver(cluster_resolver, "PipelineStrategy")
         if resolver is None and TFConfig.from_env() is not None:
             resolver = TFConfigClusterResolver()
         membership = Membership.from_env(
