@@ -168,10 +168,10 @@ def _rate_floor(compare: ast.Compare) -> bool:
     """Whether ``compare`` bounds a rate from below (``rate > x``, ``x < rate``)."""
     operands = [compare.left, *compare.comparators]
     for op, left, right in zip(compare.ops, operands[:-1], operands[1:], strict=True):
-        low = right if isinstance(op, ast.Lt | ast.LtE) else left  # the side said larger
+        larger = right if isinstance(op, ast.Lt | ast.LtE) else left  # the side said larger
         if any(
             word in _name_of(sub) or (isinstance(sub, ast.Call) and word in _name_of(sub.func))
-            for sub in ast.walk(low)
+            for sub in ast.walk(larger)
             for word in RATE_WORDS
         ):
             return True
