@@ -15,7 +15,7 @@ import numbers
 
 from clusterflow.errors import ConfigError
 
-__all__ = ["seconds", "whole"]
+__all__ = ["listed", "seconds", "whole"]
 
 
 def whole(name: str, value: object, *, least: int = 0, error: type[Exception] = ConfigError) -> int:
@@ -45,3 +45,14 @@ def seconds(
     if not (math.isfinite(number) and (number > 0 or (zero and number == 0))):
         raise error(f"{name} must be {kind}, got {value!r}")
     return number
+
+
+def listed(name: str, value: object, what: str, *, error: type[Exception] = ConfigError) -> None:
+    """Refuses a string where a list of ``what`` belongs: iterated, each character would
+    be one (``command="python x.py"`` ran the program ``p``).
+
+    Raises:
+        error: naming ``name`` and the value.
+    """
+    if isinstance(value, str | bytes):
+        raise error(f"{name} must be a list of {what}, got the string {value!r}")

@@ -140,7 +140,7 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     ),
     "mirrored-devices-string": (
         lambda: cf.MirroredStrategy("cpu:0"),
-        "devices must be a list of device names, got 'cpu:0'",
+        "devices must be a list of device names, got the string 'cpu:0'",
     ),
     "session-max-steps-negative": (
         lambda: cf.TrainingSession(max_steps=-1),

@@ -35,6 +35,7 @@ import torch.distributed.nn
 # The typed home of the store classes; torch.distributed re-exports them untyped.
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from clusterflow._checks import listed
 from clusterflow.cluster import DeviceSpec
 from clusterflow.collective.api import (
     CollectiveError,
@@ -110,8 +111,7 @@ def select_device(membership: Membership, devices: Sequence[str] | None = None) 
     Raises:
         MembershipError: ``devices`` does not list one device per local replica.
     """
-    if isinstance(devices, str):  # each character would be a device
-        raise MembershipError(f"devices must be a list of device names, got {devices!r}")
+    listed("devices", devices, "device names", error=MembershipError)
     if devices:
         if len(devices) != membership.local_world_size:
             raise MembershipError(

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from clusterflow._checks import listed
 from clusterflow._lazy import lazy_exports
 from clusterflow.cluster.trial import in_trial, params
-from clusterflow.errors import ConfigError
 from clusterflow.server.trial_report import report
 from clusterflow.tune.space import Param, parse_params
 
@@ -54,8 +54,7 @@ def run(
     """
     from clusterflow.tune.study import StudyRunner, TuneSettings
 
-    if isinstance(command, str):  # each character would be an argument: the program `p`
-        raise ConfigError(f"command must be a list of arguments, got the string {command!r}")
+    listed("command", command, "arguments")
 
     specs = [f"{k}={v}" for k, v in params.items()] if isinstance(params, Mapping) else params
     settings = TuneSettings(

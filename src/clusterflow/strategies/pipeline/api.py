@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from clusterflow._checks import listed
 from clusterflow.errors import ConfigError
 from clusterflow.strategies.api import StrategyError
 
@@ -104,10 +105,7 @@ class PipelineConfig:
                 "updates once per batch"
             )
         if self.split is not None:
-            if isinstance(self.split, str):  # each character would be a point
-                raise PipelineError(
-                    f"split must be a list of split points, got the string {self.split!r}"
-                )
+            listed("split", self.split, "split points", error=PipelineError)
             points = tuple(self.split)
             for point in points:
                 if isinstance(point, bool) or not isinstance(point, int | str):

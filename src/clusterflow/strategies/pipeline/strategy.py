@@ -117,9 +117,7 @@ class PipelineStrategy(StageCut, Strategy):
             schedule=schedule,  # type: ignore[arg-type]
             microbatches=microbatches,
             stages=stages,
-            # A string is kept whole, for the config's check to refuse (as characters
-            # it would be six split points).
-            split=split if split is None or isinstance(split, str) else tuple(split),  # type: ignore[arg-type]
+            split=split,  # type: ignore[arg-type]  # any sequence: the config makes it a tuple
             balance=balance,  # type: ignore[arg-type]
             virtual_stages=virtual_stages,
             two_bw=two_bw,
