@@ -61,12 +61,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "split_size", "prefetch", "leases_ahead"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+            # Kept as a Python int: a numpy one would not cross msgpack to the dispatcher.
+            object.__setattr__(self, key, whole(key, getattr(self, key), least=1))
         if self.leases_ahead > MAX_LEASES_PER_CALL:
             raise ConfigError(
                 f"leases_ahead must be at most {MAX_LEASES_PER_CALL} (one call's most), "
                 f"got {self.leases_ahead!r}"
             )
-        whole("shuffle_buffer", self.shuffle_buffer)
+        object.__setattr__(self, "shuffle_buffer", whole("shuffle_buffer", self.shuffle_buffer))

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from clusterflow._checks import seconds
+from clusterflow._checks import seconds, whole
 from clusterflow.checkpoint.names import ENV_CHECKPOINT_DIR
 from clusterflow.cluster.contract import ENV_CLUSTER_ID
 from clusterflow.strategies.api import Strategy
@@ -120,14 +120,11 @@ class Checkpoint(Hook):
         every_secs: float | None = None,
         keep: int = 3,
     ) -> None:
-        if every_steps is not None and (
-            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
-        ):
-            raise TrainConfigError(f"every_steps must be an integer >= 1, got {every_steps!r}")
+        if every_steps is not None:
+            whole("every_steps", every_steps, least=1, error=TrainConfigError)
         if every_secs is not None:
             seconds("every_secs", every_secs, error=TrainConfigError)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise TrainConfigError(f"keep must be an integer >= 1, got {keep!r}")
+        whole("keep", keep, least=1, error=TrainConfigError)
         self.directory = directory
         self.every_steps = every_steps
         self.every_secs = every_secs

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from clusterflow._checks import listed
+from clusterflow._checks import listed, whole
 from clusterflow.errors import ConfigError
 from clusterflow.strategies.api import StrategyError
 
@@ -88,10 +88,10 @@ class PipelineConfig:
                 f"unknown pipeline schedule {self.schedule!r}; expected one of "
                 + ", ".join(repr(s.value) for s in Schedule)
             ) from None
-        _positive("microbatches", self.microbatches)
+        whole("microbatches", self.microbatches, least=1, error=PipelineError)
         if self.stages is not None:
-            _positive("stages", self.stages)
-        _positive("virtual_stages", self.virtual_stages)
+            whole("stages", self.stages, least=1, error=PipelineError)
+        whole("virtual_stages", self.virtual_stages, least=1, error=PipelineError)
         if self.balance not in ("parameters", "time"):
             raise PipelineError(
                 f"unknown balance {self.balance!r}; expected 'parameters' or 'time'"
@@ -118,11 +118,6 @@ class PipelineConfig:
     def chunks_per_task(self) -> int:
         """Model chunks one task holds: ``virtual_stages`` when interleaved, else 1."""
         return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PipelineError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def check_microbatches(rows: int, microbatches: int) -> int:
