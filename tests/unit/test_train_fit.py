@@ -429,7 +429,12 @@ def test_two_sync_ps_replicas_fed_unevenly_by_the_data_service_both_finish() -> 
     server = RpcServer(credentials, name="dispatcher")
     DispatcherService().register_on(server)
     server.start()
-    config = DataConfig(batch_size=10, split_size=10, epochs=1)
+    # Read-ahead held to one split each. With the defaults, a replica whose first step
+    # waits for its peer goes on leasing and reading ahead: 10 of the 11 splits after
+    # 3 s, all 11 after 8 s, so a peer whose thread asked late found none left and
+    # never took part (all(steps) failed once in a suite run). Bounded, a replica
+    # holds at most 5 while it waits, and both take part however late either starts.
+    config = DataConfig(batch_size=10, split_size=10, epochs=1, prefetch=1, leases_ahead=1)
     spec = {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"], "ps": ["127.0.0.1:3000"]}
     connection = LocalPS()
     strategies = [
