@@ -37,6 +37,13 @@ if attempt == "0":
 """
 
 
+def _fresh_zygote(process: psutil.Process) -> bool:
+    try:
+        return "clusterflow.backends.zygote" in process.cmdline()
+    except psutil.Error:
+        return False
+
+
 def _events(cf: Clusterflow, cluster_id: str) -> list[dict[str, Any]]:
     lines = (cf.path(cluster_id) / "events.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -57,6 +64,11 @@ def test_a_whole_restart_hands_every_task_to_a_warm_standby_and_the_group_forms_
         return bool(standby.get("kept") == 2 and standby.get("ready_count") == 2)
 
     cf.wait_until(standbys_warm, 180, "a warm standby per task")
+    # Each standby was forked from the warm fork server, so its zygote is a fork of it
+    # that warmed up there, not a Python of its own importing torch again.
+    fresh = [" ".join(p.cmdline()) for p in cf.live(cluster) if _fresh_zygote(p)]
+    assert not fresh, fresh
+    assert "did not warm up" not in cf.output(cluster)
     worker = next(t for t in cf.state(cluster)["tasks"] if t["task"] == "worker:0")
     job = psutil.Process(worker["pid"]).children()[0]
     job.send_signal(signal.SIGKILL)

@@ -28,7 +28,9 @@ imported) and waits at the manager (``manager.standby``) until a task dies that 
 respawned alone. Then it becomes that task's supervisor: it registers as the task, and
 the zygote runs the job's command in-process, skipping the interpreter's start and
 torch's import, most of a replacement's start-up. A command the zygote cannot run
-in-process is started as usual.
+in-process is started as usual. A standby forked from the warm fork server (below)
+forks its zygote as the others do, which then warms itself up (``fork_zygote(warm=
+True)``): no second Python and no second ``import torch`` per standby.
 
 **Forked** (``backends/forkserver.py``): a local supervisor is usually forked from the
 cluster's warm fork server, torch already imported. ``main`` then binds the task's port
@@ -249,19 +251,24 @@ class Supervisor:
         return reason is None
 
     def _take_over(self, client: RpcClient, fd: int) -> bool:
-        """Standby: warms a zygote, then waits to be given a task; False: not needed."""
-        read_end, write_end = os.pipe()
-        env = {k: v for k, v in self.environ.items() if k != ENV_STANDBY}
-        env[ENV_ZYGOTE_READY_FD] = str(write_end)
-        self.zygote = subprocess.Popen(
-            [sys.executable, "-m", "clusterflow.backends.zygote"],
-            env=env,
-            stdin=subprocess.PIPE,
-            pass_fds=(fd, write_end),
-        )
-        os.close(write_end)
+        """Standby: warms a zygote (or has one forked by ``main`` warm up), then waits
+        to be given a task; False: not needed."""
+        if isinstance(self.zygote, ForkedZygote) and self.zygote.ready is not None:
+            ready_pipe, self.zygote.ready = self.zygote.ready, None
+        else:
+            read_end, write_end = os.pipe()
+            env = {k: v for k, v in self.environ.items() if k != ENV_STANDBY}
+            env[ENV_ZYGOTE_READY_FD] = str(write_end)
+            self.zygote = subprocess.Popen(
+                [sys.executable, "-m", "clusterflow.backends.zygote"],
+                env=env,
+                stdin=subprocess.PIPE,
+                pass_fds=(fd, write_end),
+            )
+            os.close(write_end)
+            ready_pipe = os.fdopen(read_end, "rb")
         # Report for duty once warm (or dead: EOF), so the manager can say it is ready.
-        with os.fdopen(read_end, "rb") as ready:
+        with ready_pipe as ready:
             # Bounded: a zygote stuck in its imports must not keep a task from starting.
             answered, _, _ = select.select([ready], [], [], ZYGOTE_WARM_S)
             warm = bool(answered) and ready.read(1) == b"1"
@@ -413,12 +420,13 @@ def main() -> None:
         say(str(exc))
         sys.exit(2)
     reserved = None
-    if "torch" in sys.modules and not supervisor.standby:
+    if "torch" in sys.modules:
         # Forked from the warm server (backends/local.py): fork the job's zygote now,
         # while this process has no thread (and no logging set up: the job sets its
-        # own), with the task's port bound for it to inherit.
+        # own), with the task's port bound for it to inherit. A standby's warms itself
+        # up while it waits (``_take_over``), instead of a Python of its own.
         reserved = reserve_port(supervisor.host)
-        supervisor.zygote, request = fork_zygote()
+        supervisor.zygote, request = fork_zygote(warm=supervisor.standby)
         if request is not None:  # the zygote, given its job: run it and end as it ends
             run_command(list(request["argv"]))  # type: ignore[call-overload]
             return

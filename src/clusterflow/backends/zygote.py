@@ -9,7 +9,12 @@ process, as ``python`` would have. EOF instead of a line ends it with status 0.
 
 ``fork_zygote`` is the other kind: a zygote forked from a supervisor that was itself
 forked from the warm fork server (``forkserver.py``), so it costs no start and no
-import at all; ``become`` makes it look like a fresh interpreter to its job.
+import at all; ``become`` makes it look like a fresh interpreter to its job. A standby
+supervisor forked so keeps this kind too (``warm=True``): the fork then imports and
+warms what a ``python -m`` zygote would, from torch already imported, and says so on
+a pipe, as the other kind does. (Before, every local standby started a Python of its
+own and imported torch again: about 2 s of CPU per standby, taken from the running
+tasks, once per cluster that may respawn and once per task under ``--warm-restarts``.)
 
 Only commands this interpreter can run in-process qualify (:func:`runnable`):
 ``python SCRIPT ARGS``, ``python -m MODULE ARGS`` and ``python -c CODE ARGS``, with this
@@ -165,11 +170,13 @@ def _streams(unbuffered: bool) -> None:
 
 class ForkedZygote:
     """A zygote forked from this (warm, still single-threaded) process: a direct child
-    waiting for its command on a pipe, seen as a ``Popen`` (``stdin``: that pipe)."""
+    waiting for its command on a pipe, seen as a ``Popen`` (``stdin``: that pipe).
+    ``ready``: the pipe a warming one writes ``1`` on once warm (EOF: it died)."""
 
-    def __init__(self, pid: int, command: int) -> None:
+    def __init__(self, pid: int, command: int, ready: int | None = None) -> None:
         self.pid = pid
         self.stdin: IO[bytes] | None = os.fdopen(command, "wb")
+        self.ready: IO[bytes] | None = None if ready is None else os.fdopen(ready, "rb")
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
         self._lock = threading.Lock()
@@ -211,7 +218,7 @@ class ForkedZygote:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_zygote() -> tuple[ForkedZygote | None, dict[str, object] | None]:
+def fork_zygote(warm: bool = False) -> tuple[ForkedZygote | None, dict[str, object] | None]:
     """Forks a zygote of this process; call before this process starts any thread.
 
     In the parent: ``(zygote, None)``. In the child: ``(None, request)`` once the parent
@@ -219,15 +226,28 @@ def fork_zygote() -> tuple[ForkedZygote | None, dict[str, object] | None]:
     ``become`` that job (the caller then runs ``request["argv"]`` and returns, so
     the interpreter ends as the job's would); EOF alone ends the child with status 0.
     The child dies with its parent (``die_with``).
+
+    ``warm``: for a job that comes much later (a standby's), the child first imports
+    and warms what :func:`main` does, then writes ``1`` on ``zygote.ready``. A job
+    given at once (a first launch's) would wait behind that, so it is not done then.
     """
     read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe() if warm else (None, None)
     parent = os.getpid()
     pid = os.fork()
     if pid:
         os.close(read_end)
-        return ForkedZygote(pid, write_end), None
+        if ready_write is not None:
+            os.close(ready_write)
+        return ForkedZygote(pid, write_end, ready_read), None
     os.close(write_end)
     die_with(parent)
+    if ready_read is not None and ready_write is not None:
+        os.close(ready_read)
+        try:
+            _warm(ready_write)
+        except BaseException:  # never return into the supervisor's code as a second one
+            os._exit(1)  # its supervisor reads EOF: not warm, a task given to it starts cold
     with os.fdopen(read_end, "rb") as pipe:
         data = pipe.read()
     if not data:
@@ -251,14 +271,19 @@ def _warm_up() -> None:
     torch.set_rng_state(state)
 
 
-def main() -> None:
+def _warm(ready: int | None) -> None:
+    """Imports ``PRELOAD`` and warms them up, then says so on ``ready`` (if given)."""
     for name in PRELOAD:
         __import__(name)
     _warm_up()
+    if ready is not None:  # tell the standby supervisor: warm now
+        os.write(ready, b"1")
+        os.close(ready)
+
+
+def main() -> None:
     ready = os.environ.pop(ENV_ZYGOTE_READY_FD, None)
-    if ready:  # tell the standby supervisor: warm now
-        os.write(int(ready), b"1")
-        os.close(int(ready))
+    _warm(int(ready) if ready else None)
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)
