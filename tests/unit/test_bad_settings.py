@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import clusterflow as cf
 from clusterflow._checks import seconds, whole
@@ -21,7 +22,7 @@ from clusterflow.checkpoint.manifest import CheckpointError
 from clusterflow.checkpoint.storage import CheckpointStorage
 from clusterflow.data.config import DataConfig
 from clusterflow.data.dispatcher import DispatcherConfig
-from clusterflow.data.sources import ArrowSource
+from clusterflow.data.sources import ArrowSource, TensorSource
 from clusterflow.errors import ConfigError
 from clusterflow.strategies.parameter_server.config import ParameterServerConfig
 from clusterflow.train.evaluate import Evaluate
@@ -146,6 +147,38 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
         lambda: cf.TrainingSession(max_steps=-1),
         "max_steps must be an integer >= 1, got -1",
     ),
+    "session-strategy-name": (
+        lambda: cf.TrainingSession(strategy="mirrored"),
+        "strategy must be a clusterflow Strategy or None, got str",
+    ),
+    "mirrored-gpu-on-a-cpu-host": (
+        lambda: cf.MirroredStrategy(["/gpu:0"]),
+        "device '/gpu:0' is not on this host (0 CUDA devices visible)",
+    ),
+    "data-seed-string": (
+        lambda: DataConfig(seed="x"),
+        "seed must be an integer >= 0, got 'x'",
+    ),
+    "data-epochs-negative": (
+        lambda: DataConfig(epochs=-1),
+        "epochs must be an integer >= 1, got -1",
+    ),
+    "data-name-empty": (
+        lambda: DataConfig(name=""),
+        "name must be a non-empty string, got ''",
+    ),
+    "tensor-source-scalar-column": (
+        lambda: TensorSource({"x": 5}),
+        "TensorSource column 'x' must be an array, a tensor or a sequence of records, got int 5",
+    ),
+    "tensor-source-string-column": (
+        lambda: TensorSource({"x": "abc"}),
+        "must be an array, a tensor or a sequence of records, got str 'abc'",
+    ),
+    "tensor-source-0d-column": (
+        lambda: TensorSource({"x": torch.tensor(3.0)}),
+        "TensorSource column 'x' must hold records, got a scalar",
+    ),
 }
 
 
@@ -166,6 +199,11 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused(tmp_path: Path) -> None:
     CheckpointStorage(str(tmp_path / "not-yet"))  # a folder still to make is fine
 
 
+def test_a_checkpoint_url_of_no_path_is_refused() -> None:
+    with pytest.raises(CheckpointError, match="url must be a non-empty string, got None"):
+        CheckpointStorage(None)  # type: ignore[arg-type]
+
+
 def test_good_values_pass_numpy_numbers_too() -> None:
     assert whole("n", np.int64(3), least=1) == 3
     assert seconds("t", np.float32(0.5)) == 0.5
@@ -176,6 +214,13 @@ def test_good_values_pass_numpy_numbers_too() -> None:
     assert str(cf.TFConfigClusterResolver(task_type="worker", task_id=3, environ={}).task) == (
         "worker:3"
     )
+
+
+def test_good_columns_and_data_settings_pass() -> None:
+    source = TensorSource({"x": np.ones((3, 2)), "y": [1, 2, 3], "z": torch.zeros(3)})
+    assert source.num_records() == 3
+    assert DataConfig(seed=np.int64(2), epochs=None).seed == 2
+    assert type(DataConfig(seed=np.int64(2)).seed) is int  # crosses msgpack
 
 
 def test_hooks_none_is_no_hooks_as_in_tensorflow() -> None:

@@ -75,6 +75,8 @@ class CheckpointStorage:
     def __init__(self, url: str | os.PathLike[str], *, keep: int = 3) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointError(f"keep must be an integer of at least 1, got {keep!r}")
+        if not isinstance(url, str | os.PathLike):
+            raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")
         url = os.fspath(url)
         if not isinstance(url, str) or not url:
             raise CheckpointError(f"checkpoint url must be a non-empty string, got {url!r}")

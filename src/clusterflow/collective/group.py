@@ -120,7 +120,19 @@ def select_device(membership: Membership, devices: Sequence[str] | None = None) 
                 "device"
             )
         name = devices[membership.local_rank]
-        return torch.device(DeviceSpec.parse(name).torch_device() if name.startswith("/") else name)
+        device = torch.device(
+            DeviceSpec.parse(name).torch_device() if name.startswith("/") else name
+        )
+        if device.type == "cuda" and (
+            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+        ):
+            # Else torch's own AttributeError (a CPU build) or "invalid device ordinal",
+            # at set_device, far from the devices given.
+            raise MembershipError(
+                f"device {name!r} is not on this host ({torch.cuda.device_count()} CUDA "
+                "devices visible)"
+            )
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", membership.local_rank % torch.cuda.device_count())
     return torch.device("cpu")

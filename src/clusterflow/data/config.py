@@ -60,6 +60,14 @@ class DataConfig:
         return not self.auto_ack if self.wait_for_all_acks is None else self.wait_for_all_acks
 
     def __post_init__(self) -> None:
+        # Checked here too, not only by the DatasetSpec the client builds from it: a
+        # DataConfig is also given to the strategies and distributed_dataset, and a
+        # negative epochs or a string seed should be refused where it was written.
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "seed", whole("seed", self.seed))
+        if self.epochs is not None:
+            object.__setattr__(self, "epochs", whole("epochs", self.epochs, least=1))
         for key in ("batch_size", "split_size", "prefetch", "leases_ahead"):
             # Kept as a Python int: a numpy one would not cross msgpack to the dispatcher.
             object.__setattr__(self, key, whole(key, getattr(self, key), least=1))

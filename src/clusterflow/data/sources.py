@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ class TensorSource:
     def __init__(self, columns: Mapping[str, Any]) -> None:
         if not columns:
             raise ConfigError("TensorSource needs at least one column")
-        self._columns = {str(k): _to_column(v) for k, v in columns.items()}
+        self._columns = {str(k): _to_column(str(k), v) for k, v in columns.items()}
         lengths = {k: len(v) for k, v in self._columns.items()}
         if len(set(lengths.values())) != 1:
             raise ConfigError(f"TensorSource columns differ in length: {lengths}")
@@ -73,12 +73,20 @@ class TensorSource:
         return {k: v[start:stop] for k, v in self._columns.items()}
 
 
-def _to_column(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
+def _to_column(name: str, value: Any) -> np.ndarray:
+    """One column as an array of records; a scalar (a 0-d array or tensor, a number, a
+    string) is refused: it has no records, and a string's would be its characters."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
-        array: np.ndarray = value.detach().cpu().numpy()
-        return array
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise ConfigError(f"TensorSource column {name!r} must hold records, got a scalar")
+        return value
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"TensorSource column {name!r} must be an array, a tensor or a sequence of "
+            f"records, got {type(value).__name__} {value!r:.60}"
+        )
     items = list(value)
     try:
         array = np.asarray(items)

@@ -34,7 +34,7 @@ from clusterflow.train.evaluate import Evaluate, is_evaluator
 from clusterflow.train.feed import Feed, Feeder, is_data_client
 from clusterflow.train.history import History
 from clusterflow.train.metrics import Metric, Totals, reduce_sums, resolve_metrics
-from clusterflow.train.session import TrainingSession
+from clusterflow.train.session import TrainingSession, checked_strategy
 
 __all__ = ["fit"]
 
@@ -495,10 +495,7 @@ def _check_args(
         raise TrainConfigError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if strategy is not None and not isinstance(strategy, Strategy):
-        raise TrainConfigError(
-            f"strategy must be a clusterflow Strategy or None, got {type(strategy).__name__}"
-        )
+    checked_strategy(strategy)
     for name, value, least in (("epochs", epochs, 1), ("steps_per_epoch", steps_per_epoch, 1)):
         if value is None and name != "epochs":
             continue

@@ -56,6 +56,20 @@ __all__ = ["TrainingSession"]
 _log = logging.getLogger(__name__)
 
 
+def checked_strategy(strategy: object) -> Strategy | None:
+    """``strategy`` if it is a clusterflow ``Strategy`` or None: a strategy's name (say
+    ``"mirrored"``) would otherwise fail with an ``AttributeError`` at its first use.
+
+    Raises:
+        TrainConfigError: naming the type given.
+    """
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TrainConfigError(
+            f"strategy must be a clusterflow Strategy or None, got {type(strategy).__name__}"
+        )
+    return strategy
+
+
 class TrainingSession:
     """A training run's context: restores, counts steps, drives hooks, closes cleanly.
 
@@ -99,7 +113,7 @@ class TrainingSession:
         report_figures: bool = True,
         resizable: bool = True,
     ) -> None:
-        self.strategy = strategy
+        self.strategy = checked_strategy(strategy)
         self.model = model
         self.optimizer = optimizer
         self.data = data
