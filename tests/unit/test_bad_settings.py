@@ -223,5 +223,24 @@ def test_good_columns_and_data_settings_pass() -> None:
     assert type(DataConfig(seed=np.int64(2)).seed) is int  # crosses msgpack
 
 
+def test_numpy_integers_count_as_integers_in_every_step_and_partition_setting() -> None:
+    """Each of these checked ``isinstance(value, int)`` once, so a numpy integer (what
+    arithmetic on a numpy array gives) was refused as "must be an integer, got 3"."""
+    from clusterflow.cache.plan import partition_ranges
+    from clusterflow.train import Progress, StopAtStep
+
+    three = np.int64(3)
+    assert StopAtStep(three).last_step == 3
+    assert Progress(every_steps=three).every_steps == 3
+    ranges = partition_ranges(9, three)
+    assert len(ranges) == 3 and ranges[0][0] == 0 and ranges[-1][1] == 9
+    resolver = cf.TFConfigClusterResolver(
+        task_type="worker", task_id=np.int64(0), environ=ONE_WORKER
+    )
+    assert str(resolver.task) == "worker:0"
+    with pytest.raises(ConfigError, match=r"StopAtStep\(last_step\) must be an integer >= 0"):
+        StopAtStep(-1)
+
+
 def test_hooks_none_is_no_hooks_as_in_tensorflow() -> None:
     assert cf.TrainingSession(hooks=None).hooks == []

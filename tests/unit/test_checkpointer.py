@@ -164,10 +164,12 @@ def test_a_ps_task_restores_its_shard_from_the_named_checkpoint(tmp_path: Path) 
 def test_bad_arguments_and_a_checkpoint_of_another_kind_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(ConfigError, match="every_steps must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match="every_steps must be an integer >= 1, got 0"):
         Checkpointer(model=make_model(), directory=str(tmp_path), every_steps=0)
-    with pytest.raises(ConfigError, match="every_secs must be a positive number"):
+    with pytest.raises(ConfigError, match="every_secs must be a positive, finite number"):
         Checkpointer(model=make_model(), directory=str(tmp_path), every_secs=-1)
+    with pytest.raises(ConfigError, match="every_secs must be a positive, finite number"):
+        Checkpointer(model=make_model(), directory=str(tmp_path), every_secs=float("nan"))
     with pytest.raises(ConfigError, match="needs the model"):
         Checkpointer(directory=str(tmp_path))
     Checkpointer(model=make_model(), directory=str(tmp_path)).save(5)

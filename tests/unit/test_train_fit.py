@@ -380,7 +380,7 @@ def _fit(**overrides: Any) -> Any:
     [
         ({"epochs": 0}, "epochs must be an integer >= 1"),
         ({"steps_per_epoch": 0}, "steps_per_epoch must be an integer >= 1"),
-        ({"global_batch_size": 0}, "global_batch_size must be a positive integer"),
+        ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1"),
         ({"metrics": ["f1"]}, "unknown metric 'f1'"),
         ({"metrics": ["accuracy", "accuracy"]}, "repeated or reserved"),
         ({"optimizer": "adam"}, "optimizer must be a torch.optim.Optimizer"),

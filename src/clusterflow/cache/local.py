@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from clusterflow._checks import whole
 from clusterflow._files import write_json_atomic
 from clusterflow.backends import kinds
 from clusterflow.cache import plan
@@ -74,8 +75,7 @@ def create(
     folder = cache_dir(name)
     if (folder / "cache.json").exists():
         raise CacheExistsError(f"cache {name!r} exists; drop it first to load it again")
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ConfigError(f"--partitions must be an integer >= 1, got {partitions!r}")
+    partitions = whole("--partitions", partitions, least=1)
     info = inspect(open_source(source), source)
     node = this_node()
     parts = plan.place(

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from clusterflow._checks import whole
 from clusterflow.data.cache_map import Partition
 from clusterflow.errors import ConfigError
 
@@ -59,8 +60,7 @@ def partition_ranges(num_records: int, partitions: int) -> list[tuple[int, int]]
     Raises:
         ConfigError: fewer than one partition, or more partitions than records.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ConfigError(f"--partitions must be an integer >= 1, got {partitions!r}")
+    partitions = whole("--partitions", partitions, least=1)
     if num_records < partitions:
         raise ConfigError(
             f"--partitions {partitions} is more than the source's {num_records} records"

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from clusterflow._checks import whole
 from clusterflow.cluster import TF_CONFIG_ENV, ClusterSpec, ClusterSpecLike, TaskId, TFConfig
 from clusterflow.errors import ConfigError
 from clusterflow.rpc import Credentials
@@ -29,9 +30,7 @@ def _as_task_id(value: object) -> int | None:
         return None
     if isinstance(value, str) and value.isdigit() and value == str(int(value)):
         return int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"task_id must be an integer >= 0, got {value!r}")
-    return value
+    return whole("task_id", value)
 
 
 def _as_task_type(value: object) -> str | None:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clusterflow._checks import seconds, whole
 from clusterflow.checkpoint import (
     CheckpointError,
     CheckpointStorage,
@@ -112,16 +113,10 @@ class Checkpointer:
         state: Mapping[str, Stateful] | None = None,
         data: Any = None,
     ) -> None:
-        if every_steps is not None and (
-            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
-        ):
-            raise ConfigError(f"every_steps must be a positive integer, got {every_steps!r}")
-        if every_secs is not None and (
-            isinstance(every_secs, bool)
-            or not isinstance(every_secs, int | float)
-            or not every_secs > 0
-        ):
-            raise ConfigError(f"every_secs must be a positive number, got {every_secs!r}")
+        if every_steps is not None:
+            every_steps = whole("every_steps", every_steps, least=1)
+        if every_secs is not None:
+            every_secs = seconds("every_secs", every_secs)
         self.strategy = strategy
         self.participant: CheckpointParticipant = (
             strategy if strategy is not None else SoloParticipant()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
+from clusterflow._checks import whole
 from clusterflow.strategies.api import Replicas
 from clusterflow.strategies.batches import batch_size_of, replica_slice, split_batch
 from clusterflow.train.api import TrainConfigError
@@ -299,8 +300,7 @@ def _pair(batch: Any, what: str, *, client: bool = False) -> tuple[Any, Any]:
 
 
 def _check_batch_size(size: int, replicas: int, what: str) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise TrainConfigError(f"global_batch_size must be a positive integer, got {size!r}")
+    whole("global_batch_size", size, least=1, error=TrainConfigError)
     if size % replicas:
         raise TrainConfigError(
             f"the global batch of {what} ({size} rows) is not divisible by the {replicas} "

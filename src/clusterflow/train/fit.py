@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from clusterflow._checks import whole
 from clusterflow.strategies.api import ALONE, Strategy
 from clusterflow.train.api import Hook, TrainConfigError, TrainError
 from clusterflow.train.evaluate import Evaluate, is_evaluator
@@ -496,10 +497,8 @@ def _check_args(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     checked_strategy(strategy)
-    for name, value, least in (("epochs", epochs, 1), ("steps_per_epoch", steps_per_epoch, 1)):
-        if value is None and name != "epochs":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise TrainConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    whole("epochs", epochs, least=1, error=TrainConfigError)
+    if steps_per_epoch is not None:
+        whole("steps_per_epoch", steps_per_epoch, least=1, error=TrainConfigError)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TrainConfigError(f"seed must be an integer or None, got {seed!r}")

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, TextIO
 
+from clusterflow._checks import whole
 from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 if TYPE_CHECKING:
@@ -34,9 +35,7 @@ class Progress(Hook):
     """
 
     def __init__(self, every_steps: int = 10, *, stream: TextIO | None = None) -> None:
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise TrainConfigError(f"every_steps must be an integer >= 1, got {every_steps!r}")
-        self.every_steps = every_steps
+        self.every_steps = whole("every_steps", every_steps, least=1, error=TrainConfigError)
         self._stream = stream
         self._out: TextIO | None = None
         self._bar: RichProgress | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from clusterflow._checks import whole
 from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
 __all__ = ["StopAtStep"]
@@ -20,11 +21,7 @@ class StopAtStep(Hook):
     """
 
     def __init__(self, last_step: int) -> None:
-        if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < 0:
-            raise TrainConfigError(
-                f"StopAtStep(last_step) takes an integer >= 0, got {last_step!r}"
-            )
-        self.last_step = last_step
+        self.last_step = whole("StopAtStep(last_step)", last_step, error=TrainConfigError)
 
     def begin(self, session: Session) -> None:
         if session.step >= self.last_step:

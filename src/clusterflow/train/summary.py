@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clusterflow._checks import whole
 from clusterflow.cluster.contract import ENV_STATE_DIR, TENSORBOARD_FILE
 from clusterflow.train.api import Hook, Session, StepInfo, TrainConfigError
 
@@ -43,8 +44,7 @@ class Summary(Hook):
     """
 
     def __init__(self, log_dir: str | os.PathLike[str], *, every_steps: int = 10) -> None:
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise TrainConfigError(f"every_steps must be an integer >= 1, got {every_steps!r}")
+        every_steps = whole("every_steps", every_steps, least=1, error=TrainConfigError)
         self.log_dir = os.fspath(log_dir)
         self.every_steps = every_steps
         self._writer: SummaryWriter | None = None
