@@ -40,6 +40,8 @@ MOMENTUM = 0.9
 CLEAN = LinkShape.parse("1gbit")
 LOSSY = LinkShape.parse("20mbit", "50ms", 0.01, reorder=0.001)
 """Issue 19's slow and lossy link: 50 ms one-way delay, 1% loss, 0.1% reordering."""
+LOSSY_TRIES = 3
+"""Lossy runs at most, until one of them lost a packet (``runs``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +167,24 @@ def _one(hosts: EmulatedHosts, workdir: Path) -> Run:
 
 
 def runs(workdir: Path) -> Comparison:
-    """One clean run, then one lossy run, on the same three hosts."""
+    """One clean run, then a lossy run, on the same three hosts.
+
+    The links drop each packet with a probability of 1% (a random cBPF filter, which
+    cannot be seeded), and a run of this small model sends about 350 packets (345-351
+    in three runs, 3-4 of them lost), so about 3% of lossy runs lose none (0.99^350;
+    seen once in a suite run). Such a run proves nothing about loss and is run again,
+    up to ``LOSSY_TRIES`` times (all lossless: about 3e-5). The run kept is the first
+    that lost a packet, else the last, which the test then refuses: links that lose
+    nothing three times running are not lossy.
+    """
     with EmulatedHosts(3, CLEAN, prefix="hostilel", relay=True) as hosts:
         clean = _one(hosts, workdir / "clean")
         for i in range(3):
             hosts.reshape(i, LOSSY)
-        lossy = _one(hosts, workdir / "lossy")
+        for attempt in range(LOSSY_TRIES):
+            lossy = _one(hosts, workdir / f"lossy{attempt}")
+            if lossy.lost_packets:
+                break
     return Comparison(clean, lossy)
 
 
