@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,7 @@ import clusterflow as cf
 from clusterflow._checks import seconds, whole
 from clusterflow.checkpoint.manifest import CheckpointError
 from clusterflow.checkpoint.storage import CheckpointStorage
+from clusterflow.data.api import DatasetSpec
 from clusterflow.data.config import DataConfig
 from clusterflow.data.dispatcher import DispatcherConfig
 from clusterflow.data.sources import ArrowSource, TensorSource
@@ -221,6 +223,8 @@ def test_good_columns_and_data_settings_pass() -> None:
     assert source.num_records() == 3
     assert DataConfig(seed=np.int64(2), epochs=None).seed == 2
     assert type(DataConfig(seed=np.int64(2)).seed) is int  # crosses msgpack
+    spec = DatasetSpec(name="d", source="memory:x", num_records=np.int64(10), split_size=3)
+    assert msgpack.unpackb(msgpack.packb(spec.to_wire()))["num_records"] == 10
 
 
 def test_numpy_integers_count_as_integers_in_every_step_and_partition_setting() -> None:

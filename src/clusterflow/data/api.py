@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from clusterflow._checks import whole
 from clusterflow.errors import ClusterflowError, ConfigError
 
 Columns = Mapping[str, Any]
@@ -146,11 +147,11 @@ class DatasetSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"dataset name must be a non-empty string, got {self.name!r}")
-        _check_int("num_records", self.num_records, 1)
-        _check_int("split_size", self.split_size, 1)
-        _check_int("seed", self.seed, 0)
+        # Kept as Python ints: the spec crosses msgpack, which carries no numpy integer.
+        for key, least in (("num_records", 1), ("split_size", 1), ("seed", 0)):
+            object.__setattr__(self, key, whole(key, getattr(self, key), least=least))
         if self.epochs is not None:
-            _check_int("epochs", self.epochs, 1)
+            object.__setattr__(self, "epochs", whole("epochs", self.epochs, least=1))
 
     @property
     def num_splits(self) -> int:
@@ -231,8 +232,3 @@ class SplitKey(NamedTuple):
     def to_wire(self) -> list[Any]:
         """As the ps reads it (``ps/wire.split_keys``, the one decoder of split keys)."""
         return [self.dataset, self.epoch, self.split]
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
